@@ -1,0 +1,239 @@
+"""Which keys each query may see, and what is added to its scores.
+
+Every backend reads the same `ScoreRules`: the eager backend asks for one tile
+that covers the whole (Lq, Lk) score matrix, the tiled backends ask tile by
+tile. That is how the mask semantics live in one place.
+
+Order of operations on a tile of scaled scores s = scale * q @ k^T:
+
+    s = softcap * tanh(s / softcap)          (if softcap)
+    s = s + bias + alibi                     (if given)
+    s = -inf where the key is not allowed    (causal, window, padding, bool mask)
+
+Positions are aligned bottom-right: query i sits at key position
+i + (Lk - Lq), which is what a KV cache needs (Lq new tokens after Lk - Lq
+cached ones). Causal means key j <= i + (Lk - Lq); a window (left, right)
+keeps keys in [i + off - left, i + off + right].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BiasFunction = Callable[[Tensor, Tensor], Tensor]
+
+_UINT32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class ScoreRules:
+    """The mask, bias and score transform of one attention call.
+
+    Tensors are stored already normalized to 4-D (size 1 on broadcast dims),
+    so a tile is a plain slice and broadcast dims are never expanded.
+    """
+
+    batch: int
+    q_heads: int
+    q_len: int
+    k_len: int
+    causal: bool = False
+    window_left: int | None = None  # None = unbounded
+    window_right: int | None = None  # None = unbounded (0 when causal)
+    key_padding_mask: Tensor | None = None  # (B, 1, 1, Lk) bool, True = real token
+    mask: Tensor | None = None  # (B|1, H|1, Lq|1, Lk|1) bool, True = may attend
+    bias: Tensor | None = None  # (B|1, H|1, Lq|1, Lk|1) float
+    bias_fn: BiasFunction | None = None  # bias(q_pos, k_pos) -> one tile's bias
+    alibi_slopes: Tensor | None = None  # (B|1, H, 1, 1) float32
+    softcap: float | None = None
+
+    # ---- the band (causal and window): pure index arithmetic, no tensors ----
+
+    @property
+    def offset(self) -> int:
+        """Key position of query 0 on the aligned diagonal."""
+        return self.k_len - self.q_len
+
+    @property
+    def right_limit(self) -> int | None:
+        """Keys allowed to the right of the diagonal (None = unbounded)."""
+        if self.causal:
+            return 0 if self.window_right is None else min(0, self.window_right)
+        return self.window_right
+
+    @property
+    def has_band(self) -> bool:
+        return self.right_limit is not None or self.window_left is not None
+
+    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """Half-open range of keys that any query in [q0, q1) may see.
+
+        Key tiles outside it are skipped by the tiled backends. The range can
+        be empty (k_lo >= k_hi) when every query in the block is fully masked.
+        """
+        k_lo, k_hi = 0, self.k_len
+        if self.window_left is not None:
+            k_lo = max(0, q0 + self.offset - self.window_left)
+        if self.right_limit is not None:
+            k_hi = min(self.k_len, q1 - 1 + self.offset + self.right_limit + 1)
+        return k_lo, k_hi
+
+    def query_range(self, k0: int, k1: int) -> tuple[int, int]:
+        """Half-open range of queries that may see any key in [k0, k1)."""
+        q_lo, q_hi = 0, self.q_len
+        if self.right_limit is not None:
+            q_lo = max(0, k0 - self.offset - self.right_limit)
+        if self.window_left is not None:
+            q_hi = min(self.q_len, k1 - 1 - self.offset + self.window_left + 1)
+        return q_lo, q_hi
+
+    def band_covers(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """True if the band allows every (query, key) pair of the tile."""
+        if self.window_left is not None and q1 - 1 + self.offset - self.window_left > k0:
+            return False
+        if self.right_limit is not None and q0 + self.offset + self.right_limit < k1 - 1:
+            return False
+        return True
+
+    # ---- tensors for one tile ----
+
+    def tile_keep(self, q0: int, q1: int, k0: int, k1: int, device) -> Tensor | None:
+        """Bool tensor broadcastable to (B, H, q1-q0, k1-k0), True = may attend.
+
+        None when every pair of the tile is allowed (no masking work at all).
+        """
+        keep = None
+        if self.has_band and not self.band_covers(q0, q1, k0, k1):
+            i = torch.arange(q0 + self.offset, q1 + self.offset, device=device)[:, None]
+            j = torch.arange(k0, k1, device=device)[None, :]
+            keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+            if self.right_limit is not None:
+                keep &= j <= i + self.right_limit
+            if self.window_left is not None:
+                keep &= j >= i - self.window_left
+        if self.key_padding_mask is not None:
+            keep = _and(keep, self.key_padding_mask[..., k0:k1])
+        if self.mask is not None:
+            keep = _and(keep, _slice(self.mask, q0, q1, k0, k1))
+        return keep
+
+    def tile_bias(self, q0: int, q1: int, k0: int, k1: int, device, dtype) -> Tensor | None:
+        """Tensor of `dtype` broadcastable to (B, H, q1-q0, k1-k0), or None."""
+        bias = None
+        if self.bias is not None:
+            bias = _slice(self.bias, q0, q1, k0, k1).to(dtype)
+        if self.bias_fn is not None:
+            q_pos = torch.arange(q0, q1, device=device)
+            k_pos = torch.arange(k0, k1, device=device)
+            fn_bias = self.bias_fn(q_pos, k_pos).to(dtype)
+            bias = fn_bias if bias is None else bias + fn_bias
+        if self.alibi_slopes is not None:
+            i = torch.arange(q0 + self.offset, q1 + self.offset, device=device)[:, None]
+            j = torch.arange(k0, k1, device=device)[None, :]
+            distance = (i - j).abs().to(dtype)  # (bq, bk)
+            alibi = -self.alibi_slopes.to(dtype) * distance  # (B|1, H, bq, bk)
+            bias = alibi if bias is None else bias + alibi
+        return bias
+
+    def apply(self, scores: Tensor, q0: int, k0: int, inplace: bool = False) -> Tensor:
+        """Softcap, bias and mask on a float tile of scaled scores (B, H, bq, bk).
+
+        Returns the transformed tile; entries that may not be attended are -inf.
+        The tile always has the full (B, H) shape, so every bias and mask
+        broadcasts into it; `inplace=True` (for backends outside autograd)
+        overwrites it instead of allocating new tiles.
+        """
+        scores = self.apply_softcap(scores, inplace)
+        return self.apply_bias_and_mask(scores, q0, k0, inplace)
+
+    def apply_softcap(self, scores: Tensor, inplace: bool = False) -> Tensor:
+        if self.softcap is None:
+            return scores
+        if inplace:
+            return scores.div_(self.softcap).tanh_().mul_(self.softcap)
+        return torch.tanh(scores / self.softcap) * self.softcap
+
+    def apply_bias_and_mask(self, scores: Tensor, q0: int, k0: int, inplace: bool = False) -> Tensor:
+        q1, k1 = q0 + scores.shape[-2], k0 + scores.shape[-1]
+        bias = self.tile_bias(q0, q1, k0, k1, scores.device, scores.dtype)
+        if bias is not None:
+            scores = scores.add_(bias) if inplace else scores + bias
+        keep = self.tile_keep(q0, q1, k0, k1, scores.device)
+        if keep is not None:
+            if inplace:
+                scores = scores.masked_fill_(~keep, float("-inf"))
+            else:
+                scores = scores.masked_fill(~keep, float("-inf"))
+        return scores
+
+
+def _and(a: Tensor | None, b: Tensor) -> Tensor:
+    return b if a is None else a & b
+
+
+def _slice(t: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """Slice a 4-D tensor whose last two dims may be broadcast (size 1)."""
+    rows = slice(None) if t.shape[-2] == 1 else slice(q0, q1)
+    cols = slice(None) if t.shape[-1] == 1 else slice(k0, k1)
+    return t[..., rows, cols]
+
+
+# ---- dropout: a pure function of (seed, b, h, i, j) ----
+#
+# Every backend must drop the same entries for the same seed, so the keep mask
+# is a counter-based hash rather than a random-number stream. The hash is
+# Chris Wellons' "lowbias32" integer mixer on uint32. PyTorch has no uint32
+# arithmetic on every device, so it is emulated in int64 with the product split
+# into 16-bit halves (no intermediate exceeds 2**49); the Triton kernels do the
+# same arithmetic on native uint32 and get identical bits.
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), without int64 overflow."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _UINT32
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A bijective avalanche hash of uint32 values held in an int64 tensor."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    x &= _UINT32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _UINT32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _UINT32
+    return x ^ (x >> 16)
+
+
+def dropout_head_keys(seed: int, batch: int, heads: int, device) -> Tensor:
+    """One uint32 key per (b, h): (B, H, 1, 1) int64."""
+    seed_lo, seed_hi = seed & _UINT32, (seed >> 32) & _UINT32
+    bh = torch.arange(batch * heads, device=device, dtype=torch.int64)
+    keys = mix32(mix32(bh ^ seed_lo) ^ _mix32_int(seed_hi))
+    return keys.view(batch, heads, 1, 1)
+
+
+def dropout_threshold(p: float) -> int:
+    """An entry is dropped iff its uint32 hash is below this threshold."""
+    return min(_UINT32 + 1, round(p * 2**32))
+
+
+def dropout_keep(head_keys: Tensor, q0: int, q1: int, k0: int, k1: int, p: float) -> Tensor:
+    """Keep mask of one tile, (B, H, q1-q0, k1-k0) bool, from absolute positions."""
+    device = head_keys.device
+    i = torch.arange(q0, q1, device=device, dtype=torch.int64)[:, None]
+    j = torch.arange(k0, k1, device=device, dtype=torch.int64)[None, :]
+    row_keys = mix32(head_keys ^ i)  # (B, H, bq, 1)
+    return mix32(row_keys ^ mix32(j)) >= dropout_threshold(p)
