@@ -99,12 +99,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _group_rows(t: Tensor, kv_heads: int, q0: int, q1: int) -> Tensor:
-    """(B, Hq, Lq, X) -> (B, Hk, G * (q1 - q0), X): the G query heads sharing a
-    key/value head stacked as rows of one tile, so a single matmul serves them."""
+    """(B, Hq, Lq, X) -> (B*Hk, G*(q1-q0), X): the G query heads that share a
+    key/value head stacked as the rows of one tile, so one matmul serves them."""
     batch, q_heads, _, width = t.shape
-    group = q_heads // kv_heads
-    rows = t[:, :, q0:q1].reshape(batch, kv_heads, group, q1 - q0, width)
-    return rows.reshape(batch, kv_heads, group * (q1 - q0), width)
+    return t[:, :, q0:q1].reshape(batch * kv_heads, (q_heads // kv_heads) * (q1 - q0), width)
+
+
+def _flat_heads(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, Hk, L, X) -> contiguous (B*Hk, L, X) in the compute dtype."""
+    batch, heads, length, width = t.shape
+    return t.to(dtype).reshape(batch * heads, length, width).contiguous()
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, s: FlashSettings) -> tuple[Tensor, Tensor]:
@@ -112,9 +116,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, s: FlashSettings) -> tuple[Tensor,
     batch, q_heads, q_len, _ = q.shape
     kv_heads, dim_v = k.shape[1], v.shape[3]
     dtype = _compute_dtype(q.dtype)
-    q_scaled = q.to(dtype) * s.scale  # (B, Hq, Lq, D), scale folded in once
-    k = k.to(dtype).contiguous()  # (B, Hk, Lk, D)
-    v = v.to(dtype).contiguous()  # (B, Hk, Lk, Dv)
+    k, v = _flat_heads(k, dtype), _flat_heads(v, dtype)  # (B*Hk, Lk, D), (B*Hk, Lk, Dv)
     head_keys = dropout_head_keys(s.dropout_seed, batch, q_heads, q.device) if s.dropout_p else None
 
     out = torch.zeros(batch, q_heads, q_len, dim_v, dtype=dtype, device=q.device)
@@ -122,26 +124,25 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, s: FlashSettings) -> tuple[Tensor,
     for q0 in range(0, q_len, s.block_q):
         q1 = min(q_len, q0 + s.block_q)
         rows = q1 - q0
-        q_tile = _group_rows(q_scaled, kv_heads, q0, q1)  # (B, Hk, G*bq, D)
+        q_tile = _group_rows(q, kv_heads, q0, q1).to(dtype) * s.scale  # (B*Hk, G*bq, D), scaled
         row_max = torch.full((batch, q_heads, rows, 1), float("-inf"), dtype=dtype, device=q.device)
         row_sum = torch.zeros(batch, q_heads, rows, 1, dtype=dtype, device=q.device)
-        acc = torch.zeros(batch, kv_heads, q_tile.shape[2], dim_v, dtype=dtype, device=q.device)
+        acc = torch.zeros(q_tile.shape[0], q_tile.shape[1], dim_v, dtype=dtype, device=q.device)
         k_lo, k_hi = rules.key_range(q0, q1)
         for k0 in range(k_lo, k_hi, s.block_k):
             k1 = min(k_hi, k0 + s.block_k)
-            scores = q_tile @ k[:, :, k0:k1].transpose(-2, -1)  # (B, Hk, G*bq, bk)
+            scores = torch.bmm(q_tile, k[:, k0:k1].transpose(1, 2))  # (B*Hk, G*bq, bk)
             scores4 = rules.apply(scores.view(batch, q_heads, rows, k1 - k0), q0, k0, inplace=True)
             new_max = torch.maximum(row_max, scores4.amax(dim=-1, keepdim=True))
             # A row with no allowed key so far keeps max -inf; subtracting 0
             # instead keeps exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
             safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)
             correction = torch.exp(row_max - safe_max)  # (B, Hq, bq, 1)
-            probs = scores4.sub_(safe_max).exp_()  # (B, Hq, bq, bk), unnormalized
-            row_sum = row_sum * correction + probs.sum(dim=-1, keepdim=True)
+            probs = scores4.sub_(safe_max).exp_()  # (B, Hq, bq, bk), unnormalized; aliases scores
+            row_sum = row_sum.mul_(correction).add_(probs.sum(dim=-1, keepdim=True))
             if head_keys is not None:
                 probs.mul_(dropout_keep(head_keys, q0, q1, k0, k1, s.dropout_p))
-            acc = acc.mul_(correction.view(batch, kv_heads, -1, 1))
-            acc = acc.add_(scores @ v[:, :, k0:k1])  # (B, Hk, G*bq, Dv)
+            acc.mul_(correction.view(acc.shape[0], -1, 1)).baddbmm_(scores, v[:, k0:k1])
             row_max = new_max
         normalizer = row_sum.masked_fill(row_sum == 0, 1.0)
         if head_keys is not None:
@@ -155,15 +156,18 @@ def _backward(grad_out, grad_lse, q, k, v, out, lse, s: FlashSettings, bias_need
     rules = s.rules
     batch, q_heads, q_len, dim = q.shape
     kv_heads, k_len, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = q_heads // kv_heads
     dtype = _compute_dtype(q.dtype)
-    q_scaled = q.to(dtype) * s.scale  # (B, Hq, Lq, D)
-    k = k.to(dtype).contiguous()
-    v = v.to(dtype).contiguous()
+    k, v = _flat_heads(k, dtype), _flat_heads(v, dtype)  # (B*Hk, Lk, D), (B*Hk, Lk, Dv)
     if grad_out is None:  # only the LSE was used
         grad_out = torch.zeros_like(out)
     grad_out = grad_out.to(dtype)  # (B, Hq, Lq, Dv)
     # dS = P * (dP - delta); delta = rowsum(dO * O), less the LSE's own gradient.
-    delta = (grad_out * out.to(dtype)).sum(dim=-1)  # (B, Hq, Lq)
+    # Summed block by block so that no (B, Hq, Lq, Dv) product is ever allocated.
+    delta = torch.empty(batch, q_heads, q_len, dtype=dtype, device=q.device)  # (B, Hq, Lq)
+    for q0 in range(0, q_len, s.block_q):
+        rows = slice(q0, q0 + s.block_q)
+        delta[:, :, rows] = (grad_out[:, :, rows] * out[:, :, rows].to(dtype)).sum(dim=-1)
     if grad_lse is not None:
         delta = delta - grad_lse.to(dtype)
     # exp(s - (+inf)) = 0 makes a fully masked row's probabilities (and so its
@@ -172,38 +176,43 @@ def _backward(grad_out, grad_lse, q, k, v, out, lse, s: FlashSettings, bias_need
     head_keys = dropout_head_keys(s.dropout_seed, batch, q_heads, q.device) if s.dropout_p else None
     keep_scale = 1.0 / (1.0 - s.dropout_p)
 
-    dq = torch.zeros(batch, kv_heads, q_heads // kv_heads, q_len, dim, dtype=dtype, device=q.device)
-    dk = torch.zeros(batch, kv_heads, k_len, dim, dtype=dtype, device=q.device)
-    dv = torch.zeros(batch, kv_heads, k_len, dim_v, dtype=dtype, device=q.device)
+    dq = torch.zeros(batch * kv_heads, group, q_len, dim, dtype=dtype, device=q.device)
+    dk = torch.empty_like(k)  # (B*Hk, Lk, D)
+    dv = torch.empty_like(v)  # (B*Hk, Lk, Dv)
     dbias = torch.zeros(rules.bias.shape, dtype=dtype, device=q.device) if bias_needs_grad else None
     leaf_grads = [None] * len(bias_leaves)
 
     for k0 in range(0, k_len, s.block_k):
         k1 = min(k_len, k0 + s.block_k)
-        k_tile, v_tile = k[:, :, k0:k1], v[:, :, k0:k1]  # (B, Hk, bk, D), (B, Hk, bk, Dv)
+        # The scale goes on the key tile: s = q (scale k)^T, dQ = dS (scale k),
+        # dK = scale dS^T q; so no scaled copy of all of q is ever made.
+        k_tile = k[:, k0:k1] * s.scale  # (B*Hk, bk, D)
+        v_tile = v[:, k0:k1]  # (B*Hk, bk, Dv)
+        dk_tile = torch.zeros_like(k_tile)
+        dv_tile = torch.zeros_like(v_tile)
         q_lo, q_hi = rules.query_range(k0, k1)
         for q0 in range(q_lo, q_hi, s.block_q):
             q1 = min(q_hi, q0 + s.block_q)
             rows = q1 - q0
-            q_tile = _group_rows(q_scaled, kv_heads, q0, q1)  # (B, Hk, G*bq, D)
-            do_tile = _group_rows(grad_out, kv_heads, q0, q1)  # (B, Hk, G*bq, Dv)
+            q_tile = _group_rows(q, kv_heads, q0, q1).to(dtype)  # (B*Hk, G*bq, D)
+            do_tile = _group_rows(grad_out, kv_heads, q0, q1)  # (B*Hk, G*bq, Dv)
 
-            scores = q_tile @ k_tile.transpose(-2, -1)  # (B, Hk, G*bq, bk)
+            scores = torch.bmm(q_tile, k_tile.transpose(1, 2))  # (B*Hk, G*bq, bk)
             scores4 = scores.view(batch, q_heads, rows, k1 - k0)
             scores4 = rules.apply_softcap(scores4, inplace=True)
             if rules.softcap is not None:
                 softcap_grad = 1.0 - (scores4 / rules.softcap).square()  # d softcap(x) / dx
             scores4 = rules.apply_bias_and_mask(scores4, q0, k0, inplace=True)
-            probs = scores4.sub_(lse[:, :, q0:q1]).exp_()  # (B, Hq, bq, bk)
+            probs = scores4.sub_(lse[:, :, q0:q1]).exp_()  # (B, Hq, bq, bk); aliases scores
 
-            dprobs = do_tile @ v_tile.transpose(-2, -1)  # (B, Hk, G*bq, bk)
+            dprobs = torch.bmm(do_tile, v_tile.transpose(1, 2))  # (B*Hk, G*bq, bk)
             dprobs4 = dprobs.view(batch, q_heads, rows, k1 - k0)
             if head_keys is not None:
                 keep = dropout_keep(head_keys, q0, q1, k0, k1, s.dropout_p).to(dtype) * keep_scale
-                dv[:, :, k0:k1] += (probs * keep).view_as(scores).transpose(-2, -1) @ do_tile
+                dv_tile.baddbmm_((probs * keep).view_as(scores).transpose(1, 2), do_tile)
                 dprobs4.mul_(keep)
             else:
-                dv[:, :, k0:k1] += scores.transpose(-2, -1) @ do_tile  # scores holds probs now
+                dv_tile.baddbmm_(scores.transpose(1, 2), do_tile)
             dscores4 = dprobs4.sub_(delta[:, :, q0:q1, None]).mul_(probs)  # (B, Hq, bq, bk)
             if dbias is not None:
                 _accumulate_bias_grad(dbias, dscores4, q0, q1, k0, k1)
@@ -212,14 +221,16 @@ def _backward(grad_out, grad_lse, q, k, v, out, lse, s: FlashSettings, bias_need
             if rules.softcap is not None:  # the bias is added after the cap, q k^T before it
                 dscores4.mul_(softcap_grad)
 
-            dq[:, :, :, q0:q1] += (dprobs @ k_tile).view(batch, kv_heads, -1, rows, dim)
-            dk[:, :, k0:k1] += dprobs.transpose(-2, -1) @ q_tile
+            dq[:, :, q0:q1] += torch.bmm(dprobs, k_tile).view(-1, group, rows, dim)
+            dk_tile.baddbmm_(dprobs.transpose(1, 2), q_tile)
+        dk[:, k0:k1] = dk_tile.mul_(s.scale)
+        dv[:, k0:k1] = dv_tile
 
-    dq = dq.view(batch, q_heads, q_len, dim).mul_(s.scale)
+    dq = dq.view(batch, q_heads, q_len, dim)
     return (
         dq.to(q.dtype),
-        dk.to(q.dtype),
-        dv.to(v.dtype),
+        dk.view(batch, kv_heads, k_len, dim).to(q.dtype),
+        dv.view(batch, kv_heads, k_len, dim_v).to(v.dtype),
         None if dbias is None else dbias.to(rules.bias.dtype),
         leaf_grads,
     )

@@ -19,20 +19,29 @@ from flashformer.attention.masks import ScoreRules
 
 
 def needs_materialized_mask(rules: ScoreRules) -> bool:
-    """False when SDPA's own is_causal (or no mask at all) is exact."""
-    if rules.key_padding_mask is not None or rules.mask is not None:
-        return True
-    if rules.bias is not None or rules.bias_fn is not None or rules.alibi_slopes is not None:
+    """True when SDPA can only be given this request as an (Lq, Lk)-sized
+    mask or bias that we must build (a mask or bias tensor the caller passed
+    goes to SDPA as it is; key padding goes as a (B, 1, 1, Lk) mask)."""
+    if rules.bias_fn is not None or rules.alibi_slopes is not None:
         return True
     if rules.window_left is not None or rules.window_right is not None:
         return True
-    return rules.causal and rules.q_len != rules.k_len and rules.q_len != 1
+    if not rules.causal or rules.q_len == 1:
+        return False
+    has_mask = rules.key_padding_mask is not None or rules.mask is not None or rules.bias is not None
+    return has_mask or rules.q_len != rules.k_len
+
+
+def _sdpa_is_causal_exact(rules: ScoreRules) -> bool:
+    """SDPA's own is_causal (top-left) equals ours (bottom-right) when Lq == Lk."""
+    return rules.causal and rules.q_len == rules.k_len and rules.q_len > 1
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, scale: float) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
-    if not needs_materialized_mask(rules):
-        is_causal = rules.causal and rules.q_len > 1  # Lq == Lk here: both alignments agree
+    plain = rules.key_padding_mask is None and rules.mask is None and rules.bias is None
+    if plain and not needs_materialized_mask(rules):
+        is_causal = _sdpa_is_causal_exact(rules)
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
     out_dtype = q.dtype

@@ -1,0 +1,1 @@
+"""Benchmarks: each writes JSON and a PNG; run them with `flashformer bench NAME`."""

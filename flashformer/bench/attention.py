@@ -1,0 +1,339 @@
+"""`flashformer bench attention`: time and peak memory of each backend against n.
+
+For every (variant, dtype, n, backend) a fresh worker process builds
+q, k, v of shape (B=1, H=8, n, D=64) and measures the forward pass (no grad)
+and the forward + backward pass: median time, and the peak memory added on
+top of the inputs (see common.py). Variants: causal; causal with ALiBi
+slopes; causal with a T5-style relative bias given as a function of
+positions. Eager and torch materialize an (n, n) bias for the last two; flash
+never does. Writes attention.json and attention.png to the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import flashformer
+from flashformer.bench.common import (
+    format_bytes,
+    machine_info,
+    measure_peak,
+    run_worker,
+    time_in_turns,
+    write_json,
+)
+from flashformer.positional import alibi_slopes, t5_relative_bucket
+
+BATCH, HEADS, HEAD_DIM = 1, 8, 64
+BACKENDS = ["eager", "flash", "torch"]
+VARIANTS = ["causal", "alibi", "relative_bias"]
+FULL = {"ns": [512, 1024, 2048, 4096, 8192, 16384], "dtypes": ["float32", "bfloat16"], "variants": VARIANTS}
+QUICK = {"ns": [256, 512, 1024, 2048], "dtypes": ["float32"], "variants": ["causal", "alibi"]}
+MODULE = "flashformer.bench.attention"
+MEMORY_LIMIT = 0.75  # of the machine's RAM: points predicted above it are skipped, not run
+
+
+def attention_kwargs(variant: str, device, train: bool) -> dict:
+    kwargs = {"causal": True}
+    if variant == "alibi":
+        kwargs["alibi_slopes"] = alibi_slopes(HEADS).to(device)
+    elif variant == "relative_bias":
+        table = torch.randn(32, HEADS, device=device, requires_grad=train)  # T5's (buckets, heads)
+
+        def relative_bias(q_pos, k_pos):  # (H, len(q_pos), len(k_pos))
+            buckets = t5_relative_bucket(k_pos[None, :] - q_pos[:, None], bidirectional=False)
+            return table[buckets].permute(2, 0, 1)
+
+        kwargs["bias"] = relative_bias
+    return kwargs
+
+
+def _inputs(point: dict):
+    torch.manual_seed(0)
+    dtype = getattr(torch, point["dtype"])
+    shape = (BATCH, HEADS, point["n"], HEAD_DIM)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=point["device"]) for _ in range(3))
+    return q, k, v, torch.randn_like(q)
+
+
+def _work(point: dict, backend: str, train: bool, q, k, v, grad_out):
+    """One forward (no grad) or one forward + backward of one backend."""
+    for t in (q, k, v):
+        t.requires_grad_(train)
+    kwargs = attention_kwargs(point["variant"], point["device"], train)
+
+    def work():
+        if not train:
+            with torch.no_grad():
+                flashformer.attention(q, k, v, backend=backend, **kwargs)
+            return
+        out = flashformer.attention(q, k, v, backend=backend, **kwargs)
+        out.backward(grad_out)
+        for t in (q, k, v):
+            t.grad = None
+
+    return work
+
+
+def memory_worker(point: dict) -> dict:
+    """Peak extra memory of one forward and one forward + backward."""
+    q, k, v, grad_out = _inputs(point)
+    return {
+        mode: measure_peak(_work(point, point["backend"], mode == "train", q, k, v, grad_out))
+        for mode in ("forward", "train")
+    }
+
+
+def timing_worker(point: dict) -> dict:
+    """Median times of several backends, timed in turns in one process so
+    that the machine's load at any moment weighs on all of them alike."""
+    q, k, v, grad_out = _inputs(point)
+    return time_in_turns(
+        {
+            f"{backend}/{mode}": _work(point, backend, mode == "train", q, k, v, grad_out)
+            for backend in point["backends"]
+            for mode in ("forward", "train")
+        },
+        rounds=point["rounds"],
+        warmup=point["warmup"],
+    )
+
+
+def predicted_bytes(backend: str, variant: str, n: int, dtype: str) -> float:
+    """A rough upper estimate of a point's peak, to skip what cannot fit.
+
+    Eager keeps about seven (H, n, n) float32 tensors alive in its backward
+    (measured: 6.1 at n = 2048); torch keeps about three when it must
+    materialize a bias.
+    """
+    square = BATCH * HEADS * n * n * 4
+    if backend == "eager":
+        return 7 * square
+    if backend == "torch" and variant != "causal":
+        return 3 * square
+    return 64 * BATCH * HEADS * n * HEAD_DIM * 4
+
+
+def total_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 16 * 2**30
+
+
+def run(config: dict, out_dir: Path, device: str, timeout_s: float) -> dict:
+    limit = MEMORY_LIMIT * total_memory()
+    points = []
+    for variant in config["variants"]:
+        for dtype in config["dtypes"]:
+            for n in config["ns"]:
+                group = []
+                for backend in BACKENDS:
+                    point = {"variant": variant, "dtype": dtype, "n": n, "backend": backend, "device": device}
+                    estimate = predicted_bytes(backend, variant, n, dtype)
+                    if estimate > limit:
+                        point["skipped"] = f"predicted {format_bytes(estimate)} > limit {format_bytes(limit)}"
+                    else:
+                        point.update(run_worker(MODULE, {"kind": "memory", **point}, timeout_s))
+                    group.append(point)
+                timed = [p["backend"] for p in group if "skipped" not in p and "error" not in p]
+                large = n >= 8192
+                times = run_worker(
+                    MODULE,
+                    {
+                        "kind": "timing",
+                        "variant": variant,
+                        "dtype": dtype,
+                        "n": n,
+                        "device": device,
+                        "backends": timed,
+                        "rounds": 2 if large else 3,
+                        "warmup": not large,
+                    },
+                    timeout_s * len(timed),
+                )
+                for point in group:
+                    if "error" in times and point["backend"] in timed:
+                        point["error"] = times["error"]
+                    for mode in ("forward", "train"):
+                        if f"{point['backend']}/{mode}" in times:
+                            point.setdefault(mode, {})["time_s"] = times[f"{point['backend']}/{mode}"]
+                    points.append(point)
+                    print(_row(point), flush=True)
+    payload = {
+        "benchmark": "attention",
+        "shape": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM},
+        "machine": machine_info(),
+        "config": config,
+        "points": points,
+        "targets": targets(points),
+    }
+    write_json(out_dir / "attention.json", payload)
+    plot(payload, out_dir / "attention.png")
+    return payload
+
+
+def _row(p: dict) -> str:
+    head = f"{p['variant']:>13} {p['dtype']:>8} n={p['n']:>6} {p['backend']:>5}"
+    if "skipped" in p:
+        return f"{head}  skipped: {p['skipped']}"
+    if "error" in p:
+        return f"{head}  error: {p['error']}"
+    fwd, train = p.get("forward", {}), p.get("train", {})
+    return (
+        f"{head}  fwd {_ms(fwd.get('time_s'))} {format_bytes(fwd.get('peak_extra_bytes')):>10}"
+        f"   fwd+bwd {_ms(train.get('time_s'))} {format_bytes(train.get('peak_extra_bytes')):>10}"
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{'-':>9}   " if seconds is None else f"{seconds * 1e3:9.1f} ms"
+
+
+def _lookup(points, variant, dtype, n, backend, mode, key):
+    for p in points:
+        if (p["variant"], p["dtype"], p["n"], p["backend"]) == (variant, dtype, n, backend):
+            return p.get(mode, {}).get(key)
+    return None
+
+
+def targets(points: list[dict]) -> dict:
+    """The issue's targets, as ratios read off this run (None where not measured)."""
+
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    def get(variant, dtype, n, backend, key="time_s", mode="train"):
+        return _lookup(points, variant, dtype, n, backend, mode, key)
+
+    mem = "peak_extra_bytes"
+    materializing = [
+        get(v, "float32", 8192, b, mem) for v in ("alibi", "relative_bias") for b in ("eager", "torch")
+    ]
+    return {
+        "fp32_n8192_train_time_flash_over_torch (<= 1.5)": ratio(
+            get("causal", "float32", 8192, "flash"), get("causal", "float32", 8192, "torch")
+        ),
+        "fp32_n8192_train_memory_flash_over_torch (<= 2)": ratio(
+            get("causal", "float32", 8192, "flash", mem), get("causal", "float32", 8192, "torch", mem)
+        ),
+        "fp32_n8192_train_memory_flash_over_eager (<= 0.1)": ratio(
+            get("causal", "float32", 8192, "flash", mem), get("causal", "float32", 8192, "eager", mem)
+        ),
+        "fp32_train_memory_growth_flash_n4096_to_n16384 (<= 5)": ratio(
+            get("causal", "float32", 16384, "flash", mem), get("causal", "float32", 4096, "flash", mem)
+        ),
+        "fp32_n8192_alibi_train_memory_materializing_over_flash (>= 10)": ratio(
+            min((m for m in materializing[:2] if m is not None), default=None),
+            get("alibi", "float32", 8192, "flash", mem),
+        ),
+        "fp32_n8192_relative_bias_train_memory_materializing_over_flash (>= 10)": ratio(
+            min((m for m in materializing[2:] if m is not None), default=None),
+            get("relative_bias", "float32", 8192, "flash", mem),
+        ),
+        "bf16_n8192_train_time_flash_over_torch (<= 3)": ratio(
+            get("causal", "bfloat16", 8192, "flash"), get("causal", "bfloat16", 8192, "torch")
+        ),
+    }
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    config, points = payload["config"], payload["points"]
+    variants = config["variants"]
+    columns = [
+        ("forward", "time_s", "forward time (s)"),
+        ("train", "time_s", "forward+backward time (s)"),
+        ("train", "peak_extra_bytes", "forward+backward peak extra memory (MiB)"),
+    ]
+    fig, axes = plt.subplots(len(variants), 3, figsize=(15, 4 * len(variants)), squeeze=False)
+    colors = {"eager": "tab:red", "flash": "tab:blue", "torch": "tab:green"}
+    styles = {"float32": "-", "bfloat16": "--"}
+    for row, variant in enumerate(variants):
+        for col, (mode, key, label) in enumerate(columns):
+            ax = axes[row][col]
+            for dtype in config["dtypes"]:
+                for backend in BACKENDS:
+                    xs, ys = [], []
+                    for n in config["ns"]:
+                        value = _lookup(points, variant, dtype, n, backend, mode, key)
+                        if value is not None:
+                            xs.append(n)
+                            ys.append(value / 2**20 if key == "peak_extra_bytes" else value)
+                    if xs:
+                        ax.plot(
+                            xs,
+                            ys,
+                            styles.get(dtype, ":"),
+                            marker="o",
+                            color=colors[backend],
+                            label=f"{backend} {dtype}",
+                        )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length n")
+            ax.set_title(f"{variant}: {label}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 0 and col == 0:
+                ax.legend(fontsize=8)
+    shape = payload["shape"]
+    fig.suptitle(
+        f"attention, B={shape['batch']} H={shape['heads']} D={shape['head_dim']}, "
+        f"{payload['machine']['cpu']}, torch {payload['machine']['torch']}"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a small run: n <= 2048, float32")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 512,1024")
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), help="e.g. float32,bfloat16")
+    parser.add_argument("--variants", type=lambda s: s.split(","), help=f"from {','.join(VARIANTS)}")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per point")
+
+
+def main_from_args(args: argparse.Namespace) -> dict:
+    config = dict(QUICK if args.quick else FULL)
+    for key in ("ns", "dtypes", "variants"):
+        if getattr(args, key):
+            config[key] = getattr(args, key)
+    print(
+        f"attention benchmark: B={BATCH} H={HEADS} D={HEAD_DIM}, device {args.device}, "
+        f"each point in a fresh process"
+    )
+    payload = run(config, args.out, args.device, args.timeout)
+    print("\ntargets (ratios measured in this run):")
+    for name, value in payload["targets"].items():
+        print(f"  {name}: {'not measured' if value is None else f'{value:.3g}'}")
+    print(f"\nwrote {args.out / 'attention.json'} and {args.out / 'attention.png'}")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flashformer bench attention", description=__doc__)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.worker:
+        point = json.loads(args.worker)
+        work = memory_worker if point["kind"] == "memory" else timing_worker
+        print(json.dumps(work(point)))
+        return
+    main_from_args(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""What every benchmark shares: fresh worker processes, honest peak memory,
+timing, and the JSON + PNG it leaves behind.
+
+Each measured point runs in a fresh Python process, so one point's memory
+(allocator caches, freed-but-kept pages) never flatters the next. Inside the
+worker the kernel's peak-RSS counter is reset right before the measured work
+(/proc/self/clear_refs), and glibc is told to hand every allocation above
+64 KiB straight back to the system, so "peak extra memory" is what the work
+itself added on top of its inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run_worker(module: str, point: dict, timeout_s: float) -> dict:
+    """Run `python -m module --worker JSON` in a fresh process; returns its JSON result."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", module, "--worker", json.dumps(point)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    if done.returncode != 0:
+        reason = "killed (out of memory?)" if done.returncode < 0 else f"exit code {done.returncode}"
+        tail = done.stderr.strip().splitlines()[-1:] or [""]
+        return {"error": f"{reason}: {tail[0][:200]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- inside a worker ----
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_memory() -> int:
+    """Resets the peak counter; returns the memory in use now, in bytes
+    (RSS on the CPU, allocated device memory on CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_memory() -> int:
+    """Peak RSS in bytes since the last reset (device memory on CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status_kib("VmHWM") * 1024
+
+
+def measure_peak(work: Callable[[], None]) -> dict:
+    """The peak memory one call of `work` adds on top of what was in use."""
+    baseline = reset_peak_memory()
+    work()
+    return {"peak_extra_bytes": max(0, peak_memory() - baseline)}
+
+
+def time_in_turns(works: dict[str, Callable[[], None]], rounds: int = 3, warmup: bool = True) -> dict:
+    """Median seconds of each work, timed round-robin (A B C, B C A, ...).
+
+    Taking turns within one process means a noisy neighbour slows every
+    contender alike, so the ratios between them stay meaningful.
+    """
+    names = list(works)
+    if warmup:
+        for name in names:
+            works[name]()
+    times = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            _sync()
+            started = time.perf_counter()
+            works[name]()
+            _sync()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- results ----
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
