@@ -1,0 +1,389 @@
+"""Corpora, tokenizers, and token files that are read without loading them.
+
+The default corpus is on every machine without a download: the source files
+of Python's own standard library (so the default model learns to complete
+Python code). Text is tokenized once into a flat binary token file, read back
+as a numpy memmap, so a corpus larger than RAM costs only disk.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+EOS = "<|endoftext|>"
+MASK = "<mask>"
+PAD = "<pad>"
+NUM_SENTINELS = 100  # T5's <extra_id_0> ... <extra_id_99>
+SPECIAL_TOKENS = [EOS, PAD, MASK] + [f"<extra_id_{i}>" for i in range(NUM_SENTINELS)]
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".cfg", ".c", ".h", ".js", ".html", ".csv"}
+
+
+# ---- corpora ----
+
+
+@dataclass(frozen=True)
+class Document:
+    path: Path
+    name: str  # stable across machines: the path relative to the corpus root
+
+
+def stdlib_corpus() -> list[Document]:
+    """Python's standard library sources, without site-packages and tests."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
+    documents = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if skip.isdisjoint(relative.parts[:-1]):
+            documents.append(Document(path, relative.as_posix()))
+    return documents
+
+
+def resolve_corpus(patterns: list[str] | None) -> list[Document]:
+    """Files, folders (searched recursively for text files) or glob patterns.
+
+    None or [] means the default corpus, Python's standard library.
+    """
+    if not patterns:
+        return stdlib_corpus()
+    documents: dict[Path, Document] = {}
+    for pattern in patterns:
+        matches = [Path(p) for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True))]
+        if not matches:
+            raise FileNotFoundError(f"data path {pattern!r} matches no file or folder")
+        for match in matches:
+            if match.is_dir():
+                for path in sorted(match.rglob("*")):
+                    if path.is_file() and path.suffix in TEXT_SUFFIXES:
+                        documents[path] = Document(path, path.relative_to(match).as_posix())
+            elif match.is_file():
+                documents[match] = Document(match, match.name)
+    if not documents:
+        raise FileNotFoundError(
+            f"data paths {patterns} hold no text files (looked for {sorted(TEXT_SUFFIXES)})"
+        )
+    return list(documents.values())
+
+
+def split_documents(documents: list[Document], val_fraction: float, seed: int = 0):
+    """A deterministic train/validation split by document.
+
+    A document goes to validation when the hash of its stable name falls under
+    val_fraction: the same on every machine, and unchanged for the others
+    when a document is added or removed. At least one document goes to each
+    side when there are two or more.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1); got {val_fraction}")
+
+    def score(doc: Document) -> float:
+        digest = hashlib.sha256(f"{seed}:{doc.name}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64
+
+    train = [d for d in documents if score(d) >= val_fraction]
+    val = [d for d in documents if score(d) < val_fraction]
+    if val_fraction > 0 and not val and len(train) > 1:
+        val.append(train.pop(min(range(len(train)), key=lambda i: score(train[i]))))
+    return train, val
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# ---- tokenizers ----
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, special tokens after them."""
+
+    kind = "byte"
+
+    def __init__(self):
+        self.specials = {token: 256 + i for i, token in enumerate(SPECIAL_TOKENS)}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.specials)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def token_id(self, token: str) -> int:
+        return self.specials[token]
+
+    def save(self, folder: Path) -> None:
+        _write_atomic(
+            Path(folder) / "tokenizer.json", json.dumps({"flashformer_byte_tokenizer": SPECIAL_TOKENS})
+        )
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2's scheme) from the HF `tokenizers` library."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def train(cls, documents: list[Document], vocab_size: int, show_progress: bool = True) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(
+                f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens); got {vocab_size}"
+            )
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=show_progress,
+        )
+        tokenizer.train_from_iterator((read_text(d.path) for d in documents), trainer, length=len(documents))
+        return cls(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int:
+        index = self.tokenizer.token_to_id(token)
+        if index is None:
+            raise KeyError(f"token {token!r} is not in the tokenizer's vocabulary")
+        return index
+
+    def save(self, folder: Path) -> None:
+        _write_atomic(Path(folder) / "tokenizer.json", self.tokenizer.to_str())
+
+
+def load_tokenizer(folder: str | Path) -> ByteTokenizer | BPETokenizer:
+    """The tokenizer saved beside a checkpoint (tokenizer.json)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {folder}")
+    text = path.read_text()
+    if "flashformer_byte_tokenizer" in json.loads(text):
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
+
+    return BPETokenizer(Tokenizer.from_str(text))
+
+
+# ---- token files ----
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def write_token_file(documents: list[Document], tokenizer, path: Path, show_progress: bool = True) -> Path:
+    """Tokenize documents into a flat binary file, EOS after each document.
+
+    Streams document by document, so memory stays flat however large the
+    corpus; written to a temporary file and renamed, so an interrupted run
+    never leaves a truncated token file that a later run would trust.
+    """
+    from tqdm import tqdm
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = tokenizer.token_id(EOS)
+    tmp = path.with_name(path.name + ".tmp")
+    count = 0
+    with open(tmp, "wb") as f:
+        for doc in tqdm(documents, desc=f"tokenizing {path.name}", unit="file", disable=not show_progress):
+            ids = np.asarray(tokenizer.encode(read_text(doc.path)) + [eos], dtype=dtype)
+            f.write(ids.tobytes())
+            count += len(ids)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _write_atomic(path.with_suffix(".json"), json.dumps({"dtype": np.dtype(dtype).name, "tokens": count}))
+    return path
+
+
+def open_token_file(path: Path) -> np.memmap:
+    meta = json.loads(Path(path).with_suffix(".json").read_text())
+    tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+    if len(tokens) != meta["tokens"]:
+        raise ValueError(f"token file {path} holds {len(tokens)} tokens; its metadata says {meta['tokens']}")
+    return tokens
+
+
+class PackedSequences:
+    """Fixed-length windows of seq_len + 1 tokens cut from a token file.
+
+    Documents are packed back to back (separated by EOS), so no token is
+    wasted on padding; window i covers tokens [i*seq_len, (i+1)*seq_len].
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1; got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"a corpus of {len(tokens)} tokens is too short for windows of {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def windows(self, indices) -> torch.Tensor:
+        """(len(indices), seq_len + 1) int64."""
+        rows = [np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]) for i in indices]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+class ShardedSampler:
+    """A resumable order over windows: a fresh permutation per epoch, each
+    rank reading its own shard, and a state of two integers.
+
+    Rank r of w takes every w-th window of the epoch's permutation starting
+    at r, so the ranks together see each window once per epoch.
+    """
+
+    def __init__(self, num_windows: int, seed: int = 0, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        if num_windows < world_size:
+            raise ValueError(f"{num_windows} windows cannot be shared among {world_size} ranks")
+        self.num_windows, self.seed, self.rank, self.world_size = num_windows, seed, rank, world_size
+        self.epoch, self.position = 0, 0
+        self._order = self._shard(0)
+
+    def _shard(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(self.num_windows, generator=generator)
+        per_rank = self.num_windows // self.world_size  # equal shards keep ranks in step
+        return order[self.rank :: self.world_size][:per_rank]
+
+    def next_indices(self, count: int) -> list[int]:
+        indices = []
+        while len(indices) < count:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._shard(self.epoch)
+            take = min(count - len(indices), len(self._order) - self.position)
+            indices += self._order[self.position : self.position + take].tolist()
+            self.position += take
+        return indices
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._shard(self.epoch)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- objectives: one batch of windows -> the model inputs of a family ----
+
+
+def special_ids(tokenizer) -> torch.Tensor:
+    return torch.tensor([tokenizer.token_id(t) for t in SPECIAL_TOKENS])
+
+
+def masked_lm_batch(
+    windows: torch.Tensor, tokenizer, generator: torch.Generator, mask_prob: float = 0.15
+) -> dict:
+    """BERT's objective: 15 % of the (non-special) tokens are chosen; of those
+    80 % become <mask>, 10 % a random token, 10 % stay. Labels are the chosen
+    tokens' ids, -100 elsewhere (ignored by the loss)."""
+    input_ids = windows[:, :-1].clone()  # (B, L)
+    specials = special_ids(tokenizer)
+    chosen = (torch.rand(input_ids.shape, generator=generator) < mask_prob) & ~torch.isin(input_ids, specials)
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    roll = torch.rand(input_ids.shape, generator=generator)
+    input_ids[chosen & (roll < 0.8)] = tokenizer.token_id(MASK)
+    randomize = chosen & (roll >= 0.8) & (roll < 0.9)
+    ordinary = torch.tensor(sorted(set(range(tokenizer.vocab_size)) - set(specials.tolist())))
+    picks = torch.randint(len(ordinary), (int(randomize.sum()),), generator=generator)
+    input_ids[randomize] = ordinary[picks]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def span_corruption_lengths(length: int, noise_density: float = 0.15, mean_span: float = 3.0):
+    """(noise tokens, spans, encoder input length, target length) for a window."""
+    noise = min(max(1, round(length * noise_density)), length - 1)
+    spans = max(1, min(round(noise / mean_span), noise, length - noise))
+    return noise, spans, length - noise + spans + 1, noise + spans + 1
+
+
+def span_corruption_batch(
+    windows: torch.Tensor,
+    tokenizer,
+    generator: torch.Generator,
+    noise_density: float = 0.15,
+    mean_span: float = 3.0,
+) -> dict:
+    """T5's objective: about 15 % of the tokens, in spans of mean length 3, are
+    cut out; each span becomes one sentinel (<extra_id_k>) in the input, and
+    the target lists each sentinel followed by the tokens it replaced.
+
+    Lengths depend only on the window length, so a batch needs no padding.
+    """
+    tokens = windows[:, :-1]  # (B, L)
+    length = tokens.shape[1]
+    noise, spans, _, _ = span_corruption_lengths(length, noise_density, mean_span)
+    if spans > NUM_SENTINELS:
+        raise ValueError(
+            f"{spans} noise spans need more than the {NUM_SENTINELS} sentinel tokens; shorten seq_len"
+        )
+    sentinels = [tokenizer.token_id(f"<extra_id_{k}>") for k in range(spans)]
+    eos = tokenizer.token_id(EOS)
+    inputs, targets = [], []
+    for row in tokens.tolist():
+        noise_lengths = _random_segmentation(noise, spans, generator)
+        keep_lengths = _random_segmentation(length - noise, spans, generator)
+        source, target, start = [], [], 0
+        for k in range(spans):  # keep, noise, keep, noise, ... (T5 starts with kept text)
+            source += row[start : start + keep_lengths[k]] + [sentinels[k]]
+            start += keep_lengths[k]
+            target += [sentinels[k]] + row[start : start + noise_lengths[k]]
+            start += noise_lengths[k]
+        inputs.append(source + [eos])
+        targets.append(target + [eos])
+    return {"input_ids": torch.tensor(inputs), "labels": torch.tensor(targets)}
+
+
+def _random_segmentation(total: int, parts: int, generator: torch.Generator) -> list[int]:
+    """Split `total` items into `parts` segments of length >= 1, uniformly."""
+    cuts = (torch.randperm(total - 1, generator=generator)[: parts - 1] + 1).sort().values.tolist()
+    bounds = [0] + cuts + [total]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
