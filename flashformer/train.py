@@ -1,0 +1,725 @@
+"""The trainer: one loop for the three families, one process or many.
+
+    flashformer train                                  # the default small GPT on Python's stdlib
+    flashformer train run.yaml --train.lr 3e-4         # a config file, any field overridden
+    torchrun --nproc_per_node=2 -m flashformer.cli train --preset gpt-mini   # DDP (or --train.distributed fsdp)
+
+A run folder holds metrics.jsonl, loss.png, the tokenizer and token files,
+and checkpoints (see checkpoint.py). `--resume` continues from the newest
+checkpoint exactly: model, optimizer, schedule, RNG streams and data position
+all come back, so a resumed run reaches the same weights as one that never
+stopped (bitwise on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flashformer import checkpoint as ckpt
+from flashformer import data
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: list[str] = field(default_factory=list)  # files, folders, globs; [] = Python's stdlib
+    tokenizer: str = "bpe"  # "bpe" (trained on the corpus) or "byte"
+    vocab_size: int = 4096  # BPE vocabulary (the model's vocab_size follows the tokenizer)
+    seq_len: int = 256
+    val_fraction: float = 0.02
+    # optimization
+    batch_size: int = 16  # sequences per process per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    max_steps: int = 5000
+    max_minutes: float = 0.0  # stop (and save) after this long; 0 = no limit
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast)
+    compile: bool = False
+    activation_checkpointing: bool = False
+    distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
+    # evaluation, logging, checkpoints
+    eval_every: int = 100
+    eval_batches: int = 8
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    log_every: int = 10
+    save_every: int = 200
+    keep_last: int = 3
+    seed: int = 0
+    deterministic: bool = False
+
+
+# ---- configuration from YAML files and the command line ----
+
+
+def apply_overrides(config, overrides: dict[str, str]):
+    """Set dataclass fields from strings, converted to each field's type."""
+    hints = typing.get_type_hints(type(config))
+    names = {f.name for f in dataclasses.fields(config)}
+    for name, text in overrides.items():
+        if name not in names:
+            raise ValueError(f"unknown field {name!r} of {type(config).__name__}; known: {sorted(names)}")
+        setattr(config, name, convert(text, hints[name], name))
+    return config
+
+
+def convert(value, hint, name: str):
+    """A YAML value or a command-line string as the field's declared type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        return convert(value, hint, name)
+    if origin is list:
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        return [convert(v, args[0] if args else str, name) for v in items]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be true or false; got {value!r}")
+    if hint in (int, float, str):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ValueError(f"{name} must be {hint.__name__}; got {value!r}") from None
+    return value
+
+
+def check_train_config(config: TrainConfig) -> None:
+    positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
+                "log_every", "save_every", "vocab_size")
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise ValueError(f"train.{name} must be >= 1; got {getattr(config, name)}")
+    if config.tokenizer not in ("bpe", "byte"):
+        raise ValueError(f"train.tokenizer must be 'bpe' or 'byte'; got {config.tokenizer!r}")
+    if config.precision not in ("fp32", "bf16"):
+        raise ValueError(f"train.precision must be 'fp32' or 'bf16'; got {config.precision!r}")
+    if config.distributed not in ("ddp", "fsdp"):
+        raise ValueError(f"train.distributed must be 'ddp' or 'fsdp'; got {config.distributed!r}")
+    if not (0 < config.lr and 0 <= config.min_lr <= config.lr):
+        raise ValueError(f"need 0 < train.lr and 0 <= train.min_lr <= train.lr; got {config.lr}, {config.min_lr}")
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warmup to lr, then a cosine decay to min_lr at max_steps."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (projections, embeddings); none on biases and
+    norm gains, whose size should not be pulled towards zero."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ---- distributed ----
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environment(cls) -> Distributed:
+        """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them, one process."""
+        if "RANK" not in os.environ:
+            return cls()
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend)
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+    def all_mean(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return tensor.item() / self.world_size
+
+
+def save_json_atomic(path: Path, payload) -> None:
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
+class GracefulInterrupt:
+    """Turns Ctrl-C (SIGINT) and SIGTERM into a flag the loop checks between
+    steps, so the run saves a checkpoint and exits instead of dying mid-step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def elapsed_minutes(started: float) -> float:
+    return (time.perf_counter() - started) / 60
+
+
+# ---- data for a run ----
+
+
+@dataclass
+class RunData:
+    tokenizer: object
+    train: data.PackedSequences
+    val: data.PackedSequences
+    val_bytes_per_token: float
+    unigram_bits_per_byte: float
+
+
+def prepare_data(config: TrainConfig, data_dir: Path, is_main: bool, show_progress: bool) -> RunData:
+    """Tokenizer and token files of a run, made once and reused.
+
+    Rank 0 builds them (the others wait at a barrier); a fingerprint of the
+    corpus and the tokenizer settings decides whether what is on disk is
+    still the right thing, so a changed --data never reuses stale tokens.
+    """
+    documents = data.resolve_corpus(config.data)
+    train_docs, val_docs = data.split_documents(documents, config.val_fraction, config.seed)
+    if not val_docs:
+        raise ValueError(f"the corpus has {len(documents)} document(s): too few for a validation split")
+    fingerprint = {
+        "documents": [d.name for d in documents],
+        "sizes": [d.path.stat().st_size for d in documents],
+        "tokenizer": config.tokenizer,
+        "vocab_size": config.vocab_size if config.tokenizer == "bpe" else None,
+        "val_fraction": config.val_fraction,
+        "seed": config.seed,
+    }
+    stamp = data_dir / "fingerprint.json"
+    if is_main:
+        fresh = not stamp.is_file() or json.loads(stamp.read_text()) != fingerprint
+        if fresh:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            stamp.unlink(missing_ok=True)
+            if config.tokenizer == "bpe":
+                print(f"training a byte-level BPE tokenizer ({config.vocab_size} tokens) "
+                      f"on {len(train_docs)} files", flush=True)
+                tokenizer = data.BPETokenizer.train(train_docs, config.vocab_size, show_progress)
+            else:
+                tokenizer = data.ByteTokenizer()
+            tokenizer.save(data_dir)
+            data.write_token_file(train_docs, tokenizer, data_dir / "train.bin", show_progress)
+            data.write_token_file(val_docs, tokenizer, data_dir / "val.bin", show_progress)
+            val_bytes = sum(len(data.read_text(d.path).encode("utf-8")) for d in val_docs)
+            entropy = unigram_bits_per_byte(val_docs)
+            save_json_atomic(data_dir / "stats.json", {"val_bytes": val_bytes, "unigram_bits_per_byte": entropy})
+            save_json_atomic(stamp, fingerprint)  # last: its presence says the rest is complete
+    if dist.is_initialized():
+        dist.barrier()
+    tokenizer = data.load_tokenizer(data_dir)
+    stats = json.loads((data_dir / "stats.json").read_text())
+    val_tokens = data.open_token_file(data_dir / "val.bin")
+    return RunData(
+        tokenizer=tokenizer,
+        train=data.PackedSequences(data.open_token_file(data_dir / "train.bin"), config.seq_len),
+        val=data.PackedSequences(val_tokens, config.seq_len),
+        val_bytes_per_token=stats["val_bytes"] / len(val_tokens),
+        unigram_bits_per_byte=stats["unigram_bits_per_byte"],
+    )
+
+
+def unigram_bits_per_byte(documents: list[data.Document]) -> float:
+    """The entropy of the corpus' byte frequencies: what a model that knows
+    only how often each byte occurs would pay per byte. A model that learned
+    anything about context must end well below it."""
+    counts = torch.zeros(256, dtype=torch.float64)
+    for doc in documents:
+        raw = torch.frombuffer(bytearray(doc.path.read_bytes()), dtype=torch.uint8)
+        counts += torch.bincount(raw.long(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log2()).sum())
+
+
+# ---- the trainer ----
+
+
+def make_batch(arch: str, windows: torch.Tensor, tokenizer, generator: torch.Generator) -> dict:
+    """Windows of seq_len + 1 tokens -> one family's inputs and targets.
+
+    decoder: next-token prediction, targets[t] = windows[t + 1];
+    encoder: BERT's masked LM; encoder-decoder: T5's span corruption.
+    """
+    if arch == "decoder":
+        return {"input_ids": windows[:, :-1], "targets": windows[:, 1:]}
+    if arch == "encoder":
+        return data.masked_lm_batch(windows, tokenizer, generator)
+    return data.span_corruption_batch(windows, tokenizer, generator)
+
+
+def batch_loss(model, batch: dict) -> torch.Tensor:
+    from flashformer.models import cross_entropy
+
+    if "targets" in batch:  # next-token targets are already aligned: no shift inside the model
+        return cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["targets"])
+    return model(**batch).loss
+
+
+RUNTIME_ONLY_FIELDS = {"activation_checkpointing", "attention_backend"}  # may change across a resume
+
+
+class Trainer:
+    """Builds a run (data, model, optimizer) and trains it; see the module docstring."""
+
+    def __init__(self, model_config, config: TrainConfig, out_dir: Path, resume: bool = False,
+                 show_progress: bool = True):
+        from flashformer.models import build
+
+        check_train_config(config)
+        self.config, self.out_dir, self.show_progress = config, Path(out_dir), show_progress
+        self.dist = Distributed.from_environment()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", self.dist.local_rank) if cuda else torch.device("cpu")
+        if config.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.run_data = prepare_data(config, self.out_dir / "data", self.dist.is_main, show_progress)
+        self.tokenizer = self.run_data.tokenizer
+
+        self.model_config = model_config.replace(
+            vocab_size=self.tokenizer.vocab_size,
+            activation_checkpointing=config.activation_checkpointing or model_config.activation_checkpointing,
+        )
+        if self.model_config.position == "learned" and config.seq_len > self.model_config.max_seq_len:
+            raise ValueError(
+                f"train.seq_len ({config.seq_len}) exceeds the model's learned positions "
+                f"(max_seq_len {self.model_config.max_seq_len})"
+            )
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        self.model = build(self.model_config)
+        resume_from = self._latest_checkpoint() if resume else None
+        if resume_from is not None:
+            ckpt.load_weights(resume_from, self.model)  # before sharding: a plain, checked load
+        self.model.to(self.device)
+        self.train_model = self._wrap(self.model)  # DDP / FSDP / compiled view used for training
+        self.optimizer = torch.optim.AdamW(
+            parameter_groups(self.model, config.weight_decay),
+            lr=config.lr, betas=(config.beta1, config.beta2),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: learning_rate(step, config) / config.lr
+        )
+        self.sampler = data.ShardedSampler(len(self.run_data.train), config.seed, self.dist.rank,
+                                           self.dist.world_size)
+        self.generator = torch.Generator().manual_seed(config.seed * 7919 + self.dist.rank)
+        torch.manual_seed(config.seed * 104729 + self.dist.rank)  # dropout differs across ranks
+        self.step = 0
+        self.tokens_seen = 0
+        if resume_from is not None:
+            self._load_state(resume_from)
+
+    def _wrap(self, model):
+        if self.dist.world_size > 1:
+            if self.config.distributed == "fsdp":
+                from torch.distributed.fsdp import fully_shard
+
+                for module in model.modules():
+                    if type(module).__name__ in ("EncoderBlock", "DecoderBlock"):
+                        fully_shard(module)
+                model = fully_shard(model)
+            else:
+                from torch.nn.parallel import DistributedDataParallel
+
+                model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.index else None)
+        if self.config.compile:
+            model = torch.compile(model)
+        return model
+
+    # ---- checkpoints ----
+
+    def _full_states(self) -> tuple[dict, dict]:
+        """Whole (unsharded) model and optimizer state dicts, on the CPU;
+        collective under FSDP, so every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=options)
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return weights, optimizer
+
+    def save(self) -> Path | None:
+        weights, optimizer_state = self._full_states()
+        rank_state = {
+            "rng": torch.get_rng_state(),
+            "generator": self.generator.get_state(),
+            "sampler": self.sampler.state_dict(),
+        }
+        ranks = [rank_state]
+        if self.dist.world_size > 1:
+            ranks = [None] * self.dist.world_size
+            dist.all_gather_object(ranks, rank_state)
+        if not self.dist.is_main:
+            return None
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "ranks": ranks,
+        }
+        extra = {
+            "config.json": json.dumps({"model": self.model_config.to_dict(),
+                                       "train": dataclasses.asdict(self.config)}, indent=2),
+            "tokenizer.json": (self.out_dir / "data" / "tokenizer.json").read_text(),
+        }
+        return ckpt.save_checkpoint(self.out_dir, self.step, weights, state, extra, self.config.keep_last)
+
+    def _latest_checkpoint(self) -> Path:
+        found = ckpt.list_checkpoints(self.out_dir)
+        if not found:
+            raise ckpt.CheckpointError(f"--resume: no checkpoint in {self.out_dir}")
+        folder = found[-1]
+        ckpt.verify_checkpoint(folder)
+        saved = json.loads((folder / "config.json").read_text())["model"]
+        ours = self.model_config.to_dict()
+        changed = sorted(k for k in set(saved) | set(ours)
+                         if k not in RUNTIME_ONLY_FIELDS and saved.get(k) != ours.get(k))
+        if changed:
+            raise ckpt.CheckpointError(
+                f"checkpoint {folder} was made with another model config: "
+                + ", ".join(f"{k} {saved.get(k)!r} != {ours.get(k)!r}" for k in changed)
+            )
+        return folder
+
+    def _load_state(self, folder: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = ckpt.load_trainer_state(folder)
+        if len(state["ranks"]) != self.dist.world_size:
+            raise ckpt.CheckpointError(
+                f"checkpoint {folder} was written by {len(state['ranks'])} process(es); "
+                f"this run has {self.dist.world_size}"
+            )
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        mine = state["ranks"][self.dist.rank]
+        self.sampler.load_state_dict(mine["sampler"])
+        self.generator.set_state(mine["generator"])
+        torch.set_rng_state(mine["rng"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        if self.dist.is_main:
+            print(f"resumed from {folder} at step {self.step}", flush=True)
+
+    # ---- the loop ----
+
+    def _autocast(self):
+        enabled = self.config.precision == "bf16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _batch(self, indices: list[int], source: data.PackedSequences, generator) -> dict:
+        batch = make_batch(self.model_config.arch, source.windows(indices), self.tokenizer, generator)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _train_step(self) -> float:
+        """One optimizer step over grad_accum micro-batches; returns the mean loss."""
+        cfg = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.step, cfg)
+        self.train_model.train()
+        total = 0.0
+        for micro in range(cfg.grad_accum):
+            batch = self._batch(self.sampler.next_indices(cfg.batch_size), self.run_data.train, self.generator)
+            last = micro == cfg.grad_accum - 1
+            sync = contextlib.nullcontext()
+            if not last and hasattr(self.train_model, "no_sync"):  # DDP: all-reduce once per step
+                sync = self.train_model.no_sync()
+            with sync:
+                with self._autocast():
+                    loss = batch_loss(self.train_model, batch) / cfg.grad_accum
+                loss.backward()
+            total += loss.item()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss on a fixed set of windows (the same at every evaluation)."""
+        cfg = self.config
+        count = min(len(self.run_data.val), cfg.eval_batches * cfg.batch_size)
+        order = torch.randperm(len(self.run_data.val), generator=torch.Generator().manual_seed(cfg.seed))
+        mine = order[:count][self.dist.rank :: self.dist.world_size].tolist()
+        generator = torch.Generator().manual_seed(cfg.seed + 1)  # same masks / spans every evaluation
+        self.train_model.eval()
+        losses = []
+        for start in range(0, len(mine), cfg.batch_size):
+            batch = self._batch(mine[start : start + cfg.batch_size], self.run_data.val, generator)
+            with self._autocast():
+                losses.append(batch_loss(self.train_model, batch).item())
+        val_loss = self.dist.all_mean(sum(losses) / max(1, len(losses)))
+        result = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50))}
+        if self.model_config.arch == "decoder":  # a per-byte figure is meaningful for next-token loss
+            result["val_bits_per_byte"] = val_loss / math.log(2) / self.run_data.val_bytes_per_token
+        return result
+
+    def sample(self, seed: int = 0) -> str:
+        """A continuation of the sample prompt (decoders), for a look at what the model learned."""
+        if self.model_config.arch != "decoder" or not hasattr(self.model, "generate"):
+            return ""
+        prompt = self.tokenizer.encode(self.config.sample_prompt) or [self.tokenizer.token_id(data.EOS)]
+        input_ids = torch.tensor([prompt], device=self.device)
+        self.model.eval()
+        with torch.no_grad(), self._autocast():
+            out = self.model.generate(input_ids, max_new_tokens=self.config.sample_tokens, do_sample=True,
+                                      temperature=0.8, top_k=50, seed=seed)
+        return self.tokenizer.decode(out[0].tolist())
+
+    def fit(self) -> dict:
+        from tqdm import tqdm
+
+        cfg, is_main = self.config, self.dist.is_main
+        started = time.perf_counter()
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
+        progress = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not (self.show_progress and is_main))
+        if is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            print(f"model: {self.model_config.arch}, {self.model.num_parameters() / 1e6:.2f}M parameters; "
+                  f"{tokens_per_step} tokens per step; unigram entropy of the validation text "
+                  f"{self.run_data.unigram_bits_per_byte:.3f} bits/byte", flush=True)
+        window_started, window_tokens, last_eval = time.perf_counter(), 0, None
+        with GracefulInterrupt() as interrupt:
+            while self.step < cfg.max_steps:
+                loss = self.dist.all_mean(self._train_step())
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                window_tokens += tokens_per_step
+                record = None
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                    rate = window_tokens / (time.perf_counter() - window_started)
+                    window_started, window_tokens = time.perf_counter(), 0
+                    record = {"step": self.step, "loss": loss, "lr": learning_rate(self.step - 1, cfg),
+                              "tokens_per_s": rate, "tokens": self.tokens_seen,
+                              "elapsed_s": time.perf_counter() - started}
+                    progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+                if self.step % cfg.eval_every == 0:
+                    last_eval = self.evaluate()
+                    record = dict(record or {"step": self.step, "loss": loss}, **last_eval)
+                if record is not None and is_main:
+                    self._log(record)
+                if self.step % cfg.save_every == 0:
+                    self.save()
+                progress.update(1)
+                out_of_time = cfg.max_minutes > 0 and elapsed_minutes(started) >= cfg.max_minutes
+                if self._anyone(interrupt.requested or out_of_time):
+                    break
+        progress.close()
+        if last_eval is None or self.step % cfg.eval_every != 0:
+            last_eval = self.evaluate()
+            if is_main:
+                self._log(dict({"step": self.step}, **last_eval))
+        folder = self.save()
+        sample = self.sample()
+        summary = {"step": self.step, "checkpoint": str(folder) if folder else None, **last_eval,
+                   "unigram_bits_per_byte": self.run_data.unigram_bits_per_byte,
+                   "interrupted": interrupt.requested, "sample": sample,
+                   "minutes": elapsed_minutes(started)}
+        if is_main:
+            plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
+                        self.run_data.unigram_bits_per_byte)
+        return summary
+
+    def _anyone(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (so all ranks stop together)."""
+        if self.dist.world_size == 1:
+            return flag
+        tensor = torch.tensor([int(flag)], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    def _log(self, record: dict) -> None:
+        with open(self.out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def plot_losses(metrics_path: Path, png_path: Path, unigram_bits_per_byte: float | None = None) -> None:
+    """Training and validation loss against steps; validation bits per byte
+    beside the corpus' unigram entropy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    bpb = [(r["step"], r["val_bits_per_byte"]) for r in records if "val_bits_per_byte" in r]
+    fig, axes = plt.subplots(1, 2 if bpb else 1, figsize=(12 if bpb else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    if train:
+        ax.plot(*zip(*train), label="train loss", alpha=0.8)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if bpb:
+        ax = axes[0][1]
+        ax.plot(*zip(*bpb), "o-", color="tab:orange", label="validation")
+        if unigram_bits_per_byte is not None:
+            ax.axhline(unigram_bits_per_byte, color="gray", linestyle="--", label="unigram entropy")
+        ax.set_xlabel("step")
+        ax.set_ylabel("bits per byte")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the command line: flashformer train ----
+
+DEFAULT_PRESET = "gpt-mini"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", help="a YAML file with `model:` and `train:` sections")
+    parser.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET})")
+    parser.add_argument("--data", nargs="+", help="files, folders or glob patterns (default: Python's stdlib)")
+    parser.add_argument("--out", help="run folder (default runs/<preset>)")
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def configs_from_args(args, extra: list[str]):
+    """(ModelConfig, TrainConfig, out_dir) from a YAML file, flags and
+    --model.FIELD / --train.FIELD overrides (later ones win)."""
+    from flashformer.config import ModelConfig, preset
+
+    file = {}
+    if args.config:
+        import yaml
+
+        file = yaml.safe_load(Path(args.config).read_text()) or {}
+        unknown = sorted(set(file) - {"model", "train"})
+        if unknown:
+            raise ValueError(f"{args.config}: unknown sections {unknown}; expected 'model' and 'train'")
+    model_fields = dict(file.get("model") or {})
+    train_fields = dict(file.get("train") or {})
+    overrides = parse_dotted(extra)
+    model_fields.update(overrides.get("model", {}))
+    train_fields.update(overrides.get("train", {}))
+    preset_name = args.preset or model_fields.pop("preset", None) or DEFAULT_PRESET
+    model_fields.pop("preset", None)
+    hints = typing.get_type_hints(ModelConfig)
+    unknown = sorted(set(model_fields) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown model fields {unknown}")
+    model_config = preset(preset_name, **{k: convert(v, hints[k], f"model.{k}") for k, v in model_fields.items()})
+    train_config = TrainConfig()
+    train_hints = typing.get_type_hints(TrainConfig)
+    for name, value in train_fields.items():
+        if name not in train_hints:
+            raise ValueError(f"unknown train field {name!r}; known: {sorted(train_hints)}")
+        setattr(train_config, name, convert(value, train_hints[name], f"train.{name}"))
+    if args.data:
+        train_config.data = list(args.data)
+    if args.max_steps is not None:
+        train_config.max_steps = args.max_steps
+    out_dir = Path(args.out or f"runs/{preset_name}")
+    return model_config, train_config, out_dir
+
+
+def parse_dotted(extra: list[str]) -> dict[str, dict[str, str]]:
+    """['--train.lr', '3e-4', '--model.n_layers=6'] -> {'train': {'lr': '3e-4'}, 'model': {...}}."""
+    result: dict[str, dict[str, str]] = {"model": {}, "train": {}}
+    items = list(extra)
+    while items:
+        flag = items.pop(0)
+        if not flag.startswith("--") or "." not in flag:
+            raise ValueError(f"unexpected argument {flag!r}; overrides look like --train.lr 3e-4 or --model.n_layers 6")
+        key, _, value = flag[2:].partition("=")
+        if not value:
+            if not items:
+                raise ValueError(f"{flag} needs a value")
+            value = items.pop(0)
+        section, _, name = key.partition(".")
+        if section not in result:
+            raise ValueError(f"unknown section in {flag!r}; use --model.FIELD or --train.FIELD")
+        result[section][name.replace("-", "_")] = value
+    return result
+
+
+def main_from_args(args, extra: list[str]) -> dict:
+    model_config, train_config, out_dir = configs_from_args(args, extra)
+    trainer = Trainer(model_config, train_config, out_dir, resume=args.resume, show_progress=not args.no_progress)
+    summary = trainer.fit()
+    if trainer.dist.is_main:
+        print()
+        print(f"step {summary['step']}: validation loss {summary['val_loss']:.4f} "
+              f"(perplexity {summary['val_perplexity']:.2f})")
+        if "val_bits_per_byte" in summary:
+            print(f"validation {summary['val_bits_per_byte']:.3f} bits/byte; unigram entropy of the text "
+                  f"{summary['unigram_bits_per_byte']:.3f} bits/byte")
+        if summary["sample"]:
+            print("\n---- sample ----")
+            print(summary["sample"])
+            print("----------------")
+        print(f"checkpoint: {summary['checkpoint']}")
+        print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
