@@ -1,6 +1,25 @@
 """flashformer: the Transformer, exact, IO-aware and measured."""
 
 from flashformer.attention.api import attention
+from flashformer.config import ModelConfig, preset
+from flashformer.models import DecoderModel, EncoderDecoderModel, EncoderModel, ModelOutput, build
 
 __version__ = "0.1.0"
-__all__ = ["attention"]
+__all__ = [
+    "attention",
+    "build",
+    "from_pretrained",
+    "preset",
+    "ModelConfig",
+    "ModelOutput",
+    "EncoderModel",
+    "DecoderModel",
+    "EncoderDecoderModel",
+]
+
+
+def from_pretrained(folder, dtype=None):
+    """A model from a Hugging Face checkpoint folder (bert, gpt2, t5, llama); see flashformer.hf."""
+    from flashformer.hf import from_pretrained as _from_pretrained
+
+    return _from_pretrained(folder, dtype=dtype)

@@ -1,0 +1,598 @@
+"""The three model families: EncoderModel (BERT), DecoderModel (GPT-2,
+LLaMA) and EncoderDecoderModel (T5), built from one ModelConfig.
+
+    model = flashformer.build("gpt2")                    # a preset, randomly initialized
+    out = model(input_ids, attention_mask=mask, labels=input_ids)
+    out.logits, out.last_hidden_state, out.loss
+
+Every forward checks its inputs (ids in range, masks shaped like the ids,
+sequences within the learned positions) before any computation and raises a
+ValueError that names the argument. The value checks read tensor contents,
+so they are skipped while torch.compile traces the model; shape and dtype
+checks always run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from flashformer.config import ModelConfig, preset
+from flashformer.layers import ACTIVATIONS, DecoderBlock, EncoderBlock, Linear, linear, make_norm
+from flashformer.positional import (
+    AlibiPositions,
+    LearnedPositions,
+    NoAttentionPositions,
+    RelativePositionBias,
+    RotaryEmbedding,
+    SinusoidalPositions,
+)
+
+IGNORE_INDEX = -100  # label value that the loss skips, as in transformers
+
+
+@dataclass
+class ModelOutput:
+    """What a model returns; fields a model does not produce are None.
+
+    last_hidden_state: (B, L, d_model), after the final norm (the decoder's, for T5).
+    logits: (B, L, vocab_size) from the LM / masked-LM head.
+    loss: mean cross-entropy over labels != -100, when labels are given.
+    pooler_output: (B, d_model), an encoder's pooled [CLS] state.
+    encoder_last_hidden_state: (B, M, d_model), the encoder's output in an encoder-decoder.
+    """
+
+    last_hidden_state: Tensor
+    logits: Tensor | None = None
+    loss: Tensor | None = None
+    pooler_output: Tensor | None = None
+    encoder_last_hidden_state: Tensor | None = None
+
+
+# ---- embeddings ----
+
+
+class Embeddings(nn.Module):
+    """Token embeddings, plus absolute positions and token types where the
+    config has them, then (BERT) a norm, then dropout."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.positions = _absolute_positions(config)
+        self.token_types = (
+            nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        )
+        self.norm = make_norm(config) if config.embedding_norm else nn.Identity()
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        """input_ids (B, L), positions (L,) or (B, L) -> (B, L, d_model)."""
+        x = self.tokens(input_ids)  # (B, L, d_model)
+        if self.positions is not None:
+            x = x + self.positions(positions)
+        if self.token_types is not None:
+            # no token types given means every token is of type 0, as in BERT
+            x = x + (
+                self.token_types.weight[0] if token_type_ids is None else self.token_types(token_type_ids)
+            )
+        return self.dropout(self.norm(x))
+
+
+def _absolute_positions(config: ModelConfig) -> nn.Module | None:
+    if config.position == "learned":
+        return LearnedPositions(config.max_seq_len, config.d_model)
+    if config.position == "sinusoidal":
+        return SinusoidalPositions(config.d_model)
+    return None
+
+
+def _attention_positions(config: ModelConfig, bidirectional: bool) -> nn.Module:
+    """The positional module a stack shares among its layers' self-attention."""
+    if config.position == "rope":
+        return RotaryEmbedding(
+            config.dim_per_head, config.rotary_fraction, config.rope_theta, config.rope_scaling
+        )
+    if config.position == "relative":
+        return RelativePositionBias(
+            config.n_heads, config.relative_buckets, config.relative_max_distance, bidirectional=bidirectional
+        )
+    if config.position == "alibi":
+        return AlibiPositions(config.n_heads)
+    return NoAttentionPositions()
+
+
+# ---- stacks ----
+
+
+class Stack(nn.Module):
+    """n_layers blocks, what they share, and the closing norm.
+
+    With share_layers (ALBERT) one block's weights serve every layer. The
+    positional module (RoPE frequencies, T5's bias table, ALiBi slopes) is
+    the stack's, as T5 keeps its relative bias in the first block only and
+    every layer reuses it.
+    """
+
+    def __init__(self, config: ModelConfig, n_layers: int, make_block, bidirectional: bool):
+        super().__init__()
+        self.n_layers = n_layers
+        self.blocks = nn.ModuleList(make_block() for _ in range(1 if config.share_layers else n_layers))
+        self.positions = _attention_positions(config, bidirectional)
+        self.final_norm = make_norm(config) if config.prenorm else nn.Identity()
+        self.final_dropout = nn.Dropout(config.dropout if config.dropout_after_final_norm else 0.0)
+        self.activation_checkpointing = config.activation_checkpointing
+
+    def block(self, index: int) -> nn.Module:
+        return self.blocks[index % len(self.blocks)]
+
+    def run_block(self, index: int, x: Tensor, **kwargs) -> Tensor:
+        """One block; in training with activation checkpointing its activations
+        are recomputed in the backward pass instead of kept."""
+        if self.activation_checkpointing and self.training:
+            return checkpoint(self.block(index), x, use_reentrant=False, **kwargs)
+        return self.block(index)(x, **kwargs)
+
+    def finish(self, x: Tensor) -> Tensor:
+        return self.final_dropout(self.final_norm(x))
+
+
+class Encoder(Stack):
+    """A stack of EncoderBlocks: every token sees every (real) token."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, config.n_layers, lambda: EncoderBlock(config), bidirectional=True)
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None, positions: Tensor) -> Tensor:
+        """x (B, L, d_model), padding_mask (B, L) bool or None, positions (L,) -> (B, L, d_model)."""
+        position_args = self.positions.attention_args(positions, 0)
+        for index in range(self.n_layers):
+            x = self.run_block(index, x, padding_mask=padding_mask, **position_args)
+        return self.finish(x)
+
+
+class Decoder(Stack):
+    """A stack of DecoderBlocks: causal self-attention, and cross-attention
+    to an encoder's output when built with cross_attention=True."""
+
+    def __init__(self, config: ModelConfig, n_layers: int, cross_attention: bool = False):
+        super().__init__(config, n_layers, lambda: DecoderBlock(config, cross_attention), bidirectional=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None,
+        positions: Tensor,
+        *,
+        memory: Tensor | None = None,
+        memory_padding_mask: Tensor | None = None,
+        kv_caches: list | None = None,
+        cache_position: int = 0,
+    ) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model).
+
+        padding_mask: (B, cache_position + L) bool or None, over all keys so far.
+        kv_caches: one cache per layer (see layers.py), or None.
+        """
+        position_args = self.positions.attention_args(positions, cache_position)
+        for index in range(self.n_layers):
+            x = self.run_block(
+                index,
+                x,
+                padding_mask=padding_mask,
+                memory=memory,
+                memory_padding_mask=memory_padding_mask,
+                kv_cache=None if kv_caches is None else kv_caches[index],
+                cache_position=cache_position,
+                **position_args,
+            )
+        return self.finish(x)
+
+
+# ---- heads ----
+
+
+class Pooler(nn.Module):
+    """tanh(dense(h[:, 0])): BERT's sentence vector from the [CLS] token."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = Linear(config.d_model, config.d_model)
+
+    def forward(self, hidden: Tensor) -> Tensor:  # (B, L, d_model) -> (B, d_model)
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class MaskedLMHead(nn.Module):
+    """BERT's masked-LM head: dense, activation, norm, then the (usually tied)
+    output projection plus a per-token bias."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = Linear(config.d_model, config.d_model)
+        self.act = ACTIVATIONS[config.activation]()
+        self.norm = make_norm(config)
+        self.decoder = (
+            None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
+        )
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: Tensor, token_embedding: Tensor) -> Tensor:  # (B, L, d) -> (B, L, vocab)
+        weight = token_embedding if self.decoder is None else self.decoder.weight
+        return linear(self.norm(self.act(self.dense(hidden))), weight, self.bias)
+
+
+# ---- models ----
+
+
+class PreTrainedModel(nn.Module):
+    """What the three models share: the config, saving, counting."""
+
+    config: ModelConfig
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write config.json + model.safetensors that transformers loads into the same outputs."""
+        from flashformer.hf import save_pretrained
+
+        save_pretrained(self, folder)
+
+    def init_weights(self) -> None:
+        """GPT-2's scheme: weights N(0, init_std), biases 0, norms 1; the
+        projections that write into the residual stream (attn.out, ffn.down)
+        get std / sqrt(2 * layers), so the stream's variance does not grow
+        with depth. With scale_decoder_output (T5) the token embedding is
+        N(0, 1): the d_model^-0.5 rescale before the tied head expects
+        unit-scale embeddings."""
+        std = self.config.init_std
+        depth = self.config.n_layers + (
+            self.config.decoder_layers if self.config.arch == "encoder-decoder" else 0
+        )
+        for name, parameter in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(parameter)
+            elif parameter.dim() == 1:
+                nn.init.zeros_(parameter)
+            elif name.endswith(("attn.out.weight", "ffn.down.weight")):
+                nn.init.normal_(parameter, std=std / (2 * depth) ** 0.5)
+            else:
+                nn.init.normal_(parameter, std=std)
+        if self.config.scale_decoder_output:
+            nn.init.normal_(self.embeddings.tokens.weight, std=1.0)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _check_ids(self, name: str, ids: Tensor) -> None:
+        check_token_ids(name, ids, self.config.vocab_size)
+
+    def _positions(self, name: str, length: int, position_ids, cache_position: int, device) -> Tensor:
+        """Positions of the new tokens: (L,) from cache_position, or the given (B, L) / (L,) position_ids."""
+        if position_ids is None:
+            positions = torch.arange(cache_position, cache_position + length, device=device)
+        else:
+            positions = position_ids
+        if self.config.position == "learned" and not torch.compiler.is_compiling():
+            last = int(positions.max()) if position_ids is not None else cache_position + length - 1
+            if last >= self.config.max_seq_len:
+                raise ValueError(
+                    f"{name} reaches position {last}, beyond the {self.config.max_seq_len} learned positions "
+                    f"(max_seq_len); got length {length} after {cache_position} cached tokens"
+                )
+        return positions
+
+
+class EncoderModel(PreTrainedModel):
+    """BERT-style: embeddings with token types, a bidirectional encoder, and
+    optionally the [CLS] pooler and the masked-LM head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        _check_arch(config, "encoder")
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.encoder = Encoder(config)
+        self.pooler = Pooler(config) if config.pooler else None
+        self.mlm_head = MaskedLMHead(config) if config.mlm_head else None
+        self.init_weights()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> ModelOutput:
+        """input_ids (B, L); attention_mask (B, L), 1/True = real token; token_type_ids (B, L);
+        labels (B, L) with -100 where no prediction is scored."""
+        self._check_ids("input_ids", input_ids)
+        padding_mask = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
+        check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
+        check_labels(labels, tuple(input_ids.shape), self.config.vocab_size, self.mlm_head is not None)
+        positions = self._positions("input_ids", input_ids.shape[1], position_ids, 0, input_ids.device)
+
+        hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
+        hidden = self.encoder(hidden, padding_mask, positions)
+        pooled = self.pooler(hidden) if self.pooler is not None else None
+        logits = self.mlm_head(hidden, self.embeddings.tokens.weight) if self.mlm_head is not None else None
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss, pooler_output=pooled)
+
+
+class DecoderModel(PreTrainedModel):
+    """GPT-2 / LLaMA style: embeddings, a causal decoder, and an LM head tied
+    to the token embedding or its own."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        _check_arch(config, "decoder")
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.decoder = Decoder(config, config.n_layers)
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
+        )
+        self.init_weights()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        kv_caches: list | None = None,
+        cache_position: int = 0,
+        token_type_ids: Tensor | None = None,
+    ) -> ModelOutput:
+        """input_ids (B, L): the new tokens (all of them without a cache).
+
+        attention_mask: (B, cache_position + L), 1/True = real token, over cached and new tokens.
+        labels: (B, L); the loss predicts token t+1 from tokens <= t (shifted inside, as in transformers).
+        kv_caches, cache_position: one cache per layer (see layers.py) and how many tokens it holds.
+        """
+        self._check_ids("input_ids", input_ids)
+        batch, length = input_ids.shape
+        padding_mask = padding_mask_from("attention_mask", attention_mask, (batch, cache_position + length))
+        check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
+        check_labels(labels, (batch, length), self.config.vocab_size)
+        _check_caches(kv_caches, self.config.n_layers)
+        positions = self._positions("input_ids", length, position_ids, cache_position, input_ids.device)
+
+        hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
+        hidden = self.decoder(
+            hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
+        )
+        logits = linear(hidden, self.output_embedding)  # (B, L, vocab)
+        loss = None
+        if labels is not None:
+            # position t predicts label t+1: shift the labels, not the (large) logits
+            loss = cross_entropy(logits, F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:])
+        return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss)
+
+    @property
+    def output_embedding(self) -> Tensor:
+        return self.embeddings.tokens.weight if self.lm_head is None else self.lm_head.weight
+
+
+class EncoderDecoderModel(PreTrainedModel):
+    """T5 style: one token embedding shared by the encoder, the decoder and
+    (when tied) the LM head; the decoder cross-attends to the encoder's output.
+    With scale_decoder_output the decoder's output is multiplied by
+    d_model^-0.5 before the head, which T5 does when the head is tied."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        _check_arch(config, "encoder-decoder")
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config, config.decoder_layers, cross_attention=True)
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
+        )
+        self.output_scale = config.d_model**-0.5 if config.scale_decoder_output else 1.0
+        self.init_weights()
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """input_ids (B, M) -> the encoder's output (B, M, d_model)."""
+        self._check_ids("input_ids", input_ids)
+        padding_mask = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
+        positions = self._positions("input_ids", input_ids.shape[1], None, 0, input_ids.device)
+        return self.encoder(self.embeddings(input_ids, positions), padding_mask, positions)
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        decoder_input_ids: Tensor | None = None,
+        decoder_attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        encoder_outputs: Tensor | ModelOutput | None = None,
+        kv_caches: list | None = None,
+        cache_position: int = 0,
+    ) -> ModelOutput:
+        """input_ids (B, M) and attention_mask (B, M) for the encoder;
+        decoder_input_ids (B, L) and decoder_attention_mask (B, cache_position + L) for the decoder.
+
+        Without decoder_input_ids, labels (B, L) shifted right (starting with
+        decoder_start_token_id) become them, as in transformers. encoder_outputs
+        (the encoder's output, or a ModelOutput holding it) skips the encoder.
+        """
+        if decoder_input_ids is None and labels is None:
+            raise ValueError(
+                "EncoderDecoderModel needs decoder_input_ids (or labels, which are shifted right to make them); "
+                "got neither"
+            )
+        if input_ids is None and encoder_outputs is None:
+            raise ValueError("EncoderDecoderModel needs input_ids (or encoder_outputs); got neither")
+        if decoder_input_ids is None:
+            check_labels(labels, tuple(labels.shape), self.config.vocab_size)
+            decoder_input_ids = self.shift_right(labels)
+        self._check_ids("decoder_input_ids", decoder_input_ids)
+        batch, length = decoder_input_ids.shape
+        decoder_padding = padding_mask_from(
+            "decoder_attention_mask", decoder_attention_mask, (batch, cache_position + length)
+        )
+        check_labels(labels, (batch, length), self.config.vocab_size)
+        _check_caches(kv_caches, self.config.decoder_layers)
+        if encoder_outputs is None:
+            self._check_ids("input_ids", input_ids)
+            memory_padding = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
+            memory = self.encode(input_ids, attention_mask)  # (B, M, d_model)
+        else:
+            memory = (
+                encoder_outputs.last_hidden_state
+                if isinstance(encoder_outputs, ModelOutput)
+                else encoder_outputs
+            )
+            memory_padding = padding_mask_from("attention_mask", attention_mask, tuple(memory.shape[:2]))
+        positions = self._positions(
+            "decoder_input_ids", length, None, cache_position, decoder_input_ids.device
+        )
+
+        hidden = self.embeddings(decoder_input_ids, positions)  # (B, L, d_model)
+        hidden = self.decoder(
+            hidden,
+            decoder_padding,
+            positions,
+            memory=memory,
+            memory_padding_mask=memory_padding,
+            kv_caches=kv_caches,
+            cache_position=cache_position,
+        )
+        logits = linear(hidden * self.output_scale, self.output_embedding)  # (B, L, vocab)
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        return ModelOutput(
+            last_hidden_state=hidden, logits=logits, loss=loss, encoder_last_hidden_state=memory
+        )
+
+    @property
+    def output_embedding(self) -> Tensor:
+        return self.embeddings.tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def shift_right(self, labels: Tensor) -> Tensor:
+        """decoder_start_token_id, then labels[:, :-1], with -100 replaced by the pad token."""
+        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
+        if start is None or pad is None:
+            raise ValueError(
+                "shifting labels into decoder_input_ids needs config.decoder_start_token_id and "
+                f"config.pad_token_id; got {start} and {pad}"
+            )
+        shifted = torch.cat((torch.full_like(labels[:, :1], start), labels[:, :-1]), dim=1)
+        return shifted.masked_fill(shifted == IGNORE_INDEX, pad)
+
+
+MODEL_CLASSES = {"encoder": EncoderModel, "decoder": DecoderModel, "encoder-decoder": EncoderDecoderModel}
+
+
+def build(config: ModelConfig | str, **overrides) -> PreTrainedModel:
+    """A randomly initialized model from a ModelConfig or a preset name
+    (flashformer.config.PRESETS), with any config fields overridden."""
+    if isinstance(config, str):
+        config = preset(config, **overrides)
+    elif isinstance(config, ModelConfig):
+        config = config.replace(**overrides) if overrides else config
+    else:
+        raise TypeError(f"build() takes a ModelConfig or a preset name; got {type(config).__name__}")
+    return MODEL_CLASSES[config.arch](config)
+
+
+# ---- loss ----
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean token cross-entropy in float32 over labels != -100."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+# ---- input checks (before any compute) ----
+
+
+def _check_arch(config: ModelConfig, arch: str) -> None:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig; got {type(config).__name__}")
+    if config.arch != arch:
+        raise ValueError(f"this model needs config.arch == {arch!r}; got {config.arch!r}")
+
+
+def _check_int_tensor(name: str, t, what: str) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of {what}; got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer {what}; got dtype {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must have shape (batch, length); got shape {tuple(t.shape)}")
+    if t.shape[1] == 0:
+        raise ValueError(f"{name} must hold at least one token; got shape {tuple(t.shape)}")
+
+
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    _check_int_tensor(name, ids, "token ids")
+    if not torch.compiler.is_compiling():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name} must be in [0, vocab_size={vocab_size}); got a token id {bad}")
+
+
+def check_token_types(token_type_ids, input_ids: Tensor, type_vocab_size: int) -> None:
+    if token_type_ids is None:
+        return
+    if type_vocab_size == 0:
+        raise ValueError("token_type_ids were given, but this model has no token types (type_vocab_size=0)")
+    _check_int_tensor("token_type_ids", token_type_ids, "token types")
+    if token_type_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"token_type_ids must have the shape of input_ids {tuple(input_ids.shape)}; "
+            f"got {tuple(token_type_ids.shape)}"
+        )
+    if not torch.compiler.is_compiling():
+        low, high = int(token_type_ids.min()), int(token_type_ids.max())
+        if low < 0 or high >= type_vocab_size:
+            raise ValueError(
+                f"token_type_ids must be in [0, type_vocab_size={type_vocab_size}); got {low if low < 0 else high}"
+            )
+
+
+def check_labels(labels, shape: tuple[int, int], vocab_size: int, has_head: bool = True) -> None:
+    if labels is None:
+        return
+    if not has_head:
+        raise ValueError("labels were given, but this model has no head to score them (mlm_head=False)")
+    _check_int_tensor("labels", labels, "token ids")
+    if tuple(labels.shape) != shape:
+        raise ValueError(f"labels must have shape {shape}; got {tuple(labels.shape)}")
+    if not torch.compiler.is_compiling():
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+        if bool(bad.any()):
+            raise ValueError(
+                f"labels must be in [0, vocab_size={vocab_size}) or {IGNORE_INDEX} (ignored); "
+                f"got {int(labels[bad][0])}"
+            )
+
+
+def padding_mask_from(name: str, attention_mask, shape: tuple[int, int]) -> Tensor | None:
+    """A (B, L) attention mask (1/True = real token, 0/False = padding) as a bool key padding mask."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor):
+        raise ValueError(
+            f"{name} must be a torch.Tensor of shape {shape}; got {type(attention_mask).__name__}"
+        )
+    if tuple(attention_mask.shape) != shape:
+        raise ValueError(
+            f"{name} must have shape {shape} (batch, keys: cached + new tokens); got {tuple(attention_mask.shape)}"
+        )
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+
+
+def _check_caches(kv_caches, n_layers: int) -> None:
+    if kv_caches is not None and len(kv_caches) != n_layers:
+        raise ValueError(f"kv_caches must hold one cache per layer ({n_layers}); got {len(kv_caches)}")
