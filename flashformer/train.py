@@ -110,8 +110,17 @@ def convert(value, hint, name: str):
 
 
 def check_train_config(config: TrainConfig) -> None:
-    positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
-                "log_every", "save_every", "vocab_size")
+    positive = (
+        "seq_len",
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "save_every",
+        "vocab_size",
+    )
     for name in positive:
         if getattr(config, name) < 1:
             raise ValueError(f"train.{name} must be >= 1; got {getattr(config, name)}")
@@ -122,7 +131,9 @@ def check_train_config(config: TrainConfig) -> None:
     if config.distributed not in ("ddp", "fsdp"):
         raise ValueError(f"train.distributed must be 'ddp' or 'fsdp'; got {config.distributed!r}")
     if not (0 < config.lr and 0 <= config.min_lr <= config.lr):
-        raise ValueError(f"need 0 < train.lr and 0 <= train.min_lr <= train.lr; got {config.lr}, {config.min_lr}")
+        raise ValueError(
+            f"need 0 < train.lr and 0 <= train.min_lr <= train.lr; got {config.lr}, {config.min_lr}"
+        )
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
@@ -246,8 +257,11 @@ def prepare_data(config: TrainConfig, data_dir: Path, is_main: bool, show_progre
             data_dir.mkdir(parents=True, exist_ok=True)
             stamp.unlink(missing_ok=True)
             if config.tokenizer == "bpe":
-                print(f"training a byte-level BPE tokenizer ({config.vocab_size} tokens) "
-                      f"on {len(train_docs)} files", flush=True)
+                print(
+                    f"training a byte-level BPE tokenizer ({config.vocab_size} tokens) "
+                    f"on {len(train_docs)} files",
+                    flush=True,
+                )
                 tokenizer = data.BPETokenizer.train(train_docs, config.vocab_size, show_progress)
             else:
                 tokenizer = data.ByteTokenizer()
@@ -256,7 +270,9 @@ def prepare_data(config: TrainConfig, data_dir: Path, is_main: bool, show_progre
             data.write_token_file(val_docs, tokenizer, data_dir / "val.bin", show_progress)
             val_bytes = sum(len(data.read_text(d.path).encode("utf-8")) for d in val_docs)
             entropy = unigram_bits_per_byte(val_docs)
-            save_json_atomic(data_dir / "stats.json", {"val_bytes": val_bytes, "unigram_bits_per_byte": entropy})
+            save_json_atomic(
+                data_dir / "stats.json", {"val_bytes": val_bytes, "unigram_bits_per_byte": entropy}
+            )
             save_json_atomic(stamp, fingerprint)  # last: its presence says the rest is complete
     if dist.is_initialized():
         dist.barrier()
@@ -314,8 +330,14 @@ RUNTIME_ONLY_FIELDS = {"activation_checkpointing", "attention_backend"}  # may c
 class Trainer:
     """Builds a run (data, model, optimizer) and trains it; see the module docstring."""
 
-    def __init__(self, model_config, config: TrainConfig, out_dir: Path, resume: bool = False,
-                 show_progress: bool = True):
+    def __init__(
+        self,
+        model_config,
+        config: TrainConfig,
+        out_dir: Path,
+        resume: bool = False,
+        show_progress: bool = True,
+    ):
         from flashformer.models import build
 
         check_train_config(config)
@@ -346,13 +368,15 @@ class Trainer:
         self.train_model = self._wrap(self.model)  # DDP / FSDP / compiled view used for training
         self.optimizer = torch.optim.AdamW(
             parameter_groups(self.model, config.weight_decay),
-            lr=config.lr, betas=(config.beta1, config.beta2),
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: learning_rate(step, config) / config.lr
         )
-        self.sampler = data.ShardedSampler(len(self.run_data.train), config.seed, self.dist.rank,
-                                           self.dist.world_size)
+        self.sampler = data.ShardedSampler(
+            len(self.run_data.train), config.seed, self.dist.rank, self.dist.world_size
+        )
         self.generator = torch.Generator().manual_seed(config.seed * 7919 + self.dist.rank)
         torch.manual_seed(config.seed * 104729 + self.dist.rank)  # dropout differs across ranks
         self.step = 0
@@ -372,7 +396,9 @@ class Trainer:
             else:
                 from torch.nn.parallel import DistributedDataParallel
 
-                model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.index else None)
+                model = DistributedDataParallel(
+                    model, device_ids=[self.device.index] if self.device.index else None
+                )
         if self.config.compile:
             model = torch.compile(model)
         return model
@@ -414,8 +440,9 @@ class Trainer:
             "ranks": ranks,
         }
         extra = {
-            "config.json": json.dumps({"model": self.model_config.to_dict(),
-                                       "train": dataclasses.asdict(self.config)}, indent=2),
+            "config.json": json.dumps(
+                {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.config)}, indent=2
+            ),
             "tokenizer.json": (self.out_dir / "data" / "tokenizer.json").read_text(),
         }
         return ckpt.save_checkpoint(self.out_dir, self.step, weights, state, extra, self.config.keep_last)
@@ -428,8 +455,9 @@ class Trainer:
         ckpt.verify_checkpoint(folder)
         saved = json.loads((folder / "config.json").read_text())["model"]
         ours = self.model_config.to_dict()
-        changed = sorted(k for k in set(saved) | set(ours)
-                         if k not in RUNTIME_ONLY_FIELDS and saved.get(k) != ours.get(k))
+        changed = sorted(
+            k for k in set(saved) | set(ours) if k not in RUNTIME_ONLY_FIELDS and saved.get(k) != ours.get(k)
+        )
         if changed:
             raise ckpt.CheckpointError(
                 f"checkpoint {folder} was made with another model config: "
@@ -446,8 +474,9 @@ class Trainer:
                 f"checkpoint {folder} was written by {len(state['ranks'])} process(es); "
                 f"this run has {self.dist.world_size}"
             )
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         mine = state["ranks"][self.dist.rank]
         self.sampler.load_state_dict(mine["sampler"])
@@ -475,7 +504,9 @@ class Trainer:
         self.train_model.train()
         total = 0.0
         for micro in range(cfg.grad_accum):
-            batch = self._batch(self.sampler.next_indices(cfg.batch_size), self.run_data.train, self.generator)
+            batch = self._batch(
+                self.sampler.next_indices(cfg.batch_size), self.run_data.train, self.generator
+            )
             last = micro == cfg.grad_accum - 1
             sync = contextlib.nullcontext()
             if not last and hasattr(self.train_model, "no_sync"):  # DDP: all-reduce once per step
@@ -520,8 +551,14 @@ class Trainer:
         input_ids = torch.tensor([prompt], device=self.device)
         self.model.eval()
         with torch.no_grad(), self._autocast():
-            out = self.model.generate(input_ids, max_new_tokens=self.config.sample_tokens, do_sample=True,
-                                      temperature=0.8, top_k=50, seed=seed)
+            out = self.model.generate(
+                input_ids,
+                max_new_tokens=self.config.sample_tokens,
+                do_sample=True,
+                temperature=0.8,
+                top_k=50,
+                seed=seed,
+            )
         return self.tokenizer.decode(out[0].tolist())
 
     def fit(self) -> dict:
@@ -530,13 +567,22 @@ class Trainer:
         cfg, is_main = self.config, self.dist.is_main
         started = time.perf_counter()
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
-        progress = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not (self.show_progress and is_main))
+        progress = tqdm(
+            total=cfg.max_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (self.show_progress and is_main),
+        )
         if is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            print(f"model: {self.model_config.arch}, {self.model.num_parameters() / 1e6:.2f}M parameters; "
-                  f"{tokens_per_step} tokens per step; unigram entropy of the validation text "
-                  f"{self.run_data.unigram_bits_per_byte:.3f} bits/byte", flush=True)
+            print(
+                f"model: {self.model_config.arch}, {self.model.num_parameters() / 1e6:.2f}M parameters; "
+                f"{tokens_per_step} tokens per step; unigram entropy of the validation text "
+                f"{self.run_data.unigram_bits_per_byte:.3f} bits/byte",
+                flush=True,
+            )
         window_started, window_tokens, last_eval = time.perf_counter(), 0, None
         with GracefulInterrupt() as interrupt:
             while self.step < cfg.max_steps:
@@ -548,9 +594,14 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                     rate = window_tokens / (time.perf_counter() - window_started)
                     window_started, window_tokens = time.perf_counter(), 0
-                    record = {"step": self.step, "loss": loss, "lr": learning_rate(self.step - 1, cfg),
-                              "tokens_per_s": rate, "tokens": self.tokens_seen,
-                              "elapsed_s": time.perf_counter() - started}
+                    record = {
+                        "step": self.step,
+                        "loss": loss,
+                        "lr": learning_rate(self.step - 1, cfg),
+                        "tokens_per_s": rate,
+                        "tokens": self.tokens_seen,
+                        "elapsed_s": time.perf_counter() - started,
+                    }
                     progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
                 if self.step % cfg.eval_every == 0:
                     last_eval = self.evaluate()
@@ -570,13 +621,19 @@ class Trainer:
                 self._log(dict({"step": self.step}, **last_eval))
         folder = self.save()
         sample = self.sample()
-        summary = {"step": self.step, "checkpoint": str(folder) if folder else None, **last_eval,
-                   "unigram_bits_per_byte": self.run_data.unigram_bits_per_byte,
-                   "interrupted": interrupt.requested, "sample": sample,
-                   "minutes": elapsed_minutes(started)}
+        summary = {
+            "step": self.step,
+            "checkpoint": str(folder) if folder else None,
+            **last_eval,
+            "unigram_bits_per_byte": self.run_data.unigram_bits_per_byte,
+            "interrupted": interrupt.requested,
+            "sample": sample,
+            "minutes": elapsed_minutes(started),
+        }
         if is_main:
-            plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
-                        self.run_data.unigram_bits_per_byte)
+            plot_losses(
+                self.out_dir / "metrics.jsonl", self.out_dir / "loss.png", self.run_data.unigram_bits_per_byte
+            )
         return summary
 
     def _anyone(self, flag: bool) -> bool:
@@ -637,7 +694,9 @@ DEFAULT_PRESET = "gpt-mini"
 def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?", help="a YAML file with `model:` and `train:` sections")
     parser.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET})")
-    parser.add_argument("--data", nargs="+", help="files, folders or glob patterns (default: Python's stdlib)")
+    parser.add_argument(
+        "--data", nargs="+", help="files, folders or glob patterns (default: Python's stdlib)"
+    )
     parser.add_argument("--out", help="run folder (default runs/<preset>)")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -668,7 +727,9 @@ def configs_from_args(args, extra: list[str]):
     unknown = sorted(set(model_fields) - set(hints))
     if unknown:
         raise ValueError(f"unknown model fields {unknown}")
-    model_config = preset(preset_name, **{k: convert(v, hints[k], f"model.{k}") for k, v in model_fields.items()})
+    model_config = preset(
+        preset_name, **{k: convert(v, hints[k], f"model.{k}") for k, v in model_fields.items()}
+    )
     train_config = TrainConfig()
     train_hints = typing.get_type_hints(TrainConfig)
     for name, value in train_fields.items():
@@ -690,7 +751,9 @@ def parse_dotted(extra: list[str]) -> dict[str, dict[str, str]]:
     while items:
         flag = items.pop(0)
         if not flag.startswith("--") or "." not in flag:
-            raise ValueError(f"unexpected argument {flag!r}; overrides look like --train.lr 3e-4 or --model.n_layers 6")
+            raise ValueError(
+                f"unexpected argument {flag!r}; overrides look like --train.lr 3e-4 or --model.n_layers 6"
+            )
         key, _, value = flag[2:].partition("=")
         if not value:
             if not items:
@@ -705,15 +768,21 @@ def parse_dotted(extra: list[str]) -> dict[str, dict[str, str]]:
 
 def main_from_args(args, extra: list[str]) -> dict:
     model_config, train_config, out_dir = configs_from_args(args, extra)
-    trainer = Trainer(model_config, train_config, out_dir, resume=args.resume, show_progress=not args.no_progress)
+    trainer = Trainer(
+        model_config, train_config, out_dir, resume=args.resume, show_progress=not args.no_progress
+    )
     summary = trainer.fit()
     if trainer.dist.is_main:
         print()
-        print(f"step {summary['step']}: validation loss {summary['val_loss']:.4f} "
-              f"(perplexity {summary['val_perplexity']:.2f})")
+        print(
+            f"step {summary['step']}: validation loss {summary['val_loss']:.4f} "
+            f"(perplexity {summary['val_perplexity']:.2f})"
+        )
         if "val_bits_per_byte" in summary:
-            print(f"validation {summary['val_bits_per_byte']:.3f} bits/byte; unigram entropy of the text "
-                  f"{summary['unigram_bits_per_byte']:.3f} bits/byte")
+            print(
+                f"validation {summary['val_bits_per_byte']:.3f} bits/byte; unigram entropy of the text "
+                f"{summary['unigram_bits_per_byte']:.3f} bits/byte"
+            )
         if summary["sample"]:
             print("\n---- sample ----")
             print(summary["sample"])

@@ -288,3 +288,24 @@ def test_torch_backend_refuses_what_it_cannot_do_exactly(feature, pattern):
         flashformer.attention(q, q, q, backend="torch", **feature)
     with pytest.raises(NotImplementedError, match="return_probs"):
         flashformer.attention(q, q, q, backend="flash", return_probs=True)
+
+
+def test_dropout_hash_matches_a_pure_python_reference():
+    from flashformer.attention.masks import (
+        dropout_head_keys,
+        dropout_keep,
+        dropout_threshold,
+        mix32_reference,
+    )
+
+    seed, p, B, H = (2**40 + 12345), 0.37, 2, 3
+    keep = dropout_keep(dropout_head_keys(seed, B, H, "cpu"), 5, 12, 1000, 1019, p)
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    for b in range(B):
+        for h in range(H):
+            head = mix32_reference(mix32_reference((b * H + h) ^ lo) ^ mix32_reference(hi))
+            for i in range(5, 12):
+                row = mix32_reference(head ^ i)
+                for j in range(1000, 1019):
+                    kept = mix32_reference(row ^ mix32_reference(j)) >= dropout_threshold(p)
+                    assert bool(keep[b, h, i - 5, j - 1000]) == kept

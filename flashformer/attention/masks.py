@@ -186,29 +186,34 @@ def _slice(t: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
 #
 # Every backend must drop the same entries for the same seed, so the keep mask
 # is a counter-based hash rather than a random-number stream. The hash is
-# Chris Wellons' "lowbias32" integer mixer on uint32. PyTorch has no uint32
-# arithmetic on every device, so it is emulated in int64 with the product split
-# into 16-bit halves (no intermediate exceeds 2**49); the Triton kernels do the
-# same arithmetic on native uint32 and get identical bits.
+# Chris Wellons' "lowbias32" integer mixer on 32-bit words. PyTorch has no
+# unsigned 32-bit shifts on the CPU, so the words live in int32 tensors:
+# multiplication wraps modulo 2**32 exactly as on uint32, right shifts are
+# made logical by masking off the copied sign bits, and the final unsigned
+# comparison flips the sign bit on both sides. The Triton kernels do the same
+# arithmetic on native uint32 and get identical bits (tests check both against
+# a pure-Python reference).
+
+_INT32_MIN = -(2**31)
 
 
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), without int64 overflow."""
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _UINT32
+def _signed32(value: int) -> int:
+    """The int32 that holds the uint32 bit pattern of `value`."""
+    value &= _UINT32
+    return value - 2**32 if value >= 2**31 else value
 
 
 def mix32(x: Tensor) -> Tensor:
-    """A bijective avalanche hash of uint32 values held in an int64 tensor."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    """A bijective avalanche hash of 32-bit words held in an int32 tensor."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _signed32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _signed32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
-def _mix32_int(x: int) -> int:
+def mix32_reference(x: int) -> int:
+    """The same hash on one Python integer (the tests' independent reference)."""
     x &= _UINT32
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _UINT32
@@ -218,22 +223,24 @@ def _mix32_int(x: int) -> int:
 
 
 def dropout_head_keys(seed: int, batch: int, heads: int, device) -> Tensor:
-    """One uint32 key per (b, h): (B, H, 1, 1) int64."""
+    """One 32-bit key per (b, h): (B, H, 1, 1) int32."""
     seed_lo, seed_hi = seed & _UINT32, (seed >> 32) & _UINT32
-    bh = torch.arange(batch * heads, device=device, dtype=torch.int64)
-    keys = mix32(mix32(bh ^ seed_lo) ^ _mix32_int(seed_hi))
+    bh = torch.arange(batch * heads, device=device, dtype=torch.int32)
+    keys = mix32(mix32(bh ^ _signed32(seed_lo)) ^ _signed32(mix32_reference(seed_hi)))
     return keys.view(batch, heads, 1, 1)
 
 
 def dropout_threshold(p: float) -> int:
-    """An entry is dropped iff its uint32 hash is below this threshold."""
-    return min(_UINT32 + 1, round(p * 2**32))
+    """An entry is dropped iff its hash, read as uint32, is below this."""
+    return min(_UINT32, round(p * 2**32))
 
 
 def dropout_keep(head_keys: Tensor, q0: int, q1: int, k0: int, k1: int, p: float) -> Tensor:
     """Keep mask of one tile, (B, H, q1-q0, k1-k0) bool, from absolute positions."""
     device = head_keys.device
-    i = torch.arange(q0, q1, device=device, dtype=torch.int64)[:, None]
-    j = torch.arange(k0, k1, device=device, dtype=torch.int64)[None, :]
+    i = torch.arange(q0, q1, device=device, dtype=torch.int32)[:, None]
+    j = torch.arange(k0, k1, device=device, dtype=torch.int32)[None, :]
     row_keys = mix32(head_keys ^ i)  # (B, H, bq, 1)
-    return mix32(row_keys ^ mix32(j)) >= dropout_threshold(p)
+    hashed = mix32(row_keys ^ mix32(j))  # (B, H, bq, bk)
+    # unsigned hashed >= threshold, as a signed comparison with both sign bits flipped
+    return (hashed ^ _INT32_MIN) >= _signed32(dropout_threshold(p) ^ 2**31)
