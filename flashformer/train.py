@@ -527,7 +527,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Validation loss on a fixed set of windows (the same at every evaluation)."""
         cfg = self.config
-        count = min(len(self.run_data.val), cfg.eval_batches * cfg.batch_size)
+        world = self.dist.world_size
+        count = min(len(self.run_data.val), cfg.eval_batches * cfg.batch_size * world) // world * world
         order = torch.randperm(len(self.run_data.val), generator=torch.Generator().manual_seed(cfg.seed))
         mine = order[:count][self.dist.rank :: self.dist.world_size].tolist()
         generator = torch.Generator().manual_seed(cfg.seed + 1)  # same masks / spans every evaluation
@@ -561,7 +562,9 @@ class Trainer:
             )
         return self.tokenizer.decode(out[0].tolist())
 
-    def fit(self) -> dict:
+    def fit(self, until_step: int | None = None) -> dict:
+        """Train to max_steps (or stop after `until_step`, with a checkpoint, as
+        an interrupted run would; the schedule still runs to max_steps)."""
         from tqdm import tqdm
 
         cfg, is_main = self.config, self.dist.is_main
@@ -612,7 +615,8 @@ class Trainer:
                     self.save()
                 progress.update(1)
                 out_of_time = cfg.max_minutes > 0 and elapsed_minutes(started) >= cfg.max_minutes
-                if self._anyone(interrupt.requested or out_of_time):
+                reached = until_step is not None and self.step >= until_step
+                if self._anyone(interrupt.requested or out_of_time or reached):
                     break
         progress.close()
         if last_eval is None or self.step % cfg.eval_every != 0:
