@@ -499,8 +499,6 @@ class Trainer:
     def _train_step(self) -> float:
         """One optimizer step over grad_accum micro-batches; returns the mean loss."""
         cfg = self.config
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(self.step, cfg)
         self.train_model.train()
         total = 0.0
         for micro in range(cfg.grad_accum):
