@@ -102,7 +102,7 @@ def decode_split(
 
     no_key = row_sum == 0.0
     out = acc / tl.where(no_key, 1.0, row_sum)[:, None]  # (M, Dv)
-    lse = tl.where(no_key, float("-inf"), (row_max + tl.log2(row_sum)) / LOG2E)  # (M,)
+    lse = tl.where(no_key, float("-inf"), (row_max + tl.log2(tl.where(no_key, 1.0, row_sum))) / LOG2E)  # (M,)
     # part_out is contiguous (B, Hq, Lq, S, Dv): row (b, h, i) of split `split`.
     part_row = ((b64 * H + h.to(tl.int64)) * LQ + i) * NUM_SPLITS + split  # (M,)
     tl.store(
@@ -138,7 +138,7 @@ def decode_combine(
         other=0.0,
     )  # (S, Dv)
     out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)  # (Dv,)
-    lse = tl.where(total == 0.0, float("-inf"), safe_top + tl.log(total))
+    lse = tl.where(total == 0.0, float("-inf"), safe_top + tl.log(tl.where(total == 0.0, 1.0, total)))
     b = bh // H
     h = bh % H
     tl.store(

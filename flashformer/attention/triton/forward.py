@@ -132,7 +132,9 @@ def attention_forward(
 
     no_key = row_sum == 0.0
     out = acc * (dropout_scale / tl.where(no_key, 1.0, row_sum))[:, None]  # (M, Dv)
-    lse = tl.where(no_key, float("-inf"), (row_max + tl.log2(row_sum)) / LOG2E)  # (M,) natural log
+    lse = tl.where(
+        no_key, float("-inf"), (row_max + tl.log2(tl.where(no_key, 1.0, row_sum))) / LOG2E
+    )  # (M,) natural log
     row_ok = rows < q_len
     out_base = out_ptr + b64 * s_ob + h64 * s_oh + (q_start + q0).to(tl.int64) * s_om
     tl.store(

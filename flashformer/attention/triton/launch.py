@@ -41,7 +41,7 @@ def interpreting() -> bool:
 # key/value tiles through shared memory; the dK/dV kernel keeps two
 # (BLOCK_N, D) float32 accumulators, so its key tile is smaller at large D.
 # A configuration the GPU cannot hold (shared memory) is stepped down at
-# launch (see _launch). In the interpreter, 16 x 16 tiles make small test
+# launch (see _launch). In the interpreter, 16 x 32 tiles make small test
 # inputs cross many tile edges.
 _GPU_TILES = {
     # kind: [(max head dim, (BLOCK_M, BLOCK_N, num_warps, num_stages)), ...]
@@ -55,7 +55,7 @@ _working_tiles: dict[tuple, tuple[int, int, int, int]] = {}  # launches that com
 
 def _tiles(kind: str, dim: int) -> tuple[int, int, int, int]:
     if interpreting():
-        return 16, 16, 4, 1
+        return 16, 32, 4, 1
     for max_dim, tiles in _GPU_TILES[kind]:
         if dim <= max_dim:
             return tiles
