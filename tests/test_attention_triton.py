@@ -101,6 +101,26 @@ def test_triton_within_error_budget(shape_index, feature, dtype):
     assert_within_budget(run_triton(inputs, dtype), eager_low, reference, f"triton/{dtype}")
 
 
+@pytest.mark.parametrize(
+    "q_len, k_len, causal, window",
+    [
+        (33, 33, True, None),  # the last query's last key opens a tile
+        (64, 64, True, (1, 0)),  # a first key closing a tile; a last query opening one
+        (64, 64, False, (None, 1)),  # the first query of a key tile closing a query tile
+        (17, 49, False, (32, 32)),
+        (48, 16, True, (0, 15)),
+    ],
+)
+def test_band_limits_on_tile_edges(q_len, k_len, causal, window):
+    """Causal/window bands whose edges fall on the first or last key of a tile
+    (the interpreter's tiles are 16 queries x 32 keys), where skipping one tile
+    too many or too few would show."""
+    inputs = make_inputs(Shape(1, 1, 1, q_len, k_len, 16), {"causal": causal, "window": window})
+    reference = run(inputs, torch.float64, "eager")
+    eager32 = run(inputs, torch.float32, "eager")
+    assert_within_budget(run_triton(inputs, torch.float32), eager32, reference, "band")
+
+
 # ---- dropout: the same bits as every other backend ----
 
 
