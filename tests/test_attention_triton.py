@@ -41,14 +41,13 @@ SHAPES = [
     Shape(2, 2, 1, 33, 20, 80),  # MQA, more queries than keys (rows with no key under causal), head dim 80
     Shape(1, 4, 2, 21, 50, 96, dim_v=48),  # GQA, head dim 96, a value head dim of its own
 ]
-if ON_GPU:
-    SHAPES += [
-        Shape(2, 8, 2, 300, 300, 64),
-        Shape(1, 4, 4, 200, 517, 128),
-        Shape(2, 4, 1, 1, 1000, 128),  # one query (a decode step)
-        Shape(1, 2, 2, 129, 257, 256),
-        Shape(2, 6, 3, 77, 77, 16),
-    ]
+GPU_SHAPES = [  # compiled kernels run fast: larger shapes, and the GPU's real tile sizes
+    Shape(2, 8, 2, 300, 300, 64),
+    Shape(1, 4, 4, 200, 517, 128),
+    Shape(2, 4, 1, 1, 1000, 128),  # one query (a decode step)
+    Shape(1, 2, 2, 129, 257, 256),
+    Shape(2, 6, 3, 77, 77, 16),
+]
 
 FEATURES = {
     "plain": {},
@@ -82,20 +81,23 @@ def run_triton(inputs: Inputs, dtype: torch.dtype, **extra):
 
 
 def _cases():
+    """Each (feature, dtype) on one of SHAPES, rotating; on a GPU also on one of GPU_SHAPES.
+
+    (On a GPU every case compiles its own kernel variants, so the grid is sized
+    by compile time: about 250 compilations.)"""
     for (feature_index, feature), (dtype_index, dtype) in itertools.product(
         enumerate(FEATURES), enumerate(DTYPES)
     ):
-        shape_indices = range(len(SHAPES)) if ON_GPU else [(feature_index + dtype_index) % len(SHAPES)]
-        for shape_index in shape_indices:
+        turn = feature_index + dtype_index
+        shapes = [SHAPES[turn % len(SHAPES)]] + ([GPU_SHAPES[turn % len(GPU_SHAPES)]] if ON_GPU else [])
+        for shape in shapes:
             dtype_name = str(dtype).removeprefix("torch.")
-            yield pytest.param(
-                shape_index, feature, dtype, id=f"{SHAPES[shape_index]}-{feature}-{dtype_name}"
-            )
+            yield pytest.param(shape, feature, dtype, id=f"{shape}-{feature}-{dtype_name}")
 
 
-@pytest.mark.parametrize("shape_index, feature, dtype", list(_cases()))
-def test_triton_within_error_budget(shape_index, feature, dtype):
-    inputs = make_inputs(SHAPES[shape_index], FEATURES[feature])
+@pytest.mark.parametrize("shape, feature, dtype", list(_cases()))
+def test_triton_within_error_budget(shape, feature, dtype):
+    inputs = make_inputs(shape, FEATURES[feature])
     reference = run(rounded_to(inputs, dtype), torch.float64, "eager")
     eager_low = run(inputs, dtype, "eager")
     assert_within_budget(run_triton(inputs, dtype), eager_low, reference, f"triton/{dtype}")
@@ -259,6 +261,19 @@ def test_triton_refuses_what_it_cannot_do():
     big = torch.randn(1, 1, 4, 264, device=DEVICE)
     with pytest.raises(NotImplementedError, match=r"head dims up to 256.*264"):
         flashformer.attention(big, big, big, backend="triton")
+
+
+def test_auto_picks_triton_for_cuda_tensors_only():
+    from flashformer.attention.api import choose_backend
+    from flashformer.attention.masks import ScoreRules
+
+    q = torch.randn(1, 2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+    rules = ScoreRules(1, 2, 16, 16, causal=True)
+    assert (choose_backend(q, q, q, rules, 0.0, False, False) == "triton") == ON_GPU
+    cpu = q.cpu()  # never triton on the CPU, even where the interpreter could run it
+    assert choose_backend(cpu, cpu, cpu, rules, 0.0, True, False) == "flash"
+    with_bias_fn = ScoreRules(1, 2, 16, 16, bias_fn=lambda qp, kp: qp[:, None] - kp[None, :])
+    assert choose_backend(q, q, q, with_bias_fn, 0.0, False, False) != "triton"
 
 
 def test_importing_flashformer_does_not_import_triton():
