@@ -339,10 +339,10 @@ def _eager_per_sequence(q, k, v, g, q_lens, k_lens, dtype, kwargs):
 @pytest.mark.parametrize("feature", list(VARLEN_FEATURES))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_varlen_matches_each_sequence_alone(feature, dtype):
-    q_lens, k_lens = [5, 0, 23, 17, 1], [9, 4, 30, 17, 12]  # a sequence with no query at all
+    q_lens, k_lens = [5, 0, 19, 1], [9, 4, 40, 12]  # a sequence with no query at all
     if ON_GPU:
         q_lens, k_lens = [5, 0, 230, 170, 1, 400], [9, 4, 300, 170, 120, 401]
-    q, k, v, g, slopes = _packed(q_lens, k_lens, 4, 1, 40)  # MQA
+    q, k, v, g, slopes = _packed(q_lens, k_lens, 2, 1, 40)  # MQA
     features = VARLEN_FEATURES[feature]
     kwargs = {name: value for name, value in features.items() if name != "alibi"}
     if features.get("alibi"):
