@@ -35,27 +35,32 @@ def interpreting() -> bool:
 
 # ---- tile sizes ----
 #
-# Chosen by reasoning, not yet by measurement on a GPU (none was at hand when
-# they were written): the forward keeps a (BLOCK_M, D) query tile and its
-# (BLOCK_M, Dv) float32 accumulator in registers and streams (BLOCK_N, D)
-# key/value tiles through shared memory; the dK/dV kernel keeps two
-# (BLOCK_N, D) float32 accumulators, so its key tile is smaller at large D.
-# A configuration the GPU cannot hold (shared memory) is stepped down at
-# launch (see _launch). In the interpreter, 16 x 32 tiles make small test
-# inputs cross many tile edges.
+# Not yet chosen by timing on a GPU (none was at hand when they were written).
+# The forward keeps a (BLOCK_M, D) query tile and its (BLOCK_M, Dv) float32
+# accumulator in registers and streams (BLOCK_N, D) key/value tiles through
+# shared memory; the dK/dV kernel keeps two (BLOCK_N, D) float32
+# accumulators, so its tiles are smaller. Each entry is the largest tile tried
+# that ptxas compiles for sm_90 without spilling registers to the stack, in the
+# causal bf16 variant (scripts/compile_kernels.py prints registers, stack and
+# shared memory of every kernel without a GPU). A configuration the GPU cannot
+# hold (shared memory) is stepped down at launch (see _launch). In the
+# interpreter, 16 x 32 tiles make small test inputs cross many tile edges.
 _GPU_TILES = {
     # kind: [(max head dim, (BLOCK_M, BLOCK_N, num_warps, num_stages)), ...]
-    "forward": [(64, (128, 64, 4, 3)), (128, (128, 64, 8, 3)), (256, (64, 32, 4, 2))],
-    "dkdv": [(64, (32, 128, 4, 3)), (128, (32, 64, 4, 2)), (256, (16, 32, 4, 1))],
-    "dq": [(64, (128, 32, 4, 3)), (128, (64, 32, 4, 2)), (256, (32, 16, 4, 1))],
-    "decode": [(64, (16, 128, 4, 3)), (128, (16, 64, 4, 3)), (256, (16, 32, 4, 2))],
+    "forward": [(64, (128, 128, 8, 3)), (128, (128, 128, 8, 3)), (256, (128, 32, 8, 2))],
+    "dkdv": [(64, (32, 128, 8, 3)), (128, (32, 64, 8, 2)), (256, (32, 32, 8, 1))],
+    "dq": [(64, (128, 64, 8, 3)), (128, (128, 64, 8, 2)), (256, (32, 32, 4, 1))],
+    "decode": [(64, (16, 64, 4, 3)), (128, (16, 64, 8, 3)), (256, (16, 32, 4, 2))],
 }
 _working_tiles: dict[tuple, tuple[int, int, int, int]] = {}  # launches that compiled, by request
 
 
 def _tiles(kind: str, dim: int) -> tuple[int, int, int, int]:
-    if interpreting():
-        return 16, 32, 4, 1
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind for a head dim."""
+    return (16, 32, 4, 1) if interpreting() else _GPU_TILES_FOR(kind, dim)
+
+
+def _GPU_TILES_FOR(kind: str, dim: int) -> tuple[int, int, int, int]:  # noqa: N802 (a table lookup)
     for max_dim, tiles in _GPU_TILES[kind]:
         if dim <= max_dim:
             return tiles
@@ -353,7 +358,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, plan: Plan, num_splits: int | Non
     kv_heads, max_k_len, dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     group = q_heads // kv_heads
     block_m, block_n, warps, stages = _tiles("decode", max(dim, dim_v))
-    block_m = max(16, min(128 if not interpreting() else 16, triton.next_power_of_2(group * q_len)))
+    block_m = max(16, min(64 if not interpreting() else 16, triton.next_power_of_2(group * q_len)))
     row_tiles = triton.cdiv(group * q_len, block_m)
     splits = num_splits or decode_splits(batch, kv_heads, row_tiles, max_k_len, q.device)
     split_len = triton.cdiv(triton.cdiv(max_k_len, splits), block_n) * block_n
