@@ -40,6 +40,8 @@ from flashformer.attention.triton.scores import (
     LOG2E,
     dot,
     dropout_keep,
+    interior_keys,
+    interior_queries,
     key_range,
     narrow,
     query_range,
@@ -86,6 +88,71 @@ def attention_backward_delta(
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + lse_offsets, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(delta_ptr + lse_offsets, delta, mask=row_ok)
+
+
+@triton.jit
+def dkdv_tiles(
+    dk, dv, dbias_cols, k, v, cols, col_ok, q_from, q_to,
+    q_base, dout_base, lse_rows, delta_rows, s_qm, s_qd, s_gm, s_gd, s_lm,
+    bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
+    head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+    window_left, right_limit,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr, EDGE: tl.constexpr,
+):  # fmt: skip
+    """One key tile's dK, dV (and dbias) over query tiles [q_from, q_to) of one head."""
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for q0 in range(q_from, q_to, BLOCK_M):
+        rows = q0 + tl.arange(0, BLOCK_M)  # (M,) query positions
+        row_ok = rows < q_len
+        q = tl.load(
+            q_base + rows[:, None] * s_qm + dims[None, :] * s_qd,
+            mask=row_ok[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )  # (M, D)
+        dout = tl.load(
+            dout_base + rows[:, None] * s_gm + dims_v[None, :] * s_gd,
+            mask=row_ok[:, None] & (dims_v[None, :] < DV),
+            other=0.0,
+        )  # (M, Dv)
+        # lse -inf (a row with no key) -> +inf so its P is exp2(-inf) = 0, as are rows past the end.
+        lse = tl.load(lse_rows + rows * s_lm, mask=row_ok, other=float("-inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        delta = tl.load(delta_rows + rows * s_lm, mask=row_ok, other=0.0)
+        qk = dot(q, tl.trans(k), PRECISION)  # (M, N)
+        s, capped = score_tile(
+            qk, rows, cols, q_len, k_len, scale, softcap,
+            bias_base + rows.to(tl.int64)[:, None] * s_bm + cols[None, :] * s_bn,
+            mask_base + rows.to(tl.int64)[:, None] * s_mm + cols[None, :] * s_mn,
+            pad_base + cols * s_pn,
+            slope, window_left, right_limit,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, EDGE,
+        )  # fmt: skip
+        p = tl.exp2(s - lse[:, None])  # (M, N) probabilities
+        dp = dot(dout, tl.trans(v), PRECISION)  # (M, N)
+        if DROPOUT:
+            keep = dropout_keep(head_key, rows, cols, dropout_threshold)
+            p_kept = tl.where(keep, p * dropout_scale, 0.0)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        else:
+            p_kept = p
+        dv += dot(tl.trans(narrow(p_kept, dout.dtype, PRECISION)), dout, PRECISION)
+        ds = p * (dp - delta[:, None])  # (M, N) gradient of the scores after bias
+        if BIAS_GRAD == 1:
+            tl.store(
+                dbias_base + rows.to(tl.int64)[:, None] * s_dm + cols[None, :] * s_dn,
+                ds,
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+        if BIAS_GRAD == 2:
+            dbias_cols += tl.sum(ds, 0)
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
+        dk += dot(tl.trans(narrow(ds, q.dtype, PRECISION)), q, PRECISION)
+    return dk, dv, dbias_cols
 
 
 @triton.jit
@@ -143,6 +210,10 @@ def attention_backward_dkdv(
         k0, tl.minimum(k0 + BLOCK_N, k_len), q_len, k_len, window_left, right_limit, HAS_LEFT, HAS_RIGHT
     )
     q_lo = (q_lo // BLOCK_M) * BLOCK_M
+    full_lo, full_hi = interior_queries(
+        k0, tl.minimum(k0 + BLOCK_N, k_len), q_lo, q_hi, q_len, k_len, window_left, right_limit,
+        BLOCK_M, HAS_LEFT, HAS_RIGHT,
+    )  # fmt: skip
     q_row0 = tl.cast(q_start, tl.int64)
     pad_base = pad_ptr + b64 * s_pb
     for g in range(G):
@@ -160,55 +231,35 @@ def attention_backward_dkdv(
         head_key = 0
         if DROPOUT:
             head_key = tl.load(head_keys_ptr + b * H + h).to(tl.uint32)
-        if BIAS_GRAD == 2:
-            dbias_cols = tl.zeros([BLOCK_N], tl.float32)
-        for q0 in range(q_lo, q_hi, BLOCK_M):
-            rows = q0 + tl.arange(0, BLOCK_M)  # (M,) query positions
-            row_ok = rows < q_len
-            q = tl.load(
-                q_base + rows[:, None] * s_qm + dims[None, :] * s_qd,
-                mask=row_ok[:, None] & (dims[None, :] < D),
-                other=0.0,
-            )  # (M, D)
-            dout = tl.load(
-                dout_base + rows[:, None] * s_gm + dims_v[None, :] * s_gd,
-                mask=row_ok[:, None] & (dims_v[None, :] < DV),
-                other=0.0,
-            )  # (M, Dv)
-            # lse -inf (a row with no key) -> +inf so its P is exp2(-inf) = 0, as are rows past the end.
-            lse = tl.load(lse_ptr + lse_base + rows * s_lm, mask=row_ok, other=float("-inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            delta = tl.load(delta_ptr + lse_base + rows * s_lm, mask=row_ok, other=0.0)
-            qk = dot(q, tl.trans(k), PRECISION)  # (M, N)
-            s, capped = score_tile(
-                qk, rows, cols, q_len, k_len, scale, softcap,
-                bias_base + rows.to(tl.int64)[:, None] * s_bm + cols[None, :] * s_bn,
-                mask_base + rows.to(tl.int64)[:, None] * s_mm + cols[None, :] * s_mn,
-                pad_base + cols * s_pn,
-                slope, window_left, right_limit,
-                HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-            )  # fmt: skip
-            p = tl.exp2(s - lse[:, None])  # (M, N) probabilities
-            dp = dot(dout, tl.trans(v), PRECISION)  # (M, N)
-            if DROPOUT:
-                keep = dropout_keep(head_key, rows, cols, dropout_threshold)
-                p_kept = tl.where(keep, p * dropout_scale, 0.0)
-                dp = tl.where(keep, dp * dropout_scale, 0.0)
-            else:
-                p_kept = p
-            dv += dot(tl.trans(narrow(p_kept, dout.dtype, PRECISION)), dout, PRECISION)
-            ds = p * (dp - delta[:, None])  # (M, N) gradient of the scores after bias
-            if BIAS_GRAD == 1:
-                tl.store(
-                    dbias_base + rows.to(tl.int64)[:, None] * s_dm + cols[None, :] * s_dn,
-                    ds,
-                    mask=row_ok[:, None] & col_ok[None, :],
-                )
-            if BIAS_GRAD == 2:
-                dbias_cols += tl.sum(ds, 0)
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - capped * capped)
-            dk += dot(tl.trans(narrow(ds, q.dtype, PRECISION)), q, PRECISION)
+        dbias_cols = tl.zeros([BLOCK_N], tl.float32)  # used when BIAS_GRAD == 2
+        # Edge query tiles (the band's end inside them) are masked; interior tiles are not.
+        dk, dv, dbias_cols = dkdv_tiles(
+            dk, dv, dbias_cols, k, v, cols, col_ok, q_lo, tl.minimum(full_lo, q_hi),
+            q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
+            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
+            head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+            window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+            DROPOUT, PRECISION, BIAS_GRAD, True,
+        )  # fmt: skip
+        dk, dv, dbias_cols = dkdv_tiles(
+            dk, dv, dbias_cols, k, v, cols, col_ok, full_lo, full_hi,
+            q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
+            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
+            head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+            window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+            DROPOUT, PRECISION, BIAS_GRAD, False,
+        )  # fmt: skip
+        dk, dv, dbias_cols = dkdv_tiles(
+            dk, dv, dbias_cols, k, v, cols, col_ok, full_hi, q_hi,
+            q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
+            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
+            head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+            window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+            DROPOUT, PRECISION, BIAS_GRAD, True,
+        )  # fmt: skip
         if BIAS_GRAD == 2:
             tl.store(dbias_base + cols * s_dn, dbias_cols, mask=col_ok)
     dk *= scale
@@ -232,6 +283,54 @@ def attention_backward_dkdv(
         narrow(dv, dv_ptr.dtype.element_ty, PRECISION),
         mask=col_ok[:, None] & (dims_v[None, :] < DV),
     )
+
+
+@triton.jit
+def dq_tiles(
+    dq, q, dout, lse, delta, rows, k_from, k_to, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+    bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+    head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+    window_left, right_limit,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, EDGE: tl.constexpr,
+):  # fmt: skip
+    """One query tile's dQ (unscaled) over key tiles [k_from, k_to)."""
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for k0 in range(k_from, k_to, BLOCK_N):
+        cols = k0 + tl.arange(0, BLOCK_N)  # (N,) key positions
+        col_ok = cols < k_len
+        k = tl.load(
+            k_base + cols[:, None] * s_kn + dims[None, :] * s_kd,
+            mask=col_ok[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )  # (N, D)
+        v = tl.load(
+            v_base + cols[:, None] * s_vn + dims_v[None, :] * s_vd,
+            mask=col_ok[:, None] & (dims_v[None, :] < DV),
+            other=0.0,
+        )  # (N, Dv)
+        qk = dot(q, tl.trans(k), PRECISION)  # (M, N)
+        s, capped = score_tile(
+            qk, rows, cols, q_len, k_len, scale, softcap,
+            bias_base + rows.to(tl.int64)[:, None] * s_bm + cols[None, :] * s_bn,
+            mask_base + rows.to(tl.int64)[:, None] * s_mm + cols[None, :] * s_mn,
+            pad_base + cols * s_pn,
+            slope, window_left, right_limit,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, EDGE,
+        )  # fmt: skip
+        p = tl.exp2(s - lse[:, None])  # (M, N)
+        dp = dot(dout, tl.trans(v), PRECISION)  # (M, N)
+        if DROPOUT:
+            keep = dropout_keep(head_key, rows, cols, dropout_threshold)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
+        dq += dot(narrow(ds, k.dtype, PRECISION), k, PRECISION)
+    return dq
 
 
 @triton.jit
@@ -301,37 +400,35 @@ def attention_backward_dq(
         q0, tl.minimum(q0 + BLOCK_M, q_len), q_len, k_len, window_left, right_limit, HAS_LEFT, HAS_RIGHT
     )
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
-    for k0 in range(k_lo, k_hi, BLOCK_N):
-        cols = k0 + tl.arange(0, BLOCK_N)  # (N,) key positions
-        col_ok = cols < k_len
-        k = tl.load(
-            k_base + cols[:, None] * s_kn + dims[None, :] * s_kd,
-            mask=col_ok[:, None] & (dims[None, :] < D),
-            other=0.0,
-        )  # (N, D)
-        v = tl.load(
-            v_base + cols[:, None] * s_vn + dims_v[None, :] * s_vd,
-            mask=col_ok[:, None] & (dims_v[None, :] < DV),
-            other=0.0,
-        )  # (N, Dv)
-        qk = dot(q, tl.trans(k), PRECISION)  # (M, N)
-        s, capped = score_tile(
-            qk, rows, cols, q_len, k_len, scale, softcap,
-            bias_base + rows.to(tl.int64)[:, None] * s_bm + cols[None, :] * s_bn,
-            mask_base + rows.to(tl.int64)[:, None] * s_mm + cols[None, :] * s_mn,
-            pad_base + cols * s_pn,
-            slope, window_left, right_limit,
-            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-        )  # fmt: skip
-        p = tl.exp2(s - lse[:, None])  # (M, N)
-        dp = dot(dout, tl.trans(v), PRECISION)  # (M, N)
-        if DROPOUT:
-            keep = dropout_keep(head_key, rows, cols, dropout_threshold)
-            dp = tl.where(keep, dp * dropout_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - capped * capped)
-        dq += dot(narrow(ds, k.dtype, PRECISION), k, PRECISION)
+    full_lo, full_hi = interior_keys(
+        q0, tl.minimum(q0 + BLOCK_M, q_len), k_lo, k_hi, q_len, k_len, window_left, right_limit,
+        BLOCK_N, HAS_LEFT, HAS_RIGHT,
+    )  # fmt: skip
+    # Edge key tiles (the band's or the sequence's end inside them) are masked; interior tiles are not.
+    dq = dq_tiles(
+        dq, q, dout, lse, delta, rows, k_lo, tl.minimum(full_lo, k_hi), k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+        head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+        window_left, right_limit, BLOCK_N, BLOCK_D, BLOCK_DV,
+        HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+        DROPOUT, PRECISION, True,
+    )  # fmt: skip
+    dq = dq_tiles(
+        dq, q, dout, lse, delta, rows, full_lo, full_hi, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+        head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+        window_left, right_limit, BLOCK_N, BLOCK_D, BLOCK_DV,
+        HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+        DROPOUT, PRECISION, False,
+    )  # fmt: skip
+    dq = dq_tiles(
+        dq, q, dout, lse, delta, rows, full_hi, k_hi, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+        head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+        window_left, right_limit, BLOCK_N, BLOCK_D, BLOCK_DV,
+        HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+        DROPOUT, PRECISION, True,
+    )  # fmt: skip
     dq *= scale
     tl.store(
         dq_ptr

@@ -89,7 +89,7 @@ def decode_split(
         qk = dot(q, tl.trans(k), PRECISION)  # (M, N)
         s, _ = score_tile(
             qk, i, cols, LQ, k_len, scale, softcap, q_ptr, q_ptr, q_ptr, slope, window_left, right_limit,
-            HAS_SOFTCAP, False, False, False, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, False, False, False, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, True,
         )  # fmt: skip
         s = tl.where(col_ok[None, :], s, float("-inf"))  # keys of the next split belong to it
         new_max = tl.maximum(row_max, tl.max(s, 1))

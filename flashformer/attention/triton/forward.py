@@ -17,7 +17,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashformer.attention.triton.scores import LOG2E, dot, dropout_keep, key_range, narrow, score_tile
+from flashformer.attention.triton.scores import (
+    LOG2E,
+    dot,
+    dropout_keep,
+    interior_keys,
+    key_range,
+    narrow,
+    score_tile,
+)
 
 
 @triton.jit
@@ -34,6 +42,55 @@ def sequence_bounds(b, cu_q, cu_k, LQ, LK, VARLEN: tl.constexpr):
         k_start = 0
         k_len = LK
     return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def forward_tiles(
+    acc, row_max, row_sum, q, rows, k_from, k_to, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+    bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+    head_key, dropout_threshold, q_len, k_len, D, DV, scale, softcap, slope, window_left, right_limit,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, EDGE: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over key tiles [k_from, k_to): returns (acc, row_max, row_sum) updated."""
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for k0 in range(k_from, k_to, BLOCK_N):
+        cols = k0 + tl.arange(0, BLOCK_N)  # (N,) key positions
+        col_ok = cols < k_len
+        k = tl.load(
+            k_base + cols[:, None] * s_kn + dims[None, :] * s_kd,
+            mask=col_ok[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )  # (N, D)
+        v = tl.load(
+            v_base + cols[:, None] * s_vn + dims_v[None, :] * s_vd,
+            mask=col_ok[:, None] & (dims_v[None, :] < DV),
+            other=0.0,
+        )  # (N, Dv)
+        qk = dot(q, tl.trans(k), PRECISION)  # (M, N) float32
+        s, _ = score_tile(
+            qk, rows, cols, q_len, k_len, scale, softcap,
+            bias_base + rows.to(tl.int64)[:, None] * s_bm + cols[None, :] * s_bn,
+            mask_base + rows.to(tl.int64)[:, None] * s_mm + cols[None, :] * s_mn,
+            pad_base + cols * s_pn,
+            slope, window_left, right_limit,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, EDGE,
+        )  # fmt: skip
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        # A row with no allowed key so far keeps max -inf; subtracting 0 then
+        # gives exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(row_max - safe_max)  # (M,)
+        p = tl.exp2(s - safe_max[:, None])  # (M, N) unnormalized probabilities
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(dropout_keep(head_key, rows, cols, dropout_threshold), p, 0.0)
+        acc = acc * correction[:, None] + dot(narrow(p, v.dtype, PRECISION), v, PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -96,39 +153,32 @@ def attention_forward(
         q0, tl.minimum(q0 + BLOCK_M, q_len), q_len, k_len, window_left, right_limit, HAS_LEFT, HAS_RIGHT
     )
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
-    for k0 in range(k_lo, k_hi, BLOCK_N):
-        cols = k0 + tl.arange(0, BLOCK_N)  # (N,) key positions
-        col_ok = cols < k_len
-        k = tl.load(
-            k_base + cols[:, None] * s_kn + dims[None, :] * s_kd,
-            mask=col_ok[:, None] & (dims[None, :] < D),
-            other=0.0,
-        )  # (N, D)
-        v = tl.load(
-            v_base + cols[:, None] * s_vn + dims_v[None, :] * s_vd,
-            mask=col_ok[:, None] & (dims_v[None, :] < DV),
-            other=0.0,
-        )  # (N, Dv)
-        qk = dot(q, tl.trans(k), PRECISION)  # (M, N) float32
-        s, _ = score_tile(
-            qk, rows, cols, q_len, k_len, scale, softcap,
-            bias_base + rows.to(tl.int64)[:, None] * s_bm + cols[None, :] * s_bn,
-            mask_base + rows.to(tl.int64)[:, None] * s_mm + cols[None, :] * s_mn,
-            pad_base + cols * s_pn,
-            slope, window_left, right_limit,
-            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-        )  # fmt: skip
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        # A row with no allowed key so far keeps max -inf; subtracting 0 then
-        # gives exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        correction = tl.exp2(row_max - safe_max)  # (M,)
-        p = tl.exp2(s - safe_max[:, None])  # (M, N) unnormalized probabilities
-        row_sum = row_sum * correction + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(dropout_keep(head_key, rows, cols, dropout_threshold), p, 0.0)
-        acc = acc * correction[:, None] + dot(narrow(p, v.dtype, PRECISION), v, PRECISION)
-        row_max = new_max
+    full_lo, full_hi = interior_keys(
+        q0, tl.minimum(q0 + BLOCK_M, q_len), k_lo, k_hi, q_len, k_len, window_left, right_limit,
+        BLOCK_N, HAS_LEFT, HAS_RIGHT,
+    )  # fmt: skip
+    # Edge tiles (the band's or the sequence's end inside them) are masked; interior tiles are not.
+    acc, row_max, row_sum = forward_tiles(
+        acc, row_max, row_sum, q, rows, k_lo, tl.minimum(full_lo, k_hi), k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+        head_key, dropout_threshold, q_len, k_len, D, DV, scale, softcap, slope, window_left, right_limit,
+        BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+        DROPOUT, PRECISION, True,
+    )  # fmt: skip
+    acc, row_max, row_sum = forward_tiles(
+        acc, row_max, row_sum, q, rows, full_lo, full_hi, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+        head_key, dropout_threshold, q_len, k_len, D, DV, scale, softcap, slope, window_left, right_limit,
+        BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+        DROPOUT, PRECISION, False,
+    )  # fmt: skip
+    acc, row_max, row_sum = forward_tiles(
+        acc, row_max, row_sum, q, rows, full_hi, k_hi, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+        head_key, dropout_threshold, q_len, k_len, D, DV, scale, softcap, slope, window_left, right_limit,
+        BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+        DROPOUT, PRECISION, True,
+    )  # fmt: skip
 
     no_key = row_sum == 0.0
     out = acc * (dropout_scale / tl.where(no_key, 1.0, row_sum))[:, None]  # (M, Dv)

@@ -105,8 +105,15 @@ def score_tile(
     HAS_ALIBI: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    EDGE: tl.constexpr,
 ):
-    """Returns (scores * log2(e) with -inf where not allowed, tanh for the softcap's gradient)."""
+    """Returns (scores * log2(e) with -inf where not allowed, tanh for the softcap's gradient).
+
+    EDGE: the tile may hold pairs outside the causal/window band or keys past
+    the end of the sequence. Tiles that the kernels know to be wholly inside
+    (see interior_keys / interior_queries) skip that masking work; key padding
+    and the bool mask are tensors and always apply.
+    """
     inside = (rows[:, None] < q_len) & (cols[None, :] < k_len)  # (M, N)
     diagonal = rows + (k_len - q_len)  # (M,) key position of each query (bottom-right)
     if HAS_SOFTCAP:
@@ -120,16 +127,18 @@ def score_tile(
     if HAS_ALIBI:
         distance = tl.abs(diagonal[:, None] - cols[None, :]).to(tl.float32)
         s -= (slope * LOG2E) * distance
-    allowed = inside
-    if HAS_RIGHT:
-        allowed &= cols[None, :] <= diagonal[:, None] + right_limit
-    if HAS_LEFT:
-        allowed &= cols[None, :] >= diagonal[:, None] - window_left
+    if EDGE:
+        allowed = inside
+        if HAS_RIGHT:
+            allowed &= cols[None, :] <= diagonal[:, None] + right_limit
+        if HAS_LEFT:
+            allowed &= cols[None, :] >= diagonal[:, None] - window_left
+        s = tl.where(allowed, s, float("-inf"))
     if HAS_PAD:
-        allowed &= tl.load(pad_ptrs, mask=cols < k_len, other=0)[None, :] != 0
+        s = tl.where(tl.load(pad_ptrs, mask=cols < k_len, other=0)[None, :] != 0, s, float("-inf"))
     if HAS_MASK:
-        allowed &= tl.load(mask_ptrs, mask=inside, other=0) != 0
-    return tl.where(allowed, s, float("-inf")), capped
+        s = tl.where(tl.load(mask_ptrs, mask=inside, other=0) != 0, s, float("-inf"))
+    return s, capped
 
 
 @triton.jit
@@ -160,3 +169,49 @@ def query_range(
     if HAS_LEFT:
         q_hi = tl.minimum(q_len, k1 + window_left - offset)
     return q_lo, q_hi
+
+
+# Integer division below only ever sees non-negative operands: the GPU
+# truncates toward zero where the interpreter (numpy) floors.
+
+
+@triton.jit
+def interior_keys(
+    q0, q1, k_lo, k_hi, q_len, k_len, window_left, right_limit,
+    BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):  # fmt: skip
+    """[lo, hi): the key tiles of [k_lo, k_hi) (k_lo a multiple of BLOCK_N) whose
+    keys all exist and are all allowed by the band to every query in [q0, q1).
+    k_lo <= lo <= hi <= k_hi, lo and hi multiples of BLOCK_N (hi = lo if none)."""
+    offset = k_len - q_len
+    lo = k_lo
+    if HAS_LEFT:  # the last query's first key
+        first = tl.maximum(q1 - 1 + offset - window_left, 0)
+        lo = tl.maximum(lo, ((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    hi = tl.minimum((k_len // BLOCK_N) * BLOCK_N, k_hi)
+    if HAS_RIGHT:  # the first query's last key, + 1
+        end = tl.maximum(q0 + offset + right_limit + 1, 0)
+        hi = tl.minimum(hi, (end // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    return lo, hi
+
+
+@triton.jit
+def interior_queries(
+    k0, k1, q_lo, q_hi, q_len, k_len, window_left, right_limit,
+    BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):  # fmt: skip
+    """[lo, hi): the query tiles from q_lo (a multiple of BLOCK_M) whose queries
+    the band allows every key in [k0, k1). Queries past the end of the
+    sequence may be among them: their probabilities are 0 from their LSE."""
+    offset = k_len - q_len
+    lo = q_lo
+    if HAS_RIGHT:  # queries that see the last key
+        first = tl.maximum(k1 - 1 - offset - right_limit, 0)
+        lo = tl.maximum(lo, ((first + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    hi = q_lo + ((tl.maximum(q_hi - q_lo, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M  # past the last tile
+    if HAS_LEFT:  # queries that see the first key, + 1
+        end = tl.maximum(k0 - offset + window_left + 1, 0)
+        hi = tl.minimum(hi, (end // BLOCK_M) * BLOCK_M)
+    hi = tl.maximum(hi, lo)
+    return lo, hi
