@@ -112,12 +112,16 @@ def test_triton_within_error_budget(shape, feature, dtype):
         (64, 64, False, (None, 1)),  # the first query of a key tile closing a query tile
         (17, 49, False, (32, 32)),
         (48, 16, True, (0, 15)),
+        # where the first interior (unmasked) tile starts or the last one ends, one key or query off
+        (32, 46, True, None),
+        (64, 64, False, (30, None)),
+        (64, 64, False, (14, None)),
     ],
 )
 def test_band_limits_on_tile_edges(q_len, k_len, causal, window):
     """Causal/window bands whose edges fall on the first or last key of a tile
     (the interpreter's tiles are 16 queries x 32 keys), where skipping one tile
-    too many or too few would show."""
+    too many or too few, or leaving one unmasked too many, would show."""
     inputs = make_inputs(Shape(1, 1, 1, q_len, k_len, 16), {"causal": causal, "window": window})
     reference = run(inputs, torch.float64, "eager")
     eager32 = run(inputs, torch.float32, "eager")
