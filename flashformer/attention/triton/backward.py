@@ -233,15 +233,16 @@ def attention_backward_dkdv(
             head_key = tl.load(head_keys_ptr + b * H + h).to(tl.uint32)
         dbias_cols = tl.zeros([BLOCK_N], tl.float32)  # used when BIAS_GRAD == 2
         # Edge query tiles (the band's end inside them) are masked; interior tiles are not.
-        dk, dv, dbias_cols = dkdv_tiles(
-            dk, dv, dbias_cols, k, v, cols, col_ok, q_lo, tl.minimum(full_lo, q_hi),
-            q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
-            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
-            head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
-            window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
-            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-            DROPOUT, PRECISION, BIAS_GRAD, True,
-        )  # fmt: skip
+        if HAS_RIGHT:  # else full_lo == q_lo: no masked tiles before the interior
+            dk, dv, dbias_cols = dkdv_tiles(
+                dk, dv, dbias_cols, k, v, cols, col_ok, q_lo, tl.minimum(full_lo, q_hi),
+                q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
+                bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
+                head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+                window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
+                HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                DROPOUT, PRECISION, BIAS_GRAD, True,
+            )  # fmt: skip
         dk, dv, dbias_cols = dkdv_tiles(
             dk, dv, dbias_cols, k, v, cols, col_ok, full_lo, full_hi,
             q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
@@ -251,15 +252,16 @@ def attention_backward_dkdv(
             HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
             DROPOUT, PRECISION, BIAS_GRAD, False,
         )  # fmt: skip
-        dk, dv, dbias_cols = dkdv_tiles(
-            dk, dv, dbias_cols, k, v, cols, col_ok, full_hi, q_hi,
-            q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
-            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
-            head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
-            window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
-            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-            DROPOUT, PRECISION, BIAS_GRAD, True,
-        )  # fmt: skip
+        if HAS_LEFT:  # else full_hi >= q_hi: no masked tiles after the interior
+            dk, dv, dbias_cols = dkdv_tiles(
+                dk, dv, dbias_cols, k, v, cols, col_ok, full_hi, q_hi,
+                q_base, dout_base, lse_ptr + lse_base, delta_ptr + lse_base, s_qm, s_qd, s_gm, s_gd, s_lm,
+                bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn, dbias_base, s_dm, s_dn,
+                head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+                window_left, right_limit, BLOCK_M, BLOCK_D, BLOCK_DV,
+                HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                DROPOUT, PRECISION, BIAS_GRAD, True,
+            )  # fmt: skip
         if BIAS_GRAD == 2:
             tl.store(dbias_base + cols * s_dn, dbias_cols, mask=col_ok)
     dk *= scale
@@ -405,14 +407,15 @@ def attention_backward_dq(
         BLOCK_N, HAS_LEFT, HAS_RIGHT,
     )  # fmt: skip
     # Edge key tiles (the band's or the sequence's end inside them) are masked; interior tiles are not.
-    dq = dq_tiles(
-        dq, q, dout, lse, delta, rows, k_lo, tl.minimum(full_lo, k_hi), k_base, v_base, s_kn, s_kd, s_vn, s_vd,
-        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
-        head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
-        window_left, right_limit, BLOCK_N, BLOCK_D, BLOCK_DV,
-        HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-        DROPOUT, PRECISION, True,
-    )  # fmt: skip
+    if HAS_LEFT:  # else full_lo == k_lo: no masked tiles before the interior
+        dq = dq_tiles(
+            dq, q, dout, lse, delta, rows, k_lo, tl.minimum(full_lo, k_hi), k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+            head_key, dropout_threshold, dropout_scale, q_len, k_len, D, DV, scale, softcap, slope,
+            window_left, right_limit, BLOCK_N, BLOCK_D, BLOCK_DV,
+            HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+            DROPOUT, PRECISION, True,
+        )  # fmt: skip
     dq = dq_tiles(
         dq, q, dout, lse, delta, rows, full_lo, full_hi, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
         bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,

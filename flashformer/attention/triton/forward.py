@@ -158,13 +158,14 @@ def attention_forward(
         BLOCK_N, HAS_LEFT, HAS_RIGHT,
     )  # fmt: skip
     # Edge tiles (the band's or the sequence's end inside them) are masked; interior tiles are not.
-    acc, row_max, row_sum = forward_tiles(
-        acc, row_max, row_sum, q, rows, k_lo, tl.minimum(full_lo, k_hi), k_base, v_base, s_kn, s_kd, s_vn, s_vd,
-        bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
-        head_key, dropout_threshold, q_len, k_len, D, DV, scale, softcap, slope, window_left, right_limit,
-        BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-        DROPOUT, PRECISION, True,
-    )  # fmt: skip
+    if HAS_LEFT:  # else full_lo == k_lo: no masked tiles before the interior
+        acc, row_max, row_sum = forward_tiles(
+            acc, row_max, row_sum, q, rows, k_lo, tl.minimum(full_lo, k_hi), k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+            bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
+            head_key, dropout_threshold, q_len, k_len, D, DV, scale, softcap, slope, window_left, right_limit,
+            BLOCK_N, BLOCK_D, BLOCK_DV, HAS_SOFTCAP, HAS_BIAS, HAS_MASK, HAS_PAD, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+            DROPOUT, PRECISION, True,
+        )  # fmt: skip
     acc, row_max, row_sum = forward_tiles(
         acc, row_max, row_sum, q, rows, full_lo, full_hi, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
         bias_base, s_bm, s_bn, mask_base, s_mm, s_mn, pad_base, s_pn,
