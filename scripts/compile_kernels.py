@@ -68,17 +68,33 @@ def signature(fn, constants: dict, dtype: str) -> dict:
 
 
 def variants(quick: bool):
-    """(label, kernel, constants, num_warps, num_stages, dtype) with the launch's own tile sizes.
+    """(label, kernel, constants, num_warps, num_stages, dtype), at the launch's own tile sizes.
 
-    quick: bf16, D = 128, every feature switched on at once (so every code path
-    of the three attention kernels is compiled), plus varlen, decoding and the
-    two small kernels.
+    quick (for the test suite, where compile time counts): every feature
+    switched on at once in 16 x 16 tiles (each code path of the kernels, in a
+    tenth of the compile time), the causal kernels at the launch's tiles for
+    D = 128 (the Hopper wgmma path), varlen, decoding and the two small kernels.
     """
+    kinds = (
+        ("forward", attention_forward, {}),
+        ("dkdv", attention_backward_dkdv, {"BIAS_GRAD": 0}),
+        ("dq", attention_backward_dq, {}),
+    )
+    if quick:
+        blocks = {"BLOCK_D": 128, "BLOCK_DV": 128}
+        for kind, kernel, extra in kinds:
+            extra = {name: 1 for name in extra}  # BIAS_GRAD 1: the bias gradient's stores
+            constants = {**ALL_FEATURES, **extra, **blocks, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 16}
+            yield f"{kind} D=128 bf16 all features, 16x16", kernel, constants, 4, 1, "bf16"
+        varlen = {**CAUSAL, "VARLEN": True, **blocks, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 16}
+        yield "forward D=128 bf16 varlen causal, 16x16", attention_forward, varlen, 4, 1, "bf16"
     dims = [128] if quick else [64, 128, 256]
-    feature_sets = {"all features": ALL_FEATURES}
+    feature_sets = {"causal": CAUSAL}
     if not quick:
-        feature_sets = {"plain": NO_FEATURES, "causal": CAUSAL} | feature_sets
-    feature_sets["varlen causal"] = CAUSAL | {"VARLEN": True}
+        feature_sets = {"plain": NO_FEATURES} | feature_sets | {
+            "all features": ALL_FEATURES,
+            "varlen causal": CAUSAL | {"VARLEN": True},
+        }  # fmt: skip
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         if quick and dtype == "fp32":
             continue
@@ -86,13 +102,8 @@ def variants(quick: bool):
             blocks = {"BLOCK_D": dim, "BLOCK_DV": dim}
             for label, features in feature_sets.items():
                 flags = {**features, "PRECISION": precision}
-                for kind, kernel, extra in (
-                    ("forward", attention_forward, {}),
-                    ("dkdv", attention_backward_dkdv, {"BIAS_GRAD": 1 if features["HAS_BIAS"] else 0}),
-                    ("dq", attention_backward_dq, {}),
-                ):
-                    if quick and features["VARLEN"] and kind != "forward":
-                        continue
+                for kind, kernel, extra in kinds:
+                    extra = {name: int(features["HAS_BIAS"]) for name in extra}
                     block_m, block_n, warps, stages = launch._GPU_TILES_FOR(kind, dim)
                     constants = {**flags, **extra, **blocks, "BLOCK_M": block_m, "BLOCK_N": block_n}
                     yield f"{kind} D={dim} {dtype} {label}", kernel, constants, warps, stages, dtype
