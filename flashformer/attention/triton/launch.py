@@ -58,10 +58,11 @@ _working_tiles: dict[tuple, tuple[int, int, int, int]] = {}  # launches that com
 
 def _tiles(kind: str, dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel kind for a head dim."""
-    return (16, 32, 4, 1) if interpreting() else _GPU_TILES_FOR(kind, dim)
+    return (16, 32, 4, 1) if interpreting() else gpu_tiles(kind, dim)
 
 
-def _GPU_TILES_FOR(kind: str, dim: int) -> tuple[int, int, int, int]:  # noqa: N802 (a table lookup)
+def gpu_tiles(kind: str, dim: int) -> tuple[int, int, int, int]:
+    """The GPU's (BLOCK_M, BLOCK_N, num_warps, num_stages) from the table above."""
     for max_dim, tiles in _GPU_TILES[kind]:
         if dim <= max_dim:
             return tiles
@@ -199,10 +200,6 @@ def _rule_args(plan: Plan, bias: Tensor | None, like: Tensor) -> tuple[dict, dic
         "PRECISION": _precision(like.dtype),
     }
     return args, flags
-
-
-def _named(prefix: str, strides) -> dict:
-    return {f"{prefix}{axis}": s for axis, s in zip("bhmd", strides)}
 
 
 def _io_strides(prefix: str, t: Tensor, varlen: bool, axes: str = "bhmd") -> dict:
