@@ -128,6 +128,21 @@ def test_band_limits_on_tile_edges(q_len, k_len, causal, window):
     assert_within_budget(run_triton(inputs, torch.float32), eager32, reference, "band")
 
 
+def test_the_gpus_tile_sizes(monkeypatch):
+    """The GPU's own tile sizes (64 to 128 rows and keys), run in the
+    interpreter too: the tile arithmetic must not depend on the small tiles
+    the other tests use there."""
+    from flashformer.attention.triton import launch
+
+    monkeypatch.setattr(launch, "_tiles", launch.gpu_tiles)
+    inputs = make_inputs(
+        Shape(1, 2, 1, 200, 300, 64), {"causal": True, "window": (150, None), "padding": True}
+    )
+    reference = run(rounded_to(inputs, torch.bfloat16), torch.float64, "eager")
+    eager_low = run(inputs, torch.bfloat16, "eager")
+    assert_within_budget(run_triton(inputs, torch.bfloat16), eager_low, reference, "gpu tiles")
+
+
 # ---- dropout: the same bits as every other backend ----
 
 
