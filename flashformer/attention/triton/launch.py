@@ -53,7 +53,7 @@ _GPU_TILES = {
     "dq": [(64, (128, 64, 8, 3)), (128, (128, 64, 8, 2)), (256, (32, 32, 4, 1))],
     "decode": [(64, (16, 64, 4, 3)), (128, (16, 64, 8, 3)), (256, (16, 32, 4, 2))],
 }
-_working_tiles: dict[tuple, tuple[int, int, int, int]] = {}  # launches that compiled, by request
+_stepped_down: dict[tuple, tuple[int, int, int, int]] = {}  # tiles that fit, where the table's did not
 
 
 def _tiles(kind: str, dim: int) -> tuple[int, int, int, int]:
@@ -76,17 +76,18 @@ def _block(dim: int) -> int:
 
 def _launch(kernel, kind: str, dim: int, grid_of, args: dict, constants: dict, rows: int | None = None):
     """Launch with the tile sizes for `kind`; if the GPU cannot hold them,
-    retry with fewer pipeline stages, then smaller tiles (remembered per request)."""
-    key = (kind, dim, tuple(sorted(constants.items())), rows)
-    block_m, block_n, warps, stages = _working_tiles.get(key) or _tiles(kind, dim)
+    retry with fewer pipeline stages, then smaller tiles (the step-down is
+    remembered per request, so it is paid once)."""
+    block_m, block_n, warps, stages = tiles = _tiles(kind, dim)
     if rows is not None:  # no taller query tile than there are queries
         block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
+    key = (kind, dim, tuple(sorted(constants.items())), block_m, tiles)
+    block_m, block_n, warps, stages = _stepped_down.get(key, (block_m, block_n, warps, stages))
     while True:
         try:
             kernel[grid_of(block_m, block_n)](
                 **args, **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages
             )
-            _working_tiles[key] = (block_m, block_n, warps, stages)
             return block_m, block_n
         except OutOfResources:
             if stages > 1:
@@ -97,6 +98,7 @@ def _launch(kernel, kind: str, dim: int, grid_of, args: dict, constants: dict, r
                 block_m //= 2
             else:
                 raise
+            _stepped_down[key] = (block_m, block_n, warps, stages)
 
 
 # ---- one attention call, described for the kernels ----
