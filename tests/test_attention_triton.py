@@ -143,6 +143,35 @@ def test_the_gpus_tile_sizes(monkeypatch):
     assert_within_budget(run_triton(inputs, torch.bfloat16), eager_low, reference, "gpu tiles")
 
 
+def test_a_launch_that_does_not_fit_steps_down_and_remembers(monkeypatch):
+    """A tile configuration the GPU cannot hold (OutOfResources at launch) is
+    retried with fewer stages, then narrower tiles; the fitting one is reused."""
+    from flashformer.attention.triton import launch
+
+    monkeypatch.setattr(launch, "_tiles", lambda kind, dim: (128, 128, 8, 3))
+    monkeypatch.setattr(launch, "_stepped_down", {})
+    tried = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                config = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_stages"])
+                tried.append(config)
+                if kwargs["BLOCK_N"] > 32:
+                    raise launch.OutOfResources(300_000, 232_448, "shared memory")
+
+            return run
+
+    assert launch._launch(FakeKernel(), "forward", 128, lambda m, n: (1,), {}, {"X": 1}, rows=1000) == (
+        128,
+        32,
+    )
+    assert tried == [(128, 128, 3), (128, 128, 2), (128, 128, 1), (128, 64, 1), (128, 32, 1)]
+    tried.clear()
+    launch._launch(FakeKernel(), "forward", 128, lambda m, n: (1,), {}, {"X": 1}, rows=1000)
+    assert tried == [(128, 32, 1)]
+
+
 # ---- dropout: the same bits as every other backend ----
 
 
