@@ -15,6 +15,14 @@ What the kernels refuse (NotImplementedError naming it): a bias given as a
 function of positions (the kernel cannot call Python per tile; pass the bias
 as a tensor, or use backend="flash"), float64 inputs, head dims above 256,
 and CPU tensors outside the interpreter.
+
+Costs worth knowing: the backward is deterministic (dK/dV and dQ in separate
+kernels, no atomics), at the price of recomputing the score tiles twice. A
+bias tensor's gradient is summed over the dims it broadcasts on through one
+float32 partial per (batch, query head): free for a full (B, Hq, Lq, Lk)
+bias, (B, Hq, Lq, Lk) float32 of scratch for one shared by batch or heads,
+(B, Hq, 1, Lk) for one shared by all queries; a bias constant along the keys
+gets its exact gradient (dlse) without a kernel.
 """
 
 from __future__ import annotations
