@@ -85,8 +85,10 @@ def attention(
         out, lse = flash_attention(q, k, v, rules, scale, dropout_p, dropout_seed)
     elif backend == "torch":
         out, lse = sdpa_attention(q, k, v, rules, scale), None
-    else:  # triton
-        raise NotImplementedError("backend='triton' is not available in this build")
+    else:  # triton; imported here so that flashformer never needs Triton unless asked for it
+        from flashformer.attention.triton import triton_attention
+
+        out, lse = triton_attention(q, k, v, rules, scale, dropout_p, dropout_seed)
 
     results = (out,) + ((lse,) if return_lse else ()) + ((probs,) if return_probs else ())
     return results[0] if len(results) == 1 else results
@@ -110,9 +112,20 @@ def choose_backend(
     - bf16/fp16 with gradients on the CPU: SDPA's low-precision backward is
       slow (causal, n = 1024: torch 404 ms, flash 153 ms; n = 4096: 6.3 s vs
       2.4 s), so flash.
+
+    On CUDA, every request the Triton kernels support goes to them: they are
+    the IO-aware kernels written for GPUs, and they support every feature
+    (softcap, seeded dropout, the LSE) that SDPA lacks. This is a choice by
+    design, pending GPU measurements (none were at hand when it was made;
+    scripts/gpu_check.sh measures them against SDPA's backends).
     """
     if return_probs:
         return "eager"
+    if q.device.type == "cuda":
+        from flashformer.attention.triton import unsupported
+
+        if unsupported(q, k, v, rules) is None:
+            return "triton"
     if dropout_p > 0 or return_lse or rules.softcap is not None:
         return "flash"
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

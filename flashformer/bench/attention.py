@@ -311,9 +311,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", type=lambda s: s.split(","), help="e.g. float32,bfloat16")
     parser.add_argument("--variants", type=lambda s: s.split(","), help=f"from {','.join(VARIANTS)}")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per point")
+    parser.add_argument(
+        "--head-dims", type=lambda s: [int(x) for x in s.split(",")], help="--device cuda: e.g. 64,128"
+    )
+    parser.add_argument(
+        "--methods", type=lambda s: s.split(","), help="--device cuda: e.g. triton,sdpa_flash"
+    )
+    parser.add_argument(
+        "--method-timeout", type=float, default=900, help="--device cuda: seconds allowed per method"
+    )
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
+    if args.device.startswith("cuda"):  # TFLOP/s of the GPU kernels: its own module
+        from flashformer.bench import attention_cuda
+
+        return attention_cuda.main_from_args(args)
     config = dict(QUICK if args.quick else FULL)
     for key in ("ns", "dtypes", "variants"):
         if getattr(args, key):
