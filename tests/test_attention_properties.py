@@ -42,7 +42,7 @@ def requests(draw):
 
 
 @pytest.mark.filterwarnings("ignore")
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(requests())
 def test_flash_and_torch_equal_eager_in_float64(request):
     q, k, v, kwargs, (block_q, block_k) = request
