@@ -36,7 +36,7 @@ class TrainConfig:
     # data
     data: list[str] = field(default_factory=list)  # files, folders, globs; [] = Python's stdlib
     tokenizer: str = "bpe"  # "bpe" (trained on the corpus) or "byte"
-    vocab_size: int = 4096  # BPE vocabulary (the model's vocab_size follows the tokenizer)
+    vocab_size: int = 2048  # BPE vocabulary (the model's vocab_size follows the tokenizer)
     seq_len: int = 256
     val_fraction: float = 0.02
     # optimization
