@@ -269,8 +269,19 @@ PRESETS: dict[str, dict] = {
     "llama-small": dict(_LLAMA, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048),
     # the default of `flashformer train`: a GPT-2-style model small enough to
     # learn Python's stdlib visibly in a few minutes on two CPU cores
-    "gpt-mini": dict(_GPT2, d_model=192, n_layers=4, n_heads=4, d_ff=768, max_seq_len=256,
-                     vocab_size=2048, dropout=0.0, attention_dropout=0.0, bos_token_id=None, eos_token_id=None),
+    "gpt-mini": dict(
+        _GPT2,
+        d_model=192,
+        n_layers=4,
+        n_heads=4,
+        d_ff=768,
+        max_seq_len=256,
+        vocab_size=2048,
+        dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
     "bert-tiny": dict(_BERT, **_TINY),
     "gpt2-tiny": dict(_GPT2, **_TINY),
     "t5-tiny": dict(_T5, **dict(_TINY, head_dim=16)),
