@@ -42,14 +42,17 @@ def _cpu_lacks_fast_low_precision_matmul(dtype: torch.dtype) -> bool:
     2-core AMD EPYC with AVX2, torch 2.13, 2048 x 768 x 3072: float32 21
     GFLOP/s in every layout; bf16 4.8 GFLOP/s for x @ W^T, 0.6 for x @ W and
     0.2 with both operands transposed, the layouts of the backward pass).
-    FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL=1 turns the emulation off (to
-    measure the difference).
     """
-    if os.environ.get("FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL") == "1":
-        return False
     if dtype == torch.bfloat16:
         return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _emulate_low_precision_matmul(dtype: torch.dtype) -> bool:
+    """FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL=1 turns the emulation off (to measure the difference)."""
+    if os.environ.get("FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL") == "1":
+        return False
+    return _cpu_lacks_fast_low_precision_matmul(dtype)
 
 
 class _LowPrecisionLinear(torch.autograd.Function):
@@ -92,7 +95,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     low-precision GEMM, where the same numbers come from a float32 GEMM."""
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")
-        if dtype in (torch.bfloat16, torch.float16) and _cpu_lacks_fast_low_precision_matmul(dtype):
+        if dtype in (torch.bfloat16, torch.float16) and _emulate_low_precision_matmul(dtype):
             with torch.autocast("cpu", enabled=False):
                 return _LowPrecisionLinear.apply(x, weight, bias, dtype)
     return F.linear(x, weight, bias)

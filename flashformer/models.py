@@ -7,9 +7,7 @@ LLaMA) and EncoderDecoderModel (T5), built from one ModelConfig.
 
 Every forward checks its inputs (ids in range, masks shaped like the ids,
 sequences within the learned positions) before any computation and raises a
-ValueError that names the argument. The value checks read tensor contents,
-so they are skipped while torch.compile traces the model; shape and dtype
-checks always run.
+ValueError that names the argument (see inputs.py).
 """
 
 from __future__ import annotations
@@ -23,6 +21,16 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from flashformer.config import ModelConfig, preset
+from flashformer.inputs import (
+    IGNORE_INDEX,
+    check_arch,
+    check_caches,
+    check_int_tensor,
+    check_labels,
+    check_token_ids,
+    check_token_types,
+    padding_mask_from,
+)
 from flashformer.layers import ACTIVATIONS, DecoderBlock, EncoderBlock, Linear, linear, make_norm
 from flashformer.positional import (
     AlibiPositions,
@@ -32,8 +40,6 @@ from flashformer.positional import (
     RotaryEmbedding,
     SinusoidalPositions,
 )
-
-IGNORE_INDEX = -100  # label value that the loss skips, as in transformers
 
 
 @dataclass
@@ -271,19 +277,25 @@ class PreTrainedModel(nn.Module):
         check_token_ids(name, ids, self.config.vocab_size)
 
     def _positions(self, name: str, length: int, position_ids, cache_position: int, device) -> Tensor:
-        """Positions of the new tokens: (L,) from cache_position, or the given (B, L) / (L,) position_ids."""
+        """Positions of the new tokens: (L,) from cache_position, or the given (L,) / (B, L) position_ids."""
         if position_ids is None:
-            positions = torch.arange(cache_position, cache_position + length, device=device)
-        else:
-            positions = position_ids
-        if self.config.position == "learned" and not torch.compiler.is_compiling():
-            last = int(positions.max()) if position_ids is not None else cache_position + length - 1
-            if last >= self.config.max_seq_len:
-                raise ValueError(
-                    f"{name} reaches position {last}, beyond the {self.config.max_seq_len} learned positions "
-                    f"(max_seq_len); got length {length} after {cache_position} cached tokens"
-                )
-        return positions
+            self._check_learned_positions(name, cache_position + length - 1, length, cache_position)
+            return torch.arange(cache_position, cache_position + length, device=device)
+        check_int_tensor("position_ids", position_ids, "positions", dims=(1, 2))
+        if position_ids.shape[-1] != length:
+            raise ValueError(
+                f"position_ids must give {length} positions per row; got shape {tuple(position_ids.shape)}"
+            )
+        if not torch.compiler.is_compiling():
+            self._check_learned_positions(name, int(position_ids.max()), length, cache_position)
+        return position_ids
+
+    def _check_learned_positions(self, name: str, last: int, length: int, cache_position: int) -> None:
+        if self.config.position == "learned" and last >= self.config.max_seq_len:
+            raise ValueError(
+                f"{name} reaches position {last}, beyond the {self.config.max_seq_len} learned positions "
+                f"(max_seq_len); got length {length} after {cache_position} cached tokens"
+            )
 
 
 class EncoderModel(PreTrainedModel):
@@ -292,7 +304,7 @@ class EncoderModel(PreTrainedModel):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        _check_arch(config, "encoder")
+        check_arch(config, "encoder")
         self.config = config
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
@@ -330,7 +342,7 @@ class DecoderModel(PreTrainedModel):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        _check_arch(config, "decoder")
+        check_arch(config, "decoder")
         self.config = config
         self.embeddings = Embeddings(config)
         self.decoder = Decoder(config, config.n_layers)
@@ -360,7 +372,7 @@ class DecoderModel(PreTrainedModel):
         padding_mask = padding_mask_from("attention_mask", attention_mask, (batch, cache_position + length))
         check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
         check_labels(labels, (batch, length), self.config.vocab_size)
-        _check_caches(kv_caches, self.config.n_layers)
+        check_caches(kv_caches, self.config.n_layers)
         positions = self._positions("input_ids", length, position_ids, cache_position, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
@@ -387,7 +399,7 @@ class EncoderDecoderModel(PreTrainedModel):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        _check_arch(config, "encoder-decoder")
+        check_arch(config, "encoder-decoder")
         self.config = config
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
@@ -402,6 +414,9 @@ class EncoderDecoderModel(PreTrainedModel):
         """input_ids (B, M) -> the encoder's output (B, M, d_model)."""
         self._check_ids("input_ids", input_ids)
         padding_mask = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
+        return self._encode(input_ids, padding_mask)
+
+    def _encode(self, input_ids: Tensor, padding_mask: Tensor | None) -> Tensor:
         positions = self._positions("input_ids", input_ids.shape[1], None, 0, input_ids.device)
         return self.encoder(self.embeddings(input_ids, positions), padding_mask, positions)
 
@@ -431,6 +446,7 @@ class EncoderDecoderModel(PreTrainedModel):
         if input_ids is None and encoder_outputs is None:
             raise ValueError("EncoderDecoderModel needs input_ids (or encoder_outputs); got neither")
         if decoder_input_ids is None:
+            check_int_tensor("labels", labels, "token ids")
             check_labels(labels, tuple(labels.shape), self.config.vocab_size)
             decoder_input_ids = self.shift_right(labels)
         self._check_ids("decoder_input_ids", decoder_input_ids)
@@ -439,11 +455,11 @@ class EncoderDecoderModel(PreTrainedModel):
             "decoder_attention_mask", decoder_attention_mask, (batch, cache_position + length)
         )
         check_labels(labels, (batch, length), self.config.vocab_size)
-        _check_caches(kv_caches, self.config.decoder_layers)
+        check_caches(kv_caches, self.config.decoder_layers)
         if encoder_outputs is None:
             self._check_ids("input_ids", input_ids)
             memory_padding = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
-            memory = self.encode(input_ids, attention_mask)  # (B, M, d_model)
+            memory = self._encode(input_ids, memory_padding)  # (B, M, d_model)
         else:
             memory = (
                 encoder_outputs.last_hidden_state
@@ -510,89 +526,3 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX
     )
-
-
-# ---- input checks (before any compute) ----
-
-
-def _check_arch(config: ModelConfig, arch: str) -> None:
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig; got {type(config).__name__}")
-    if config.arch != arch:
-        raise ValueError(f"this model needs config.arch == {arch!r}; got {config.arch!r}")
-
-
-def _check_int_tensor(name: str, t, what: str) -> None:
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of {what}; got {type(t).__name__}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integer {what}; got dtype {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must have shape (batch, length); got shape {tuple(t.shape)}")
-    if t.shape[1] == 0:
-        raise ValueError(f"{name} must hold at least one token; got shape {tuple(t.shape)}")
-
-
-def check_token_ids(name: str, ids, vocab_size: int) -> None:
-    _check_int_tensor(name, ids, "token ids")
-    if not torch.compiler.is_compiling():
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"{name} must be in [0, vocab_size={vocab_size}); got a token id {bad}")
-
-
-def check_token_types(token_type_ids, input_ids: Tensor, type_vocab_size: int) -> None:
-    if token_type_ids is None:
-        return
-    if type_vocab_size == 0:
-        raise ValueError("token_type_ids were given, but this model has no token types (type_vocab_size=0)")
-    _check_int_tensor("token_type_ids", token_type_ids, "token types")
-    if token_type_ids.shape != input_ids.shape:
-        raise ValueError(
-            f"token_type_ids must have the shape of input_ids {tuple(input_ids.shape)}; "
-            f"got {tuple(token_type_ids.shape)}"
-        )
-    if not torch.compiler.is_compiling():
-        low, high = int(token_type_ids.min()), int(token_type_ids.max())
-        if low < 0 or high >= type_vocab_size:
-            raise ValueError(
-                f"token_type_ids must be in [0, type_vocab_size={type_vocab_size}); got {low if low < 0 else high}"
-            )
-
-
-def check_labels(labels, shape: tuple[int, int], vocab_size: int, has_head: bool = True) -> None:
-    if labels is None:
-        return
-    if not has_head:
-        raise ValueError("labels were given, but this model has no head to score them (mlm_head=False)")
-    _check_int_tensor("labels", labels, "token ids")
-    if tuple(labels.shape) != shape:
-        raise ValueError(f"labels must have shape {shape}; got {tuple(labels.shape)}")
-    if not torch.compiler.is_compiling():
-        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
-        if bool(bad.any()):
-            raise ValueError(
-                f"labels must be in [0, vocab_size={vocab_size}) or {IGNORE_INDEX} (ignored); "
-                f"got {int(labels[bad][0])}"
-            )
-
-
-def padding_mask_from(name: str, attention_mask, shape: tuple[int, int]) -> Tensor | None:
-    """A (B, L) attention mask (1/True = real token, 0/False = padding) as a bool key padding mask."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, Tensor):
-        raise ValueError(
-            f"{name} must be a torch.Tensor of shape {shape}; got {type(attention_mask).__name__}"
-        )
-    if tuple(attention_mask.shape) != shape:
-        raise ValueError(
-            f"{name} must have shape {shape} (batch, keys: cached + new tokens); got {tuple(attention_mask.shape)}"
-        )
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-
-
-def _check_caches(kv_caches, n_layers: int) -> None:
-    if kv_caches is not None and len(kv_caches) != n_layers:
-        raise ValueError(f"kv_caches must hold one cache per layer ({n_layers}); got {len(kv_caches)}")
