@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_attention.add_arguments(
         benchmarks.add_parser("attention", help="time and memory of the attention backends against n")
     )
+    from flashformer.bench import generate as bench_generate
+
+    bench_generate.add_arguments(
+        benchmarks.add_parser("generate", help="tokens/s of generation against transformers' generate")
+    )
     return parser
 
 
@@ -151,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         from flashformer.bench import attention as bench_attention
 
         bench_attention.main_from_args(args)
+    elif args.command == "bench" and args.benchmark == "generate":
+        from flashformer.bench import generate as bench_generate
+
+        bench_generate.main_from_args(args)
     return 0
 
 

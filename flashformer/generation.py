@@ -252,6 +252,8 @@ class DecoderSession:
         max_len = prompt_len + s.max_new_tokens
         self.model, self.input_ids, self.chunk_size = model, input_ids, s.prefill_chunk_size or prompt_len
         self.caches = make_caches(model, batch, max_len, input_ids.device)
+        if s.compile:
+            let_sizes_vary(self.caches)
         self.length = 0  # tokens in the cache
         self.key_mask = self.positions = self.next_positions = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -318,6 +320,8 @@ class EncoderDecoderSession:
         batch = input_ids.shape[0]
         self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
         self.caches = make_caches(model, batch, 1 + s.max_new_tokens, input_ids.device)
+        if s.compile:
+            let_sizes_vary(self.caches)
         self.start = torch.full(
             (batch, 1), s.decoder_start_token_id, dtype=torch.long, device=input_ids.device
         )
@@ -389,13 +393,24 @@ def compiled_decode_step(arch: str):
     """The decode step under torch.compile (made on first use: importing the compiler is slow).
 
     torch.compile's automatic dynamic shapes: the first compiled step is
-    specialized to its cache length; the second, seeing the length change,
-    compiles a graph with the cache length symbolic, which then serves every
-    later step and call (a new batch size, dtype or model compiles once more).
-    dynamic=True from the start would also make the layers' float attributes
-    symbolic, which breaks the graph.
+    specialized to its cache position; the second, seeing it change, compiles
+    a graph with the position symbolic, which then serves every later step
+    and call (the cache sizes are symbolic already, see let_sizes_vary; a new
+    dtype or model compiles again). dynamic=True from the start would also
+    make the layers' float attributes symbolic, which breaks the graph.
     """
     return torch.compile(encoder_decoder_step if arch == "encoder-decoder" else decode_step)
+
+
+def let_sizes_vary(caches: list) -> None:
+    """For compile=True: the caches' batch and length dims are symbolic from
+    the first compile on, so a call with another batch size or another
+    prompt + max_new_tokens reuses the graph instead of compiling again
+    (torch.compile still specializes a batch of 1 at first)."""
+    for cache in caches:
+        for t in (cache.k, cache.v):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
 
 
 def make_session(model, input_ids, attention_mask, s: GenerationSettings):
