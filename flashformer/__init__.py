@@ -9,6 +9,7 @@ __all__ = [
     "attention",
     "build",
     "from_pretrained",
+    "load",
     "preset",
     "ModelConfig",
     "ModelOutput",
@@ -23,3 +24,11 @@ def from_pretrained(folder, dtype=None):
     from flashformer.hf import from_pretrained as _from_pretrained
 
     return _from_pretrained(folder, dtype=dtype)
+
+
+def load(path, dtype=None):
+    """(model, tokenizer) from a run folder of `flashformer train`, one checkpoint folder, or a
+    Hugging Face folder with tokenizer.json; see flashformer.checkpoint.load."""
+    from flashformer.checkpoint import load as _load
+
+    return _load(path, dtype=dtype)

@@ -164,3 +164,80 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---- loading a model to use it ----
+
+
+def load(path: str | Path, dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a folder, in eval mode, for generation:
+
+    - a run folder of `flashformer train` (its newest complete step-*),
+    - one checkpoint folder step-* (verified against its manifest first),
+    - a Hugging Face folder: config.json with "model_type", the weights, tokenizer.json.
+
+    dtype: None keeps the stored dtype. Raises CheckpointError naming the
+    folder and what is missing or damaged.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} does not exist or is not a folder")
+    config = _read_config(folder) if (folder / "config.json").is_file() else None
+    if not (folder / MANIFEST).is_file() and not (config and "model_type" in config):
+        steps = list_checkpoints(folder)
+        if not steps:
+            raise CheckpointError(
+                f"{folder} is neither a run folder (no step-* checkpoint inside), a checkpoint folder "
+                f"(no {MANIFEST}) nor a Hugging Face folder (no config.json with a model_type)"
+            )
+        folder = steps[-1]
+        config = _read_config(folder) if (folder / "config.json").is_file() else None
+    if (folder / MANIFEST).is_file():
+        model = _load_flashformer_checkpoint(folder, config)
+    else:
+        from flashformer.hf import from_pretrained
+
+        try:
+            model = from_pretrained(folder)
+        except (ValueError, OSError, SafetensorError) as error:
+            raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {error}") from None
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval(), _load_tokenizer(folder)
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{folder / 'config.json'} is corrupt: {error}") from None
+
+
+def _load_flashformer_checkpoint(folder: Path, config: dict | None) -> torch.nn.Module:
+    from flashformer.config import ModelConfig
+    from flashformer.models import build
+
+    verify_checkpoint(folder)
+    if config is None or "model" not in config:
+        raise CheckpointError(f"{folder / 'config.json'} lacks the model's config (a 'model' entry)")
+    try:
+        model_config = ModelConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder / 'config.json'} holds an invalid model config: {error}") from None
+    model = build(model_config)
+    load_weights(folder, model)
+    return model
+
+
+def _load_tokenizer(folder: Path):
+    from flashformer.data import load_tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json: the text cannot be encoded without the tokenizer the model "
+            f"was trained with"
+        )
+    try:
+        return load_tokenizer(folder)
+    except Exception as error:  # the tokenizers library raises its own exception types
+        raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be read: {error}") from None

@@ -99,3 +99,12 @@ def padding_mask_from(name: str, attention_mask, shape: tuple[int, int]) -> Tens
 def check_caches(kv_caches, n_layers: int) -> None:
     if kv_caches is not None and len(kv_caches) != n_layers:
         raise ValueError(f"kv_caches must hold one cache per layer ({n_layers}); got {len(kv_caches)}")
+
+
+def check_logits_to_keep(logits_to_keep, length: int, labels) -> None:
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all); got {logits_to_keep!r}")
+    if labels is not None and logits_to_keep not in (0, length):
+        raise ValueError(
+            f"labels need the logits of every position; got logits_to_keep={logits_to_keep} for {length} tokens"
+        )

@@ -21,10 +21,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from flashformer.config import ModelConfig, preset
+from flashformer.generation import GenerationMixin
 from flashformer.inputs import (
     IGNORE_INDEX,
     check_arch,
     check_caches,
+    check_logits_to_keep,
     check_int_tensor,
     check_labels,
     check_token_ids,
@@ -183,21 +185,37 @@ class Decoder(Stack):
         """x (B, L, d_model) -> (B, L, d_model).
 
         padding_mask: (B, cache_position + L) bool or None, over all keys so far.
-        kv_caches: one cache per layer (see layers.py), or None.
+        kv_caches: one cache per layer (flashformer.cache.KVCache, or any object
+            with its update() and memory_kv), or None.
         """
         position_args = self.positions.attention_args(positions, cache_position)
         for index in range(self.n_layers):
+            cache = None if kv_caches is None else kv_caches[index]
             x = self.run_block(
                 index,
                 x,
                 padding_mask=padding_mask,
                 memory=memory,
                 memory_padding_mask=memory_padding_mask,
-                kv_cache=None if kv_caches is None else kv_caches[index],
+                memory_kv=self._memory_kv(index, cache, memory),
+                kv_cache=cache,
                 cache_position=cache_position,
                 **position_args,
             )
         return self.finish(x)
+
+    def _memory_kv(self, index: int, cache, memory: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """The cross-attention keys and values of the encoder's output, (B, Hk, M, D) each.
+
+        With a cache they are projected on the first call and kept in it: the
+        encoder's output does not change while the decoder generates, so every
+        later step skips two (M x d_model) projections per layer.
+        """
+        if cache is None or memory is None:
+            return None
+        if cache.memory_kv is None:
+            cache.memory_kv = self.block(index).cross_attn.project_memory(memory)
+        return cache.memory_kv
 
 
 # ---- heads ----
@@ -336,7 +354,7 @@ class EncoderModel(PreTrainedModel):
         return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss, pooler_output=pooled)
 
 
-class DecoderModel(PreTrainedModel):
+class DecoderModel(GenerationMixin, PreTrainedModel):
     """GPT-2 / LLaMA style: embeddings, a causal decoder, and an LM head tied
     to the token embedding or its own."""
 
@@ -360,12 +378,16 @@ class DecoderModel(PreTrainedModel):
         kv_caches: list | None = None,
         cache_position: int = 0,
         token_type_ids: Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
         """input_ids (B, L): the new tokens (all of them without a cache).
 
         attention_mask: (B, cache_position + L), 1/True = real token, over cached and new tokens.
+        position_ids: (B, L) or (L,); default cache_position .. cache_position + L - 1.
         labels: (B, L); the loss predicts token t+1 from tokens <= t (shifted inside, as in transformers).
-        kv_caches, cache_position: one cache per layer (see layers.py) and how many tokens it holds.
+        kv_caches, cache_position: one cache per layer (flashformer.cache) and how many tokens it holds.
+        logits_to_keep: compute the logits of the last n positions only (0 = all), as in
+            transformers; generation needs only the last one, and the head is the largest matmul.
         """
         self._check_ids("input_ids", input_ids)
         batch, length = input_ids.shape
@@ -373,13 +395,14 @@ class DecoderModel(PreTrainedModel):
         check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
         check_labels(labels, (batch, length), self.config.vocab_size)
         check_caches(kv_caches, self.config.n_layers)
+        check_logits_to_keep(logits_to_keep, length, labels)
         positions = self._positions("input_ids", length, position_ids, cache_position, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
         hidden = self.decoder(
             hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
         )
-        logits = linear(hidden, self.output_embedding)  # (B, L, vocab)
+        logits = linear(hidden[:, -logits_to_keep:], self.output_embedding)  # (B, L or logits_to_keep, vocab)
         loss = None
         if labels is not None:
             # position t predicts label t+1: shift the labels, not the (large) logits
@@ -391,7 +414,7 @@ class DecoderModel(PreTrainedModel):
         return self.embeddings.tokens.weight if self.lm_head is None else self.lm_head.weight
 
 
-class EncoderDecoderModel(PreTrainedModel):
+class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
     """T5 style: one token embedding shared by the encoder, the decoder and
     (when tied) the LM head; the decoder cross-attends to the encoder's output.
     With scale_decoder_output the decoder's output is multiplied by
@@ -430,6 +453,7 @@ class EncoderDecoderModel(PreTrainedModel):
         encoder_outputs: Tensor | ModelOutput | None = None,
         kv_caches: list | None = None,
         cache_position: int = 0,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
         """input_ids (B, M) and attention_mask (B, M) for the encoder;
         decoder_input_ids (B, L) and decoder_attention_mask (B, cache_position + L) for the decoder.
@@ -437,6 +461,8 @@ class EncoderDecoderModel(PreTrainedModel):
         Without decoder_input_ids, labels (B, L) shifted right (starting with
         decoder_start_token_id) become them, as in transformers. encoder_outputs
         (the encoder's output, or a ModelOutput holding it) skips the encoder.
+        kv_caches, cache_position, logits_to_keep: as in DecoderModel.forward; the
+        caches also keep the cross-attention keys and values after the first call.
         """
         if decoder_input_ids is None and labels is None:
             raise ValueError(
@@ -456,6 +482,7 @@ class EncoderDecoderModel(PreTrainedModel):
         )
         check_labels(labels, (batch, length), self.config.vocab_size)
         check_caches(kv_caches, self.config.decoder_layers)
+        check_logits_to_keep(logits_to_keep, length, labels)
         if encoder_outputs is None:
             self._check_ids("input_ids", input_ids)
             memory_padding = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
@@ -481,7 +508,8 @@ class EncoderDecoderModel(PreTrainedModel):
             kv_caches=kv_caches,
             cache_position=cache_position,
         )
-        logits = linear(hidden * self.output_scale, self.output_embedding)  # (B, L, vocab)
+        kept = hidden[:, -logits_to_keep:]  # (B, L or logits_to_keep, d_model)
+        logits = linear(kept * self.output_scale, self.output_embedding)  # (B, L or logits_to_keep, vocab)
         loss = cross_entropy(logits, labels) if labels is not None else None
         return ModelOutput(
             last_hidden_state=hidden, logits=logits, loss=loss, encoder_last_hidden_state=memory

@@ -33,8 +33,14 @@ def needs_materialized_mask(rules: ScoreRules) -> bool:
 
 
 def _sdpa_is_causal_exact(rules: ScoreRules) -> bool:
-    """SDPA's own is_causal (top-left) equals ours (bottom-right) when Lq == Lk."""
-    return rules.causal and rules.q_len == rules.k_len and rules.q_len > 1
+    """SDPA's own is_causal (top-left) equals ours (bottom-right) when Lq == Lk.
+
+    Decided by an `if`: under torch.compile with a symbolic length the bare
+    comparison is a SymBool, which SDPA's is_causal does not take.
+    """
+    if rules.causal and rules.q_len > 1 and rules.q_len == rules.k_len:
+        return True
+    return False
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, scale: float) -> Tensor:

@@ -1,0 +1,229 @@
+"""`flashformer bench generate`: tokens per second of greedy generation.
+
+The model has GPT-2-small's shape (12 layers, d_model 768, 12 heads, vocab
+50257) with random weights. flashformer writes it with save_pretrained and
+transformers loads the same folder, so both generate from the same numbers.
+For every (batch, dtype) a fresh worker process times, in turns (A B C, B C
+A, ...), transformers' generate, flashformer's generate, and flashformer's
+generate with the decode step compiled by torch.compile: a 32-token prompt
+and 256 new tokens, greedy, no eos (every run produces all 256 tokens).
+
+tokens/s = batch * new tokens / median wall time of one generate call,
+prefill included. The compile itself (once per worker) is reported apart.
+In float32 the greedy tokens of flashformer and transformers are compared.
+
+The CPU is shared: the load average before and after each point is kept in
+the JSON, and --threads fixes torch's thread count (default: torch's own).
+Writes generate.json and generate.png to the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flashformer.bench.common import machine_info, run_worker, time_in_turns, write_json
+
+MODULE = "flashformer.bench.generate"
+CONTENDERS = ["transformers", "flashformer", "flashformer+compile"]
+FULL = {
+    "batches": [1, 8],
+    "dtypes": ["float32", "bfloat16"],
+    "prompt_len": 32,
+    "new_tokens": 256,
+    "rounds": 3,
+}
+QUICK = {"batches": [1, 8], "dtypes": ["float32"], "prompt_len": 32, "new_tokens": 32, "rounds": 2}
+TARGETS = {1: 2.0, 8: 1.5}  # CPU float32: flashformer (best of plain and compiled) over transformers
+
+
+def build_models(dtype: torch.dtype):
+    """(transformers model, flashformer model) with the same random GPT-2-small weights."""
+    import transformers
+
+    import flashformer
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = flashformer.build("gpt2", dropout=0.0, attention_dropout=0.0)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=dtype).eval()
+        ours = flashformer.from_pretrained(folder, dtype=dtype).eval()
+    theirs.generation_config.eos_token_id = None  # no early stop: every run makes all its tokens
+    return theirs, ours
+
+
+def timing_worker(point: dict) -> dict:
+    """Median seconds per generate call of each contender, in turns, in this process."""
+    if point.get("threads"):
+        torch.set_num_threads(point["threads"])
+    dtype = getattr(torch, point["dtype"])
+    theirs, ours = build_models(dtype)
+    torch.manual_seed(1)
+    ids = torch.randint(0, ours.config.vocab_size, (point["batch"], point["prompt_len"]))
+    mask = torch.ones_like(ids)
+    new = point["new_tokens"]
+
+    def transformers_generate(n=new):
+        with torch.no_grad():
+            return theirs.generate(
+                ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+
+    def flashformer_generate(n=new, compile=False):
+        return ours.generate(ids, max_new_tokens=n, eos_token_id=[], compile=compile)
+
+    works = {
+        "transformers": transformers_generate,
+        "flashformer": flashformer_generate,
+        "flashformer+compile": lambda n=new: flashformer_generate(n, compile=True),
+    }
+    result = {"load_before": os.getloadavg()[0], "threads": torch.get_num_threads()}
+    started = time.perf_counter()
+    flashformer_generate(3, compile=True)  # compiles the specialized and the dynamic graph
+    result["compile_s"] = time.perf_counter() - started
+    for work in works.values():  # warm: allocator, caches, lazy initialization
+        work(3)
+    if dtype == torch.float32:
+        result["same_tokens"] = transformers_generate().tolist() == flashformer_generate().tolist()
+    times = time_in_turns(works, rounds=point["rounds"], warmup=False)
+    result["load_after"] = os.getloadavg()[0]
+    result["seconds"] = times
+    result["tokens_per_s"] = {name: point["batch"] * new / t for name, t in times.items()}
+    return result
+
+
+def run(config: dict, out_dir: Path, threads: int | None, timeout_s: float) -> dict:
+    points = []
+    for dtype in config["dtypes"]:
+        for batch in config["batches"]:
+            point = {
+                "batch": batch,
+                "dtype": dtype,
+                "prompt_len": config["prompt_len"],
+                "new_tokens": config["new_tokens"],
+                "rounds": config["rounds"],
+                "threads": threads,
+            }
+            point.update(run_worker(MODULE, point, timeout_s))
+            points.append(point)
+            print(_row(point), flush=True)
+    payload = {
+        "benchmark": "generate",
+        "model": "gpt2-small shape (12 layers, d_model 768, 12 heads, vocab 50257), random weights",
+        "machine": machine_info(),
+        "config": config,
+        "points": points,
+        "targets": targets(points),
+    }
+    write_json(out_dir / "generate.json", payload)
+    plot(payload, out_dir / "generate.png")
+    return payload
+
+
+def _row(p: dict) -> str:
+    head = f"batch {p['batch']:>2} {p['dtype']:>8}"
+    if "error" in p:
+        return f"{head}  error: {p['error']}"
+    rates = "  ".join(f"{name} {p['tokens_per_s'][name]:7.1f} tok/s" for name in CONTENDERS)
+    same = {True: "  same tokens", False: "  TOKENS DIFFER"}.get(p.get("same_tokens"), "")
+    return (
+        f"{head}  {rates}  (compile {p['compile_s']:.0f} s; load {p['load_before']:.1f} -> "
+        f"{p['load_after']:.1f}; {p['threads']} threads){same}"
+    )
+
+
+def targets(points: list[dict]) -> dict:
+    """flashformer's best (plain or compiled) over transformers, float32, per batch."""
+    found = {}
+    for p in points:
+        if p["dtype"] != "float32" or "error" in p or p["batch"] not in TARGETS:
+            continue
+        rates = p["tokens_per_s"]
+        best = max(rates["flashformer"], rates["flashformer+compile"])
+        found[f"fp32_batch{p['batch']}_flashformer_over_transformers (>= {TARGETS[p['batch']]})"] = (
+            best / rates["transformers"]
+        )
+    return found
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [p for p in payload["points"] if "error" not in p]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(CONTENDERS)
+    colors = {"transformers": "tab:gray", "flashformer": "tab:blue", "flashformer+compile": "tab:green"}
+    for i, name in enumerate(CONTENDERS):
+        xs = [j + (i - (len(CONTENDERS) - 1) / 2) * width for j in range(len(measured))]
+        ys = [p["tokens_per_s"][name] for p in measured]
+        bars = ax.bar(xs, ys, width, label=name, color=colors[name])
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(measured)), [f"batch {p['batch']}\n{p['dtype']}" for p in measured])
+    ax.set_ylabel("tokens / s (higher is better)")
+    config = payload["config"]
+    ax.set_title(
+        f"greedy generation, GPT-2-small shape, {config['prompt_len']}-token prompt + "
+        f"{config['new_tokens']} new tokens\n{payload['machine']['cpu']}, "
+        f"torch {payload['machine']['torch']}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="32 new tokens, float32 only, 2 rounds")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,8")
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), help="e.g. float32,bfloat16")
+    parser.add_argument("--new-tokens", type=int, help="new tokens per generate call")
+    parser.add_argument("--rounds", type=int, help="timed calls per contender")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--timeout", type=float, default=7200, help="seconds allowed per point")
+
+
+def main_from_args(args: argparse.Namespace) -> dict:
+    config = dict(QUICK if args.quick else FULL)
+    for key in ("batches", "dtypes", "new_tokens", "rounds"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    print(
+        f"generate benchmark: GPT-2-small shape, prompt {config['prompt_len']}, {config['new_tokens']} new "
+        f"tokens, greedy; each (batch, dtype) in a fresh process, contenders timed in turns"
+    )
+    payload = run(config, args.out, args.threads, args.timeout)
+    print("\ntargets (ratios measured in this run):")
+    for name, value in payload["targets"].items():
+        print(f"  {name}: {value:.3g}")
+    print(f"\nwrote {args.out / 'generate.json'} and {args.out / 'generate.png'}")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flashformer bench generate", description=__doc__)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(timing_worker(json.loads(args.worker))))
+        return
+    main_from_args(args)
+
+
+if __name__ == "__main__":
+    main()

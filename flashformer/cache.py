@@ -1,0 +1,98 @@
+"""KV caches for generation: preallocated once, written in place.
+
+Generating token t needs the keys and values of tokens 0..t-1 in every
+self-attention layer. Recomputing them makes each step cost the whole prefix;
+keeping them in a growing tensor (torch.cat per step) reallocates and copies
+the prefix every step and changes shapes under torch.compile. As in gpt-fast,
+each layer's cache is allocated once at its final size (B, Hk, max_len, D),
+and a step writes its new keys at explicit positions:
+
+    k_all, v_all = cache.update(k, v, cache_position)   # (B, Hk, cache_position + L, D), views
+
+The views cover exactly the tokens so far, so attention runs with causal
+alignment at the bottom right: L new queries after cache_position cached keys.
+
+An encoder-decoder's cross-attention reads the encoder's output, which does
+not change while the decoder generates: its keys and values are projected on
+the first step and kept in `memory_kv` (see models.Decoder).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """One self-attention layer's keys and values for up to max_len tokens.
+
+    k, v: (B, Hk, max_len, D), preallocated. memory_kv: the cross-attention
+    keys and values (B, Hk, M, D) of an encoder-decoder, or None until the
+    first step computes them.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, *, dtype: torch.dtype, device):
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.memory_kv: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, k: Tensor, v: Tensor, cache_position: int) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, Hk, L, D) at positions cache_position .. cache_position + L - 1;
+        return every key and value so far, (B, Hk, cache_position + L, D)."""
+        end = cache_position + k.shape[2]
+        if not torch.compiler.is_compiling() and end > self.max_len:
+            raise ValueError(
+                f"the KV cache holds {self.max_len} tokens (max_len); writing {k.shape[2]} new tokens "
+                f"after cache_position={cache_position} needs {end}"
+            )
+        self.k[:, :, cache_position:end] = k
+        self.v[:, :, cache_position:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, rows: Tensor, length: int) -> None:
+        """Beam search: row r takes the first `length` cached tokens (and the
+        cross-attention keys and values) of row rows[r]."""
+        self.k[:, :, :length] = self.k[rows, :, :length]
+        self.v[:, :, :length] = self.v[rows, :, :length]
+        if self.memory_kv is not None:
+            self.memory_kv = tuple(t[rows] for t in self.memory_kv)
+
+    def expand(self, times: int) -> None:
+        """Repeat every row `times` times (row r becomes rows r*times .. r*times + times - 1):
+        one prefill per prompt serves all of its beams."""
+        self.k = self.k.repeat_interleave(times, dim=0)
+        self.v = self.v.repeat_interleave(times, dim=0)
+        if self.memory_kv is not None:
+            self.memory_kv = tuple(t.repeat_interleave(times, dim=0) for t in self.memory_kv)
+
+
+def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype the layers' keys and values will have: autocast's where it
+    is on for the device (the projections then compute in it), otherwise the
+    parameters'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(model.parameters()).dtype
+
+
+def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -> list[KVCache]:
+    """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel)."""
+    config = model.config
+    n_layers = config.n_layers if config.arch == "decoder" else config.decoder_layers
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    dtype = cache_dtype(model, device)
+    return [
+        KVCache(batch, config.kv_heads, max_len, config.dim_per_head, dtype=dtype, device=device)
+        for _ in range(n_layers)
+    ]
+
+
+def cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the self-attention caches take: 2 (k and v) * layers * B * Hk * max_len * D * itemsize."""
+    n_layers = config.n_layers if config.arch == "decoder" else config.decoder_layers
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * n_layers * batch * config.kv_heads * max_len * config.dim_per_head * itemsize
