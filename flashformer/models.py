@@ -23,7 +23,15 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from flashformer.config import ModelConfig, preset
-from flashformer.layers import ACTIVATIONS, DecoderBlock, EncoderBlock, Linear, linear, make_norm
+from flashformer.layers import (
+    ACTIVATIONS,
+    DecoderBlock,
+    EncoderBlock,
+    Linear,
+    linear,
+    make_norm,
+    recording_attention,
+)
 from flashformer.positional import (
     AlibiPositions,
     LearnedPositions,
@@ -45,6 +53,11 @@ class ModelOutput:
     loss: mean cross-entropy over labels != -100, when labels are given.
     pooler_output: (B, d_model), an encoder's pooled [CLS] state.
     encoder_last_hidden_state: (B, M, d_model), the encoder's output in an encoder-decoder.
+    attentions: with output_attentions=True, one (B, H, L, L_keys) tensor of
+        attention probabilities per layer: the encoder's (BERT) or the decoder's
+        self-attention (GPT-2, LLaMA, T5; transformers calls T5's decoder_attentions).
+    encoder_attentions, cross_attentions: T5's encoder self-attention and its
+        decoder's attention to the encoder output, (B, H, L, M) per layer.
     """
 
     last_hidden_state: Tensor
@@ -52,6 +65,14 @@ class ModelOutput:
     loss: Tensor | None = None
     pooler_output: Tensor | None = None
     encoder_last_hidden_state: Tensor | None = None
+    attentions: tuple[Tensor, ...] | None = None
+    encoder_attentions: tuple[Tensor, ...] | None = None
+    cross_attentions: tuple[Tensor, ...] | None = None
+
+
+def _maps(maps, kind: str) -> tuple[Tensor, ...] | None:
+    """The recorded maps of one kind ("encoder", "decoder", "cross"), or None when not recorded."""
+    return None if maps is None else tuple(getattr(maps, kind))
 
 
 # ---- embeddings ----
@@ -307,9 +328,11 @@ class EncoderModel(PreTrainedModel):
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, L); attention_mask (B, L), 1/True = real token; token_type_ids (B, L);
-        labels (B, L) with -100 where no prediction is scored."""
+        labels (B, L) with -100 where no prediction is scored. output_attentions:
+        also return every layer's attention probabilities (computed by the eager backend)."""
         self._check_ids("input_ids", input_ids)
         padding_mask = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
         check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
@@ -317,11 +340,18 @@ class EncoderModel(PreTrainedModel):
         positions = self._positions("input_ids", input_ids.shape[1], position_ids, 0, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
-        hidden = self.encoder(hidden, padding_mask, positions)
+        with recording_attention(output_attentions) as maps:
+            hidden = self.encoder(hidden, padding_mask, positions)
         pooled = self.pooler(hidden) if self.pooler is not None else None
         logits = self.mlm_head(hidden, self.embeddings.tokens.weight) if self.mlm_head is not None else None
         loss = cross_entropy(logits, labels) if labels is not None else None
-        return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss, pooler_output=pooled)
+        return ModelOutput(
+            last_hidden_state=hidden,
+            logits=logits,
+            loss=loss,
+            pooler_output=pooled,
+            attentions=_maps(maps, "encoder"),
+        )
 
 
 class DecoderModel(PreTrainedModel):
@@ -348,12 +378,14 @@ class DecoderModel(PreTrainedModel):
         kv_caches: list | None = None,
         cache_position: int = 0,
         token_type_ids: Tensor | None = None,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, L): the new tokens (all of them without a cache).
 
         attention_mask: (B, cache_position + L), 1/True = real token, over cached and new tokens.
         labels: (B, L); the loss predicts token t+1 from tokens <= t (shifted inside, as in transformers).
         kv_caches, cache_position: one cache per layer (see layers.py) and how many tokens it holds.
+        output_attentions: also return every layer's attention probabilities (eager backend).
         """
         self._check_ids("input_ids", input_ids)
         batch, length = input_ids.shape
@@ -364,15 +396,18 @@ class DecoderModel(PreTrainedModel):
         positions = self._positions("input_ids", length, position_ids, cache_position, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
-        hidden = self.decoder(
-            hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
-        )
+        with recording_attention(output_attentions) as maps:
+            hidden = self.decoder(
+                hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
+            )
         logits = linear(hidden, self.output_embedding)  # (B, L, vocab)
         loss = None
         if labels is not None:
             # position t predicts label t+1: shift the labels, not the (large) logits
             loss = cross_entropy(logits, F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:])
-        return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss)
+        return ModelOutput(
+            last_hidden_state=hidden, logits=logits, loss=loss, attentions=_maps(maps, "decoder")
+        )
 
     @property
     def output_embedding(self) -> Tensor:
@@ -415,6 +450,7 @@ class EncoderDecoderModel(PreTrainedModel):
         encoder_outputs: Tensor | ModelOutput | None = None,
         kv_caches: list | None = None,
         cache_position: int = 0,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, M) and attention_mask (B, M) for the encoder;
         decoder_input_ids (B, L) and decoder_attention_mask (B, cache_position + L) for the decoder.
@@ -422,6 +458,8 @@ class EncoderDecoderModel(PreTrainedModel):
         Without decoder_input_ids, labels (B, L) shifted right (starting with
         decoder_start_token_id) become them, as in transformers. encoder_outputs
         (the encoder's output, or a ModelOutput holding it) skips the encoder.
+        output_attentions: also return the attention probabilities of every
+        layer (eager backend): decoder self-attention, encoder, cross-attention.
         """
         if decoder_input_ids is None and labels is None:
             raise ValueError(
@@ -440,10 +478,12 @@ class EncoderDecoderModel(PreTrainedModel):
         )
         check_labels(labels, (batch, length), self.config.vocab_size)
         _check_caches(kv_caches, self.config.decoder_layers)
+        encoder_maps = None  # the encoder's attention maps, when it runs here
         if encoder_outputs is None:
             self._check_ids("input_ids", input_ids)
             memory_padding = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
-            memory = self.encode(input_ids, attention_mask)  # (B, M, d_model)
+            with recording_attention(output_attentions) as encoder_maps:
+                memory = self.encode(input_ids, attention_mask)  # (B, M, d_model)
         else:
             memory = (
                 encoder_outputs.last_hidden_state
@@ -456,19 +496,26 @@ class EncoderDecoderModel(PreTrainedModel):
         )
 
         hidden = self.embeddings(decoder_input_ids, positions)  # (B, L, d_model)
-        hidden = self.decoder(
-            hidden,
-            decoder_padding,
-            positions,
-            memory=memory,
-            memory_padding_mask=memory_padding,
-            kv_caches=kv_caches,
-            cache_position=cache_position,
-        )
+        with recording_attention(output_attentions) as maps:
+            hidden = self.decoder(
+                hidden,
+                decoder_padding,
+                positions,
+                memory=memory,
+                memory_padding_mask=memory_padding,
+                kv_caches=kv_caches,
+                cache_position=cache_position,
+            )
         logits = linear(hidden * self.output_scale, self.output_embedding)  # (B, L, vocab)
         loss = cross_entropy(logits, labels) if labels is not None else None
         return ModelOutput(
-            last_hidden_state=hidden, logits=logits, loss=loss, encoder_last_hidden_state=memory
+            last_hidden_state=hidden,
+            logits=logits,
+            loss=loss,
+            encoder_last_hidden_state=memory,
+            attentions=_maps(maps, "decoder"),
+            encoder_attentions=_maps(encoder_maps, "encoder"),
+            cross_attentions=_maps(maps, "cross"),
         )
 
     @property
