@@ -28,6 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
         benchmarks.add_parser("attention", help="time and memory of the attention backends against n")
     )
 
+    from flashformer.costs import report
+
+    report.add_arguments(
+        commands.add_parser(
+            "cost",
+            help="FLOPs, memory, KV cache and memory traffic from the formulas (table, JSON, PNG)",
+            description="Per-component FLOPs and bytes of a model, and a plot of how each part grows with n.",
+        )
+    )
+
     viz = commands.add_parser("viz", help="draw attention maps or the positional encodings (PNG)")
     pictures = viz.add_subparsers(dest="picture", required=True)
     from flashformer.viz import attention as viz_attention
@@ -47,15 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
-    from flashformer.costs import report
+    docs = commands.add_parser("docs", help="regenerate the documentation's figures and tables")
+    docs_parts = docs.add_subparsers(dest="part", required=True)
+    from flashformer import docs as docs_module
 
-    report.add_arguments(
-        commands.add_parser(
-            "cost",
-            help="FLOPs, memory, KV cache and memory traffic from the formulas (table, JSON, PNG)",
-            description="Per-component FLOPs and bytes of a model, and a plot of how each part grows with n.",
+    docs_module.add_arguments(
+        docs_parts.add_parser(
+            "figures",
+            help="every figure under docs/figures and every generated table in docs/*.md",
+            description="Runs the quick attention benchmark (or reuses its JSON) and redraws every figure.",
         )
     )
+
     return parser
 
 
@@ -101,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
             draw.main_from_args(args)
         except (ValueError, FileNotFoundError) as error:
             parser.exit(2, f"flashformer viz {args.picture}: error: {error}\n")
+    elif args.command == "docs":
+        from flashformer import docs as docs_module
+
+        try:
+            docs_module.main_from_args(args)
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            parser.exit(2, f"flashformer docs figures: error: {error}\n")
     elif args.command == "cost":
         from flashformer.costs import report
 

@@ -132,7 +132,6 @@ def test_viz_attention_of_an_hf_folder_with_t5(tmp_path):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "t5" / "tokenizer.json"))
     out = tmp_path / "t5.png"
-    cli.main(["viz", "attention", str(tmp_path / "t5"), "--text", "the cat sat", "--decoder-text", "the cat"])
     cli.main(
         [
             "viz",

@@ -358,3 +358,37 @@ def test_attention_peak_memory_over_a_wider_range():
     measured, predicted = benchmark_peak("eager", 4096), predicted_peak("eager", 4096)
     for mode in ("forward", "train"):
         assert abs(predicted[mode] - measured[mode]) <= 0.2 * measured[mode], (mode, measured, predicted)
+
+
+# ---- memory traffic ----
+
+
+def test_flash_traffic_streams_the_visible_keys_once_per_query_block():
+    from flashformer.costs.traffic import flash_query_block, flash_traffic
+
+    d, e, sram = 64, 2, 48 * 1024
+    block = flash_query_block(d, sram, e)
+    assert block == 96 and 4 * block * d * e <= sram  # Q, O, K, V blocks fit in M
+    for q_len, k_len, causal in ((1000, 1000, False), (1000, 1000, True), (300, 1300, True)):
+        i = torch.arange(q_len)[:, None] + (k_len - q_len)
+        visible = torch.arange(k_len)[None, :] <= i if causal else torch.ones(q_len, k_len, dtype=torch.bool)
+        # a query block reads every key any of its queries can see (brute force over the mask)
+        streamed = sum(
+            int(visible[q0 : q0 + block].any(0).nonzero().max()) + 1 for q0 in range(0, q_len, block)
+        )
+        expected = (2 * q_len * d + 2 * streamed * d) * e + 4 * q_len
+        assert flash_traffic(q_len, k_len, d, causal, sram, e) == expected
+
+
+def test_traffic_scales_as_n2_d2_over_m():
+    from flashformer.costs.traffic import eager_traffic, flash_traffic
+
+    n, d, e = 2**17, 64, 2  # large enough that reading Q and writing O (2·n·d) are a rounding error
+    for sram in (48 * 1024, 192 * 1024):
+        # 2·n·m·d·e·⌈n/b⌉ with b = M / (4·d·e) tends to 8·n²·d²·e² / M
+        limit = 8 * n * n * d * d * e * e / sram
+        assert abs(flash_traffic(n, n, d, False, sram, e) / limit - 1) < 0.01
+        assert (
+            abs(eager_traffic(n, n, d, e) / flash_traffic(n, n, d, False, sram, e) - sram / (2 * d * d * e))
+            < 0.2
+        )

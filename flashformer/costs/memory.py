@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashformer.config import ModelConfig
-from flashformer.costs.flops import Pass, Shapes
+from flashformer.costs.flops import Pass, Shapes, flash_block_sizes
 
 FLOAT32 = 4
 INDEX = 8  # int64 token ids, positions, bucket indices
@@ -51,7 +51,7 @@ def block_parameters(config: ModelConfig, cross_attention: bool) -> int:
     return total
 
 
-def stack_parameters(config: ModelConfig, layers: int, cross_attention: bool, bidirectional: bool) -> int:
+def stack_parameters(config: ModelConfig, layers: int, cross_attention: bool) -> int:
     blocks = 1 if config.share_layers else layers
     total = blocks * block_parameters(config, cross_attention)
     if config.position == "relative":
@@ -71,7 +71,7 @@ def parameter_count(config: ModelConfig) -> int:
     if config.embedding_norm:
         total += norm_parameters(config)
     if config.arch == "encoder":
-        total += stack_parameters(config, config.n_layers, False, True)
+        total += stack_parameters(config, config.n_layers, False)
         if config.pooler:
             total += d * d + d
         if config.mlm_head:
@@ -79,10 +79,10 @@ def parameter_count(config: ModelConfig) -> int:
             total += 0 if config.tie_word_embeddings else vocab * d
         return total
     if config.arch == "decoder":
-        total += stack_parameters(config, config.n_layers, False, False)
+        total += stack_parameters(config, config.n_layers, False)
     else:
-        total += stack_parameters(config, config.n_layers, False, True)
-        total += stack_parameters(config, config.decoder_layers, True, False)
+        total += stack_parameters(config, config.n_layers, False)
+        total += stack_parameters(config, config.decoder_layers, True)
     return total + (0 if config.tie_word_embeddings else vocab * d)
 
 
@@ -115,7 +115,7 @@ class Saved:
     embeddings: int
     layers: int  # norms, projections, feed-forward and dropout noise of every block
     attention: int  # the attention cores: what the backend keeps
-    head: int  # final norms, the LM / masked-LM head, the pooler, the loss
+    head: int  # final norms, the LM / masked-LM head, the loss
 
     @property
     def total(self) -> int:
@@ -304,8 +304,6 @@ def attention_peak_bytes(
         return 6 * scores + mask + repeated + out + repeated  # ... + dV at Hq heads
     if backend != "flash":
         raise ValueError(f"backend must be 'eager' or 'flash'; got {backend!r}")
-    from flashformer.costs.flops import flash_block_sizes
-
     block_q, block_k = flash_block_sizes(q_len)
     block_k = min(block_k, k_len)
     tile = batch * heads * block_q * block_k * f

@@ -61,66 +61,78 @@ def format_bytes(value: float) -> str:
 
 
 def table(est: Estimate, name: str) -> str:
-    """The per-component table `flashformer cost` prints."""
+    """The per-component table `flashformer cost` prints: one column per layer
+    kind (encoder, decoder), then the whole model."""
     c = est.config
+    kinds = list(est.layer_flops)
+    pad = " " * (16 * len(kinds))  # under the per-layer columns
+
+    def row(label: str, per_layer: str, value: str, share: str = "") -> str:
+        return f"  {label:<32}{per_layer}{value:>12}{share:>8}".rstrip()
+
     lines = [
         f"{name} ({describe(est)})",
         f"n = {est.seq_len}"
         + (f", decoder n = {est.decoder_len}" if c.arch == "encoder-decoder" else "")
         + f", cache c = {est.cache_len}, batch B = {est.batch}, {str(est.dtype).replace('torch.', '')}; "
         f"causal scores counted as the {est.attention!r} convention",
-        "",
-        f"{'forward FLOPs':<34}{'one layer':>12}{'model':>12}{'share':>8}",
     ]
     if c.position == "learned" and est.cache_len + max(est.seq_len, est.decoder_len) > c.max_seq_len:
-        lines.insert(
-            2, f"(beyond the {c.max_seq_len} learned positions this model can run; the formulas go on)"
-        )
-    one_layer = {}
-    for kind_flops in est.layer_flops.values():
-        for key, value in kind_flops.items():
-            one_layer[key] = one_layer.get(key, 0) + value
-    for key, value in est.flops.items():
-        share = value / est.forward_flops
-        layer = format_count(one_layer[key]) if key in one_layer else ""
-        lines.append(
-            f"  {COMPONENT_NAMES.get(key, key):<32}{layer:>12}{format_count(value):>12}{share:>8.1%}"
-        )
-    lines.append(f"  {'total':<32}{'':>12}{format_count(est.forward_flops):>12}")
-    lines += [""] + [
-        f"  {group:<32}{'':>12}{format_count(value):>12}{value / est.forward_flops:>8.1%}"
-        for group, value in est.grouped_flops().items()
+        lines.append(f"(beyond the {c.max_seq_len} learned positions this model can run; the formulas go on)")
+    lines += [
+        "",
+        "forward FLOPs"
+        + " " * 21
+        + "".join(f"{kind + ' layer':>16}" for kind in kinds)
+        + f"{'model':>12}{'share':>8}",
     ]
+    for key, value in est.flops.items():
+        per_layer = "".join(
+            f"{format_count(est.layer_flops[kind][key]) if key in est.layer_flops[kind] else '':>16}"
+            for kind in kinds
+        )
+        lines.append(
+            row(
+                COMPONENT_NAMES.get(key, key),
+                per_layer,
+                format_count(value),
+                f"{value / est.forward_flops:.1%}",
+            )
+        )
+    lines.append(row("total", pad, format_count(est.forward_flops)))
+    lines.append("")
+    for group, value in est.grouped_flops().items():
+        lines.append(row(group, pad, format_count(value), f"{value / est.forward_flops:.1%}"))
     checkpointing = " (+ recomputation)" if c.activation_checkpointing else ""
     lines += [
         "",
-        f"{'training step' + checkpointing:<34}{'':>12}{format_count(est.train_step_flops):>12}"
-        f"  = {est.train_step_flops / est.forward_flops:.2f} x forward",
+        row("training step" + checkpointing, pad, format_count(est.train_step_flops))
+        + f"  = {est.train_step_flops / est.forward_flops:.2f} x forward",
     ]
     if est.decode_step_flops is not None:
         lines.append(
-            f"{f'decode step (1 token after c={est.cache_len})':<34}{'':>12}{format_count(est.decode_step_flops):>12}"
+            row(f"decode step (1 token after c={est.cache_len})", pad, format_count(est.decode_step_flops))
         )
-    lines += [
-        "",
-        "memory",
-        f"  {'parameters':<32}{format_count(est.parameters):>12}",
-        f"  {'weights':<32}{format_bytes(est.weight_bytes):>12}",
-        f"  {'gradients':<32}{format_bytes(est.gradient_bytes):>12}",
-        f"  {'AdamW moments':<32}{format_bytes(est.optimizer_bytes):>12}",
-    ]
+
+    lines += ["", "memory"]
+    lines.append(row("parameters", "", format_count(est.parameters)))
+    for label, value in (
+        ("weights", est.weight_bytes),
+        ("gradients", est.gradient_bytes),
+        ("AdamW moments", est.optimizer_bytes),
+    ):
+        lines.append(row(label, "", format_bytes(value)))
     if c.arch != "encoder":
-        cache = f"KV cache (c = {est.cache_len})"
-        lines.append(f"  {cache:<32}{format_bytes(est.kv_cache_bytes):>12}")
+        lines.append(row(f"KV cache (c = {est.cache_len})", "", format_bytes(est.kv_cache_bytes)))
     for backend, saved in est.activations.items():
         lines.append(
-            f"  {f'activations, {backend} attention':<32}{format_bytes(saved.total):>12}"
-            f"   (attention cores {format_bytes(saved.attention)})"
+            row(f"activations, {backend} attention", "", format_bytes(saved.total))
+            + f"  (attention cores {format_bytes(saved.attention)})"
         )
     for backend, modes in est.attention_peak.items():
         lines.append(
-            f"  {f'one attention call, {backend}':<32}{format_bytes(modes['forward']):>12} forward,"
-            f" {format_bytes(modes['train'])} forward + backward (peak)"
+            row(f"one attention call, {backend}", "", format_bytes(modes["forward"]))
+            + f"  forward; {format_bytes(modes['train'])} forward + backward (peak)"
         )
     traffic = est.hbm_traffic_bytes
     lines += [
@@ -131,6 +143,7 @@ def table(est: Estimate, name: str) -> str:
         "",
     ]
     causal = c.arch != "encoder"
+    lines.append(f"in one {'decoder (causal)' if causal else 'encoder'} layer:")
     for against, label in (
         ("projections", "the Q, K, V, O projections"),
         ("dense", "projections + feed-forward"),
@@ -138,7 +151,7 @@ def table(est: Estimate, name: str) -> str:
         n = crossover_seq_len(c, est.attention, against)
         closed = closed_form_crossover(c, causal, against)
         lines.append(
-            f"attention FLOPs overtake {label} at n = {n} "
+            f"  attention FLOPs overtake {label} at n = {n} "
             f"(closed form, exact causal count: {closed:.0f} = {closed / c.d_model:.2f}·d)"
         )
     return "\n".join(lines)
