@@ -48,6 +48,48 @@ def build_parser() -> argparse.ArgumentParser:
     bench_generate.add_arguments(
         benchmarks.add_parser("generate", help="tokens/s of generation against transformers' generate")
     )
+
+    from flashformer.costs import report
+
+    report.add_arguments(
+        commands.add_parser(
+            "cost",
+            help="FLOPs, memory, KV cache and memory traffic from the formulas (table, JSON, PNG)",
+            description="Per-component FLOPs and bytes of a model, and a plot of how each part grows with n.",
+        )
+    )
+
+    viz = commands.add_parser("viz", help="draw attention maps or the positional encodings (PNG)")
+    pictures = viz.add_subparsers(dest="picture", required=True)
+    from flashformer.viz import attention as viz_attention
+    from flashformer.viz import positional as viz_positional
+
+    viz_attention.add_arguments(
+        pictures.add_parser(
+            "attention",
+            help="per-layer, per-head attention maps of a text",
+            description="A grid of attention maps (rows: layers, columns: heads) from a run, checkpoint or HF folder.",
+        )
+    )
+    viz_positional.add_arguments(
+        pictures.add_parser(
+            "positional",
+            help="sinusoidal and RoPE similarity against distance, T5 buckets, ALiBi biases",
+        )
+    )
+
+    docs = commands.add_parser("docs", help="regenerate the documentation's figures and tables")
+    docs_parts = docs.add_subparsers(dest="part", required=True)
+    from flashformer import docs as docs_module
+
+    docs_module.add_arguments(
+        docs_parts.add_parser(
+            "figures",
+            help="every figure under docs/figures and every generated table in docs/*.md",
+            description="Runs the quick attention benchmark (or reuses its JSON) and redraws every figure.",
+        )
+    )
+
     return parser
 
 
@@ -170,6 +212,29 @@ def main(argv: list[str] | None = None) -> int:
         from flashformer.bench import generate as bench_generate
 
         bench_generate.main_from_args(args)
+    elif args.command == "viz":
+        from flashformer.viz import attention as viz_attention
+        from flashformer.viz import positional as viz_positional
+
+        draw = viz_attention if args.picture == "attention" else viz_positional
+        try:
+            draw.main_from_args(args)
+        except (ValueError, FileNotFoundError) as error:
+            parser.exit(2, f"flashformer viz {args.picture}: error: {error}\n")
+    elif args.command == "docs":
+        from flashformer import docs as docs_module
+
+        try:
+            docs_module.main_from_args(args)
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            parser.exit(2, f"flashformer docs figures: error: {error}\n")
+    elif args.command == "cost":
+        from flashformer.costs import report
+
+        try:
+            report.main_from_args(args)
+        except (ValueError, TypeError, FileNotFoundError) as error:
+            parser.exit(2, f"flashformer cost: error: {error}\n")
     return 0
 
 

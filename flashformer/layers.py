@@ -19,9 +19,11 @@ cache_position cached ones".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +186,35 @@ def make_feed_forward(config: ModelConfig) -> nn.Module:
 # ---- attention ----
 
 
+class AttentionMaps:
+    """Attention probabilities (B, H, Lq, Lk), one per attention call, in call
+    order: a model's forward with output_attentions=True collects them here."""
+
+    def __init__(self):
+        self.encoder: list[Tensor] = []  # bidirectional self-attention
+        self.decoder: list[Tensor] = []  # causal self-attention
+        self.cross: list[Tensor] = []  # a decoder's attention to the encoder's output
+
+
+_attention_maps: ContextVar[AttentionMaps | None] = ContextVar("attention_maps", default=None)
+
+
+@contextlib.contextmanager
+def recording_attention(enabled: bool = True) -> Iterator[AttentionMaps | None]:
+    """While active, every `attend` runs the eager backend and records its
+    probabilities (the only backend that forms them). Scoped to this context
+    (a ContextVar), so the layers' signatures need not carry a flag."""
+    if not enabled:
+        yield None
+        return
+    maps = AttentionMaps()
+    token = _attention_maps.set(maps)
+    try:
+        yield maps
+    finally:
+        _attention_maps.reset(token)
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -196,8 +227,12 @@ def attend(
     backend: str,
     bias: Callable[[Tensor, Tensor], Tensor] | Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    cross: bool = False,
 ) -> Tensor:
     """flashformer.attention with the layers' dtype rule; returns (B, Hq, Lq, Dv) in q's dtype.
+
+    Inside `recording_attention()` the probabilities are recorded as well
+    (cross: this is a decoder's cross-attention).
 
     On the CPU, bf16/fp16 queries, keys and values are given to attention in
     float32 (exact: a widening): there its fastest path is float32 SDPA.
@@ -209,6 +244,7 @@ def attend(
     out_dtype = q.dtype
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
+    maps = _attention_maps.get()
     with torch.autocast(q.device.type, enabled=False):
         out = attention(
             q,
@@ -220,8 +256,12 @@ def attend(
             alibi_slopes=alibi_slopes,
             scale=scale,
             dropout_p=dropout_p,
-            backend=backend,
+            backend=backend if maps is None else "eager",
+            return_probs=maps is not None,
         )
+    if maps is not None:
+        out, probs = out
+        (maps.cross if cross else maps.decoder if causal else maps.encoder).append(probs)
     return out.to(out_dtype)
 
 
@@ -335,6 +375,7 @@ class CrossAttention(nn.Module):
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
+            cross=True,
         )  # (B, Hq, L, D)
         return self.out(out.transpose(1, 2).reshape(batch, length, -1))
 

@@ -33,7 +33,15 @@ from flashformer.inputs import (
     check_token_types,
     padding_mask_from,
 )
-from flashformer.layers import ACTIVATIONS, DecoderBlock, EncoderBlock, Linear, linear, make_norm
+from flashformer.layers import (
+    ACTIVATIONS,
+    DecoderBlock,
+    EncoderBlock,
+    Linear,
+    linear,
+    make_norm,
+    recording_attention,
+)
 from flashformer.positional import (
     AlibiPositions,
     LearnedPositions,
@@ -53,6 +61,11 @@ class ModelOutput:
     loss: mean cross-entropy over labels != -100, when labels are given.
     pooler_output: (B, d_model), an encoder's pooled [CLS] state.
     encoder_last_hidden_state: (B, M, d_model), the encoder's output in an encoder-decoder.
+    attentions: with output_attentions=True, one (B, H, L, L_keys) tensor of
+        attention probabilities per layer: the encoder's (BERT) or the decoder's
+        self-attention (GPT-2, LLaMA, T5; transformers calls T5's decoder_attentions).
+    encoder_attentions, cross_attentions: T5's encoder self-attention and its
+        decoder's attention to the encoder output, (B, H, L, M) per layer.
     """
 
     last_hidden_state: Tensor
@@ -60,6 +73,14 @@ class ModelOutput:
     loss: Tensor | None = None
     pooler_output: Tensor | None = None
     encoder_last_hidden_state: Tensor | None = None
+    attentions: tuple[Tensor, ...] | None = None
+    encoder_attentions: tuple[Tensor, ...] | None = None
+    cross_attentions: tuple[Tensor, ...] | None = None
+
+
+def _maps(maps, kind: str) -> tuple[Tensor, ...] | None:
+    """The recorded maps of one kind ("encoder", "decoder", "cross"), or None when not recorded."""
+    return None if maps is None else tuple(getattr(maps, kind))
 
 
 # ---- embeddings ----
@@ -337,9 +358,11 @@ class EncoderModel(PreTrainedModel):
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, L); attention_mask (B, L), 1/True = real token; token_type_ids (B, L);
-        labels (B, L) with -100 where no prediction is scored."""
+        labels (B, L) with -100 where no prediction is scored. output_attentions:
+        also return every layer's attention probabilities (computed by the eager backend)."""
         self._check_ids("input_ids", input_ids)
         padding_mask = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
         check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
@@ -347,11 +370,18 @@ class EncoderModel(PreTrainedModel):
         positions = self._positions("input_ids", input_ids.shape[1], position_ids, 0, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
-        hidden = self.encoder(hidden, padding_mask, positions)
+        with recording_attention(output_attentions) as maps:
+            hidden = self.encoder(hidden, padding_mask, positions)
         pooled = self.pooler(hidden) if self.pooler is not None else None
         logits = self.mlm_head(hidden, self.embeddings.tokens.weight) if self.mlm_head is not None else None
         loss = cross_entropy(logits, labels) if labels is not None else None
-        return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss, pooler_output=pooled)
+        return ModelOutput(
+            last_hidden_state=hidden,
+            logits=logits,
+            loss=loss,
+            pooler_output=pooled,
+            attentions=_maps(maps, "encoder"),
+        )
 
 
 class DecoderModel(GenerationMixin, PreTrainedModel):
@@ -379,6 +409,7 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         cache_position: int = 0,
         token_type_ids: Tensor | None = None,
         logits_to_keep: int = 0,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, L): the new tokens (all of them without a cache).
 
@@ -386,6 +417,7 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         position_ids: (B, L) or (L,); default cache_position .. cache_position + L - 1.
         labels: (B, L); the loss predicts token t+1 from tokens <= t (shifted inside, as in transformers).
         kv_caches, cache_position: one cache per layer (flashformer.cache) and how many tokens it holds.
+        output_attentions: also return every layer's attention probabilities (eager backend).
         logits_to_keep: compute the logits of the last n positions only (0 = all), as in
             transformers; generation needs only the last one, and the head is the largest matmul.
         """
@@ -399,15 +431,18 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         positions = self._positions("input_ids", length, position_ids, cache_position, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
-        hidden = self.decoder(
-            hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
-        )
+        with recording_attention(output_attentions) as maps:
+            hidden = self.decoder(
+                hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
+            )
         logits = linear(hidden[:, -logits_to_keep:], self.output_embedding)  # (B, L or logits_to_keep, vocab)
         loss = None
         if labels is not None:
             # position t predicts label t+1: shift the labels, not the (large) logits
             loss = cross_entropy(logits, F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:])
-        return ModelOutput(last_hidden_state=hidden, logits=logits, loss=loss)
+        return ModelOutput(
+            last_hidden_state=hidden, logits=logits, loss=loss, attentions=_maps(maps, "decoder")
+        )
 
     @property
     def output_embedding(self) -> Tensor:
@@ -454,6 +489,7 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
         kv_caches: list | None = None,
         cache_position: int = 0,
         logits_to_keep: int = 0,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, M) and attention_mask (B, M) for the encoder;
         decoder_input_ids (B, L) and decoder_attention_mask (B, cache_position + L) for the decoder.
@@ -463,6 +499,8 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
         (the encoder's output, or a ModelOutput holding it) skips the encoder.
         kv_caches, cache_position, logits_to_keep: as in DecoderModel.forward; the
         caches also keep the cross-attention keys and values after the first call.
+        output_attentions: also return the attention probabilities of every
+        layer (eager backend): decoder self-attention, encoder, cross-attention.
         """
         if decoder_input_ids is None and labels is None:
             raise ValueError(
@@ -483,10 +521,12 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
         check_labels(labels, (batch, length), self.config.vocab_size)
         check_caches(kv_caches, self.config.decoder_layers)
         check_logits_to_keep(logits_to_keep, length, labels)
+        encoder_maps = None  # the encoder's attention maps, when it runs here
         if encoder_outputs is None:
             self._check_ids("input_ids", input_ids)
             memory_padding = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
-            memory = self._encode(input_ids, memory_padding)  # (B, M, d_model)
+            with recording_attention(output_attentions) as encoder_maps:
+                memory = self._encode(input_ids, memory_padding)  # (B, M, d_model)
         else:
             memory = (
                 encoder_outputs.last_hidden_state
@@ -499,20 +539,27 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
         )
 
         hidden = self.embeddings(decoder_input_ids, positions)  # (B, L, d_model)
-        hidden = self.decoder(
-            hidden,
-            decoder_padding,
-            positions,
-            memory=memory,
-            memory_padding_mask=memory_padding,
-            kv_caches=kv_caches,
-            cache_position=cache_position,
-        )
+        with recording_attention(output_attentions) as maps:
+            hidden = self.decoder(
+                hidden,
+                decoder_padding,
+                positions,
+                memory=memory,
+                memory_padding_mask=memory_padding,
+                kv_caches=kv_caches,
+                cache_position=cache_position,
+            )
         kept = hidden[:, -logits_to_keep:]  # (B, L or logits_to_keep, d_model)
         logits = linear(kept * self.output_scale, self.output_embedding)  # (B, L or logits_to_keep, vocab)
         loss = cross_entropy(logits, labels) if labels is not None else None
         return ModelOutput(
-            last_hidden_state=hidden, logits=logits, loss=loss, encoder_last_hidden_state=memory
+            last_hidden_state=hidden,
+            logits=logits,
+            loss=loss,
+            encoder_last_hidden_state=memory,
+            attentions=_maps(maps, "decoder"),
+            encoder_attentions=_maps(encoder_maps, "encoder"),
+            cross_attentions=_maps(maps, "cross"),
         )
 
     @property

@@ -1,0 +1,95 @@
+"""output_attentions=True: every layer's attention probabilities, against
+transformers' eager attention on the same checkpoint, with padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+import flashformer
+
+transformers.logging.set_verbosity_error()
+VOCAB, BATCH, LENGTH, DECODER_LENGTH = 97, 2, 11, 7
+SMALL = dict(vocab_size=VOCAB)
+CASES = {
+    "bert": lambda: BertForMaskedLM(
+        BertConfig(**SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40)
+    ),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(**SMALL, n_embd=32, n_layer=2, n_head=4, n_positions=40)),
+    "t5": lambda: T5ForConditionalGeneration(
+        T5Config(**SMALL, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=3, num_heads=4)
+    ),
+    "llama": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **SMALL,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_attention_maps_match_transformers(name, tmp_path):
+    torch.manual_seed(0)
+    theirs = CASES[name]()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.2)  # norms and biases away from 1 and 0
+    theirs.save_pretrained(tmp_path)
+    theirs = type(theirs).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = flashformer.from_pretrained(tmp_path)
+
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH))
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, 8:] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, output_attentions=True)
+    if name == "t5":
+        kwargs["decoder_input_ids"] = ids[:, :DECODER_LENGTH]
+    with torch.no_grad():
+        expected, got = theirs(**kwargs), ours(**kwargs)
+
+    pairs = [
+        ("attentions", got.attentions, expected.decoder_attentions if name == "t5" else expected.attentions)
+    ]
+    if name == "t5":
+        pairs += [
+            ("encoder_attentions", got.encoder_attentions, expected.encoder_attentions),
+            ("cross_attentions", got.cross_attentions, expected.cross_attentions),
+        ]
+    for what, mine, reference in pairs:
+        assert len(mine) == len(reference), (
+            f"{name} {what}: {len(mine)} layers, transformers {len(reference)}"
+        )
+        for layer, (a, b) in enumerate(zip(mine, reference)):
+            assert a.shape == b.shape, f"{name} {what} layer {layer}: {tuple(a.shape)} vs {tuple(b.shape)}"
+            error = (a - b).abs().max().item()
+            assert error <= 1e-5, f"{name} {what} layer {layer}: probabilities differ by {error:.2e}"
+    assert got.attentions[0].sum(-1)[0].allclose(torch.ones(1)), "rows of real queries sum to 1"
+
+
+def test_maps_are_not_recorded_by_default_and_backend_is_untouched():
+    model = flashformer.build("gpt2-tiny", attention_backend="flash").eval()
+    ids = torch.randint(0, 1000, (1, 9))
+    with torch.no_grad():
+        plain = model(ids)
+        recorded = model(ids, output_attentions=True)
+    assert plain.attentions is None
+    assert len(recorded.attentions) == model.config.n_layers
+    assert recorded.attentions[0].shape == (1, model.config.n_heads, 9, 9)
+    assert torch.allclose(plain.logits, recorded.logits, atol=1e-5)  # eager and flash agree
+    assert model.decoder.blocks[0].attn.backend == "flash"

@@ -1,0 +1,67 @@
+"""`flashformer docs figures`: the generated sections of the Markdown files,
+and (slow) the whole command on a copy of docs/."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flashformer import cli, docs
+from flashformer.hf import FAMILIES
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_generated_sections_replace_only_between_their_markers(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- generated: t -->\nold\n<!-- end: t -->\noutro\n")
+    docs.replace_generated(page, "t", "new table\n")
+    assert page.read_text() == "intro\n<!-- generated: t -->\nnew table\n<!-- end: t -->\noutro\n"
+    with pytest.raises(ValueError, match="no '<!-- generated: other -->'"):
+        docs.replace_generated(page, "other", "x")
+
+
+def test_every_docs_page_has_the_markers_the_command_fills():
+    for page, name in (
+        ("benchmarks.md", "attention-table"),
+        ("costs.md", "preset-costs"),
+        ("costs.md", "memory-agreement"),
+        ("models.md", "hf-names"),
+        ("cli.md", "cli-reference"),
+    ):
+        text = (DOCS / page).read_text()
+        assert f"<!-- generated: {name} -->" in text and f"<!-- end: {name} -->" in text, (page, name)
+
+
+def test_cli_reference_holds_every_command():
+    reference = docs.cli_reference()
+    for command in ("train", "bench attention", "cost", "viz attention", "viz positional", "docs figures"):
+        assert f"### `flashformer {command}`" in reference
+
+
+def test_hf_names_table_lists_every_rule():
+    table = docs.hf_names_table()
+    for family in FAMILIES.values():
+        assert f"**{family.model_type}**" in table
+    assert "`transformer.h.0.attn.c_attn.weight`" in table and "`decoder.blocks.0.attn.qkv.weight`" in table
+
+
+def test_every_figure_the_docs_show_exists_and_is_small():
+    for page in DOCS.glob("*.md"):
+        for line in page.read_text().splitlines():
+            if line.startswith("![") and "](figures/" in line:
+                figure = DOCS / line.split("](", 1)[1].rstrip(")")
+                assert figure.is_file(), f"{page.name} shows {figure}, which is missing"
+                assert figure.stat().st_size < 300_000, f"{figure} is {figure.stat().st_size} bytes"
+
+
+@pytest.mark.slow
+def test_docs_figures_regenerates_a_copy_of_docs(tmp_path):
+    copy = tmp_path / "docs"
+    shutil.copytree(DOCS, copy)
+    cli.main(["docs", "figures", "--docs", str(copy), "--skip-bench"])
+    for name in ("cost-gpt2.png", "positional.png", "flash-tiles.png", "attention-memory-formula.png"):
+        assert (copy / "figures" / name).stat().st_size > 0
+    assert "| eager | 1024 |" in (copy / "costs.md").read_text()
