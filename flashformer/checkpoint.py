@@ -241,3 +241,35 @@ def _load_tokenizer(folder: Path):
         return load_tokenizer(folder)
     except Exception as error:  # the tokenizers library raises its own exception types
         raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be read: {error}") from None
+
+
+def export_hf(path: str | Path, folder: str | Path) -> Path:
+    """Write the model of a run or checkpoint as a Hugging Face folder
+    (config.json, model.safetensors, tokenizer.json) that transformers loads.
+
+    The folder is written beside its final place and renamed into it, as a
+    checkpoint is: an interrupted export leaves the previous one (or none).
+    """
+    model, tokenizer = load(path)
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+    except ValueError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot export {path} to Hugging Face format: {error}") from None
+    tokenizer.save(tmp)
+    for file in tmp.iterdir():
+        _fsync_file(file)
+    _fsync_dir(tmp)
+    if folder.exists():
+        old = folder.parent / f".old-{folder.name}-{os.getpid()}"
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, folder)
+    _fsync_dir(folder.parent)
+    return folder

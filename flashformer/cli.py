@@ -44,9 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     from flashformer.bench import generate as bench_generate
+    from flashformer.bench import train as bench_train
 
     bench_generate.add_arguments(
         benchmarks.add_parser("generate", help="tokens/s of generation against transformers' generate")
+    )
+    bench_train.add_arguments(
+        benchmarks.add_parser(
+            "train", help="training tokens/s and MFU against transformers (gpt2-small shape)"
+        )
     )
 
     from flashformer.costs import report
@@ -212,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         from flashformer.bench import generate as bench_generate
 
         bench_generate.main_from_args(args)
+    elif args.command == "bench" and args.benchmark == "train":
+        from flashformer.bench import train as bench_train
+
+        bench_train.main_from_args(args)
     elif args.command == "viz":
         from flashformer.viz import attention as viz_attention
         from flashformer.viz import positional as viz_positional

@@ -63,6 +63,7 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 200
     keep_last: int = 3
+    export_hf: bool = True  # at the end, also write <out>/hf: the model as a Hugging Face folder
     seed: int = 0
     deterministic: bool = False
 
@@ -790,6 +791,9 @@ def main_from_args(args, extra: list[str]) -> dict:
             print(summary["sample"])
             print("----------------")
         print(f"checkpoint: {summary['checkpoint']}")
+        if train_config.export_hf and summary["checkpoint"] and model_config.hf_model_type:
+            summary["hf_export"] = str(ckpt.export_hf(summary["checkpoint"], out_dir / "hf"))
+            print(f"Hugging Face export (transformers' from_pretrained loads it): {summary['hf_export']}")
         print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -186,6 +186,44 @@ def test_decode_step_flops_match_the_counter(name, backend):
     )
 
 
+# ---- the KV cache ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", [n for n in TINY_PRESETS if flashformer.preset(n).arch != "encoder"])
+def test_kv_cache_bytes_equal_the_cache_tensors(name, dtype):
+    """The formula against flashformer.cache's own tensors after a prefill
+    (T5's cross-attention keys and values included), byte for byte."""
+    from flashformer.cache import make_caches
+
+    batch, prompt, new_tokens = 3, 11, 5
+    model = build(name, "flash", 64).eval().to(dtype)
+    vocab = model.config.vocab_size
+    ids = torch.randint(2, vocab, (batch, prompt))
+    with torch.no_grad():
+        if model.config.arch == "encoder-decoder":
+            caches = make_caches(model, batch, new_tokens)
+            start = torch.zeros(batch, 1, dtype=torch.long)
+            model(input_ids=ids, decoder_input_ids=start, kv_caches=caches)
+            cache_len, memory_len = new_tokens, prompt
+        else:
+            caches = make_caches(model, batch, prompt + new_tokens)
+            model(ids, kv_caches=caches)
+            cache_len, memory_len = prompt + new_tokens, 0
+    self_bytes = sum(c.k.nbytes + c.v.nbytes for c in caches)
+    cross_bytes = sum(sum(t.nbytes for t in c.memory_kv) for c in caches if c.memory_kv is not None)
+    est = costs.estimate(
+        model.config,
+        memory_len or 16,
+        cache_len=cache_len,
+        batch=batch,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    assert est.kv_cache_self_bytes == self_bytes
+    assert est.kv_cache_cross_bytes == cross_bytes
+    assert est.kv_cache_bytes == self_bytes + cross_bytes
+
+
 # ---- the pair counts behind the attention FLOPs ----
 
 

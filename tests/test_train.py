@@ -116,6 +116,26 @@ def test_resume_refuses_a_damaged_or_different_checkpoint(corpus, tmp_path):
         Trainer(tiny_model(), tiny_config(corpus), tmp_path, resume=True, show_progress=False)
 
 
+def test_a_trained_model_exports_to_transformers(corpus, tmp_path):
+    import transformers
+
+    import flashformer
+
+    summary = Trainer(tiny_model(), tiny_config(corpus, max_steps=4), tmp_path, show_progress=False).fit()
+    folder = ckpt.export_hf(tmp_path, tmp_path / "hf")
+    ours, tokenizer = flashformer.load(folder)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    trained, _ = flashformer.load(summary["checkpoint"])
+    ids = torch.tensor([tokenizer.encode("def add(a, b):\n    return a + b\n")])
+    with torch.no_grad():
+        expected = trained(ids).logits
+        torch.testing.assert_close(ours(ids).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(theirs(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    ckpt.export_hf(tmp_path, tmp_path / "hf")  # exporting again replaces the folder whole
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
+
+
 @pytest.mark.parametrize("name", ["bert-tiny", "t5-tiny"])
 def test_encoder_and_encoder_decoder_objectives_train(corpus, tmp_path, name):
     model = preset(
