@@ -328,6 +328,27 @@ def batch_loss(model, batch: dict) -> torch.Tensor:
 RUNTIME_ONLY_FIELDS = {"activation_checkpointing", "attention_backend"}  # may change across a resume
 
 
+def archive_previous_run(out_dir: Path) -> Path | None:
+    """A fresh run in a folder that holds an earlier run's checkpoints moves
+    them (with its metrics, plot and export) into previous-N/, so that the
+    newest checkpoint in the folder is always this run's and nothing is lost.
+    The token files are kept and reused."""
+    out_dir = Path(out_dir)
+    names = [p.name for p in ckpt.list_checkpoints(out_dir)]
+    names += [n for n in ("metrics.jsonl", "loss.png", "hf") if (out_dir / n).exists()]
+    if not names:
+        return None
+    index = 1
+    while (out_dir / f"previous-{index}").exists():
+        index += 1
+    archive = out_dir / f"previous-{index}"
+    archive.mkdir()
+    for name in names:
+        os.replace(out_dir / name, archive / name)
+    print(f"{out_dir} held an earlier run: moved its {', '.join(names)} to {archive}", flush=True)
+    return archive
+
+
 class Trainer:
     """Builds a run (data, model, optimizer) and trains it; see the module docstring."""
 
@@ -348,6 +369,8 @@ class Trainer:
         self.device = torch.device("cuda", self.dist.local_rank) if cuda else torch.device("cpu")
         if config.deterministic:
             torch.use_deterministic_algorithms(True)
+        if not resume and self.dist.is_main:
+            archive_previous_run(self.out_dir)
         self.run_data = prepare_data(config, self.out_dir / "data", self.dist.is_main, show_progress)
         self.tokenizer = self.run_data.tokenizer
 
@@ -549,11 +572,16 @@ class Trainer:
             return ""
         prompt = self.tokenizer.encode(self.config.sample_prompt) or [self.tokenizer.token_id(data.EOS)]
         input_ids = torch.tensor([prompt], device=self.device)
+        new_tokens = self.config.sample_tokens
+        if self.model_config.position == "learned":  # no positions beyond the table
+            new_tokens = min(new_tokens, self.model_config.max_seq_len - len(prompt))
+        if new_tokens < 1:
+            return ""
         self.model.eval()
         with torch.no_grad(), self._autocast():
             out = self.model.generate(
                 input_ids,
-                max_new_tokens=self.config.sample_tokens,
+                max_new_tokens=new_tokens,
                 do_sample=True,
                 temperature=0.8,
                 top_k=50,

@@ -16,10 +16,12 @@ TINY = ["bert-tiny", "gpt2-tiny", "t5-tiny", "llama-tiny"]
 
 
 class Cache:
-    """The smallest KV cache that meets layers.py's protocol (see test_layers.py)."""
+    """The smallest KV cache that meets the models' protocol (flashformer.cache.KVCache is the real one):
+    update(), and memory_kv for an encoder-decoder's cross-attention keys and values."""
 
     def __init__(self):
         self.k = self.v = None
+        self.memory_kv = None
 
     def update(self, k, v, cache_position):
         if self.k is None:

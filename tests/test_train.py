@@ -116,6 +116,21 @@ def test_resume_refuses_a_damaged_or_different_checkpoint(corpus, tmp_path):
         Trainer(tiny_model(), tiny_config(corpus), tmp_path, resume=True, show_progress=False)
 
 
+def test_a_fresh_run_in_a_used_folder_moves_the_earlier_run_aside(corpus, tmp_path):
+    Trainer(tiny_model(), tiny_config(corpus, max_steps=6), tmp_path, show_progress=False).fit()
+    earlier = weights_of(ckpt.list_checkpoints(tmp_path)[-1])
+    summary = Trainer(
+        tiny_model(), tiny_config(corpus, max_steps=4, save_every=2), tmp_path, show_progress=False
+    ).fit()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-0000002", "step-0000004"]
+    assert Path(summary["checkpoint"]).name == "step-0000004"
+    kept = ckpt.list_checkpoints(tmp_path / "previous-1")
+    assert kept[-1].name == "step-0000006" and (tmp_path / "previous-1" / "metrics.jsonl").is_file()
+    assert all(torch.equal(earlier[k], v) for k, v in weights_of(kept[-1]).items())
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 4
+
+
 def test_a_trained_model_exports_to_transformers(corpus, tmp_path):
     import transformers
 
