@@ -149,20 +149,26 @@ def run(config: dict, out_dir: Path, device: str, timeout_s: float) -> dict:
                         point.update(run_worker(MODULE, {"kind": "memory", **point}, timeout_s))
                     group.append(point)
                 timed = [p["backend"] for p in group if "skipped" not in p and "error" not in p]
+                if config.get("memory_only"):
+                    timed = []
                 large = n >= 8192
-                times = run_worker(
-                    MODULE,
-                    {
-                        "kind": "timing",
-                        "variant": variant,
-                        "dtype": dtype,
-                        "n": n,
-                        "device": device,
-                        "backends": timed,
-                        "rounds": 2 if large else 3,
-                        "warmup": not large,
-                    },
-                    timeout_s * len(timed),
+                times = (
+                    {}
+                    if not timed
+                    else run_worker(
+                        MODULE,
+                        {
+                            "kind": "timing",
+                            "variant": variant,
+                            "dtype": dtype,
+                            "n": n,
+                            "device": device,
+                            "backends": timed,
+                            "rounds": 2 if large else 3,
+                            "warmup": not large,
+                        },
+                        timeout_s * len(timed),
+                    )
                 )
                 for point in group:
                     if "error" in times and point["backend"] in timed:
@@ -311,6 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", type=lambda s: s.split(","), help="e.g. float32,bfloat16")
     parser.add_argument("--variants", type=lambda s: s.split(","), help=f"from {','.join(VARIANTS)}")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per point")
+    parser.add_argument("--memory-only", action="store_true", help="peak memory only, no timing")
     parser.add_argument(
         "--head-dims", type=lambda s: [int(x) for x in s.split(",")], help="--device cuda: e.g. 64,128"
     )
@@ -331,6 +338,7 @@ def main_from_args(args: argparse.Namespace) -> dict:
     for key in ("ns", "dtypes", "variants"):
         if getattr(args, key):
             config[key] = getattr(args, key)
+    config["memory_only"] = bool(getattr(args, "memory_only", False))
     print(
         f"attention benchmark: B={BATCH} H={HEADS} D={HEAD_DIM}, device {args.device}, "
         f"each point in a fresh process"
