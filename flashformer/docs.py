@@ -430,6 +430,120 @@ def cli_reference() -> str:
 # ---- the command ----
 
 
+# ---- the long runs: stored JSON, redrawn and tabulated ----
+
+# file stem under docs/figures/measured -> (the command that made it, its module)
+MEASURED = {
+    "attention-causal": (
+        "flashformer bench attention --ns 4096,8192,16384 --dtypes float32 --variants causal",
+        "attention",
+    ),
+    "attention-bias": (
+        "flashformer bench attention --ns 8192 --dtypes float32 --variants alibi,relative_bias --memory-only",
+        "attention",
+    ),
+    "attention-bf16": (
+        "flashformer bench attention --ns 4096 --dtypes bfloat16 --variants causal",
+        "attention",
+    ),
+    "train": ("flashformer bench train", "train"),
+    "generate": ("flashformer bench generate --dtypes float32", "generate"),
+    "generate-bf16": (
+        "flashformer bench generate --dtypes bfloat16 --new-tokens 64 --rounds 2",
+        "generate",
+    ),
+}
+
+
+def train_table(payload: dict) -> str:
+    rows = []
+    for p in payload["points"]:
+        if "error" in p:
+            rows.append([p["dtype"], "-", "error: " + p["error"], "-", "-", "-"])
+            continue
+        rows.append(
+            [
+                "bf16 autocast" if p["dtype"] == "bfloat16" else p["dtype"],
+                p["contender"],
+                f"{p['tokens_per_s']:.0f}",
+                f"{p['time_s']:.2f}",
+                f"{p['achieved_gflops']:.1f}",
+                f"{100 * p['mfu']:.1f} %",
+            ]
+        )
+    peaks = "; ".join(
+        f"{dtype} run: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items())
+        for dtype, peak in payload["matmul_gflops"].items()
+    )
+    ratios = ", ".join(f"{dtype} {value:.2f}x" for dtype, value in payload["ratios"].items())
+    return (
+        markdown_table(["dtype", "model", "tokens/s", "s/step", "GFLOP/s", "MFU"], rows)
+        + f"\n\nflashformer / transformers tokens/s: {ratios}. Matmul GFLOP/s measured in each run: {peaks}."
+    )
+
+
+def generate_table(payload: dict) -> str:
+    from flashformer.bench.generate import CONTENDERS
+
+    rows = []
+    for p in payload["points"]:
+        if "error" in p:
+            rows.append([str(p["batch"]), p["dtype"]] + ["-"] * (len(CONTENDERS) + 2))
+            continue
+        rates = p["tokens_per_s"]
+        best = max(rates["flashformer"], rates["flashformer+compile"])
+        same = {True: "yes", False: "NO"}.get(p.get("same_tokens"), "-")
+        rows.append(
+            [str(p["batch"]), p["dtype"]]
+            + [f"{rates[name]:.1f}" for name in CONTENDERS]
+            + [f"{best / rates['transformers']:.2f}x", same]
+        )
+    config = payload["config"]
+    return (
+        f"{config['prompt_len']}-token prompt, {config['new_tokens']} new tokens, greedy; tokens/s:\n\n"
+        + markdown_table(
+            ["batch", "dtype", *CONTENDERS, "best flashformer / transformers", "same greedy tokens"], rows
+        )
+    )
+
+
+def measured_section(docs: Path, redraw: bool = True) -> str:
+    """Tables of the long runs whose JSON is stored in docs/figures/measured, with their commands;
+    their PNGs are redrawn from the JSON."""
+    import importlib
+
+    folder = docs / "figures" / "measured"
+    parts = []
+    for stem, (command, module_name) in MEASURED.items():
+        path = folder / f"{stem}.json"
+        if not path.is_file():
+            continue
+        payload = json.loads(path.read_text())
+        if redraw:
+            importlib.import_module(f"flashformer.bench.{module_name}").plot(payload, folder / f"{stem}.png")
+        machine = payload["machine"]
+        parts.append(f"### `{command}`\n")
+        parts.append(
+            f"Measured on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}.\n"
+        )
+        if module_name == "attention":
+            parts.append(attention_table(payload).split("\n\n", 1)[1] + "\n")
+            measured = {k: v for k, v in payload["targets"].items() if v is not None}
+            if measured:
+                parts.append(
+                    "Targets read off this run: " + "; ".join(f"{k}: {v:.3g}" for k, v in measured.items())
+                )
+                parts[-1] += "\n"
+        elif module_name == "train":
+            parts.append(train_table(payload) + "\n")
+        else:
+            parts.append(generate_table(payload) + "\n")
+        parts.append(f"![{command}](figures/measured/{stem}.png)\n")
+    if not parts:
+        return "No stored runs in docs/figures/measured.\n"
+    return "\n".join(parts)
+
+
 def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     figures = docs / "figures"
     figures.mkdir(parents=True, exist_ok=True)
@@ -478,6 +592,7 @@ def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     done(figures / "attention-memory-formula.png")
 
     replace_generated(docs / "benchmarks.md", "attention-table", attention_table(payload))
+    replace_generated(docs / "benchmarks.md", "measured-runs", measured_section(docs))
     replace_generated(docs / "costs.md", "preset-costs", preset_costs_table())
     replace_generated(docs / "costs.md", "memory-agreement", memory_agreement_table(payload))
     replace_generated(docs / "models.md", "hf-names", hf_names_table())

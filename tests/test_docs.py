@@ -3,6 +3,7 @@ and (slow) the whole command on a copy of docs/."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def test_generated_sections_replace_only_between_their_markers(tmp_path):
 def test_every_docs_page_has_the_markers_the_command_fills():
     for page, name in (
         ("benchmarks.md", "attention-table"),
+        ("benchmarks.md", "measured-runs"),
         ("costs.md", "preset-costs"),
         ("costs.md", "memory-agreement"),
         ("models.md", "hf-names"),
@@ -37,8 +39,58 @@ def test_every_docs_page_has_the_markers_the_command_fills():
 
 def test_cli_reference_holds_every_command():
     reference = docs.cli_reference()
-    for command in ("train", "bench attention", "cost", "viz attention", "viz positional", "docs figures"):
+    for command in (
+        "train",
+        "generate",
+        "bench attention",
+        "bench model",
+        "bench train",
+        "bench generate",
+        "cost",
+        "viz attention",
+        "viz positional",
+        "docs figures",
+    ):
         assert f"### `flashformer {command}`" in reference
+
+
+def test_measured_section_tabulates_the_stored_runs(tmp_path):
+    machine = {"cpu": "test CPU", "threads": 2, "torch": "2.13.0"}
+    measured = tmp_path / "figures" / "measured"
+    measured.mkdir(parents=True)
+    train_point = dict(time_s=2.0, tokens_per_s=512.0, achieved_gflops=10.0, mfu=0.25, dtype="float32")
+    (measured / "train.json").write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "batch": 4,
+                "length": 256,
+                "matmul_gflops": {"float32": {"float32": 40.0, "bfloat16": 5.0, "peak": 40.0}},
+                "ratios": {"float32": 1.25},
+                "points": [
+                    dict(train_point, contender="flashformer", layers=12),
+                    dict(train_point, contender="transformers", tokens_per_s=409.6, mfu=0.2, layers=12),
+                ],
+            }
+        )
+    )
+    rates = {"transformers": 10.0, "flashformer": 15.0, "flashformer+compile": 25.0}
+    (measured / "generate.json").write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "config": {"prompt_len": 32, "new_tokens": 256},
+                "points": [{"batch": 1, "dtype": "float32", "tokens_per_s": rates, "same_tokens": True}],
+            }
+        )
+    )
+    section = docs.measured_section(tmp_path)
+    assert (
+        "### `flashformer bench train`" in section
+        and "| float32 | flashformer | 512 | 2.00 | 10.0 | 25.0 % |" in section
+    )
+    assert "| 1 | float32 | 10.0 | 15.0 | 25.0 | 2.50x | yes |" in section
+    assert (measured / "train.png").stat().st_size > 0 and (measured / "generate.png").stat().st_size > 0
 
 
 def test_hf_names_table_lists_every_rule():
