@@ -10,7 +10,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashformer", description="The Transformer, exact and measured.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from flashformer import train
+    from flashformer import train_command as train
 
     train.add_arguments(
         commands.add_parser(
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
-        from flashformer import train
+        from flashformer import train_command as train
 
         try:
             train.main_from_args(args, extra)

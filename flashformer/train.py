@@ -20,7 +20,6 @@ import math
 import os
 import signal
 import time
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,48 +65,6 @@ class TrainConfig:
     export_hf: bool = True  # at the end, also write <out>/hf: the model as a Hugging Face folder
     seed: int = 0
     deterministic: bool = False
-
-
-# ---- configuration from YAML files and the command line ----
-
-
-def apply_overrides(config, overrides: dict[str, str]):
-    """Set dataclass fields from strings, converted to each field's type."""
-    hints = typing.get_type_hints(type(config))
-    names = {f.name for f in dataclasses.fields(config)}
-    for name, text in overrides.items():
-        if name not in names:
-            raise ValueError(f"unknown field {name!r} of {type(config).__name__}; known: {sorted(names)}")
-        setattr(config, name, convert(text, hints[name], name))
-    return config
-
-
-def convert(value, hint, name: str):
-    """A YAML value or a command-line string as the field's declared type."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        hint = next(a for a in args if a is not type(None))
-        return convert(value, hint, name)
-    if origin is list:
-        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
-        return [convert(v, args[0] if args else str, name) for v in items]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name} must be true or false; got {value!r}")
-    if hint in (int, float, str):
-        try:
-            return hint(value)
-        except ValueError:
-            raise ValueError(f"{name} must be {hint.__name__}; got {value!r}") from None
-    return value
 
 
 def check_train_config(config: TrainConfig) -> None:
@@ -715,114 +672,3 @@ def plot_losses(metrics_path: Path, png_path: Path, unigram_bits_per_byte: float
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
-
-
-# ---- the command line: flashformer train ----
-
-DEFAULT_PRESET = "gpt-mini"
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("config", nargs="?", help="a YAML file with `model:` and `train:` sections")
-    parser.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET})")
-    parser.add_argument(
-        "--data", nargs="+", help="files, folders or glob patterns (default: Python's stdlib)"
-    )
-    parser.add_argument("--out", help="run folder (default runs/<preset>)")
-    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def configs_from_args(args, extra: list[str]):
-    """(ModelConfig, TrainConfig, out_dir) from a YAML file, flags and
-    --model.FIELD / --train.FIELD overrides (later ones win)."""
-    from flashformer.config import ModelConfig, preset
-
-    file = {}
-    if args.config:
-        import yaml
-
-        file = yaml.safe_load(Path(args.config).read_text()) or {}
-        unknown = sorted(set(file) - {"model", "train"})
-        if unknown:
-            raise ValueError(f"{args.config}: unknown sections {unknown}; expected 'model' and 'train'")
-    model_fields = dict(file.get("model") or {})
-    train_fields = dict(file.get("train") or {})
-    overrides = parse_dotted(extra)
-    model_fields.update(overrides.get("model", {}))
-    train_fields.update(overrides.get("train", {}))
-    preset_name = args.preset or model_fields.pop("preset", None) or DEFAULT_PRESET
-    model_fields.pop("preset", None)
-    hints = typing.get_type_hints(ModelConfig)
-    unknown = sorted(set(model_fields) - set(hints))
-    if unknown:
-        raise ValueError(f"unknown model fields {unknown}")
-    model_config = preset(
-        preset_name, **{k: convert(v, hints[k], f"model.{k}") for k, v in model_fields.items()}
-    )
-    train_config = TrainConfig()
-    train_hints = typing.get_type_hints(TrainConfig)
-    for name, value in train_fields.items():
-        if name not in train_hints:
-            raise ValueError(f"unknown train field {name!r}; known: {sorted(train_hints)}")
-        setattr(train_config, name, convert(value, train_hints[name], f"train.{name}"))
-    if args.data:
-        train_config.data = list(args.data)
-    if args.max_steps is not None:
-        train_config.max_steps = args.max_steps
-    out_dir = Path(args.out or f"runs/{preset_name}")
-    return model_config, train_config, out_dir
-
-
-def parse_dotted(extra: list[str]) -> dict[str, dict[str, str]]:
-    """['--train.lr', '3e-4', '--model.n_layers=6'] -> {'train': {'lr': '3e-4'}, 'model': {...}}."""
-    result: dict[str, dict[str, str]] = {"model": {}, "train": {}}
-    items = list(extra)
-    while items:
-        flag = items.pop(0)
-        if not flag.startswith("--") or "." not in flag:
-            raise ValueError(
-                f"unexpected argument {flag!r}; overrides look like --train.lr 3e-4 or --model.n_layers 6"
-            )
-        key, _, value = flag[2:].partition("=")
-        if not value:
-            if not items:
-                raise ValueError(f"{flag} needs a value")
-            value = items.pop(0)
-        section, _, name = key.partition(".")
-        if section not in result:
-            raise ValueError(f"unknown section in {flag!r}; use --model.FIELD or --train.FIELD")
-        result[section][name.replace("-", "_")] = value
-    return result
-
-
-def main_from_args(args, extra: list[str]) -> dict:
-    model_config, train_config, out_dir = configs_from_args(args, extra)
-    trainer = Trainer(
-        model_config, train_config, out_dir, resume=args.resume, show_progress=not args.no_progress
-    )
-    summary = trainer.fit()
-    if trainer.dist.is_main:
-        print()
-        print(
-            f"step {summary['step']}: validation loss {summary['val_loss']:.4f} "
-            f"(perplexity {summary['val_perplexity']:.2f})"
-        )
-        if "val_bits_per_byte" in summary:
-            print(
-                f"validation {summary['val_bits_per_byte']:.3f} bits/byte; unigram entropy of the text "
-                f"{summary['unigram_bits_per_byte']:.3f} bits/byte"
-            )
-        if summary["sample"]:
-            print("\n---- sample ----")
-            print(summary["sample"])
-            print("----------------")
-        print(f"checkpoint: {summary['checkpoint']}")
-        if train_config.export_hf and summary["checkpoint"] and model_config.hf_model_type:
-            summary["hf_export"] = str(ckpt.export_hf(summary["checkpoint"], out_dir / "hf"))
-            print(f"Hugging Face export (transformers' from_pretrained loads it): {summary['hf_export']}")
-        print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return summary
