@@ -12,13 +12,13 @@ never does. Writes attention.json and attention.png to the output folder.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import flashformer
 from flashformer.bench.common import (
+    bench_main,
     format_bytes,
     machine_info,
     measure_peak,
@@ -351,17 +351,12 @@ def main_from_args(args: argparse.Namespace) -> dict:
     return payload
 
 
+def worker(point: dict) -> dict:
+    return (memory_worker if point["kind"] == "memory" else timing_worker)(point)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flashformer bench attention", description=__doc__)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.worker:
-        point = json.loads(args.worker)
-        work = memory_worker if point["kind"] == "memory" else timing_worker
-        print(json.dumps(work(point)))
-        return
-    main_from_args(args)
+    bench_main("flashformer bench attention", __doc__, add_arguments, main_from_args, worker, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ itself added on top of its inputs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -56,6 +57,20 @@ def run_worker(module: str, point: dict, timeout_s: float) -> dict:
         tail = done.stderr.strip().splitlines()[-1:] or [""]
         return {"error": f"{reason}: {tail[0][:200]}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_main(prog: str, doc: str, add_arguments, main_from_args, worker, argv: list[str] | None) -> None:
+    """`python -m flashformer.bench.X`: the benchmark itself, or, with --worker
+    JSON (how run_worker calls it), one point measured in this fresh process,
+    its result printed as the last line of JSON."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    main_from_args(args)
 
 
 # ---- inside a worker ----

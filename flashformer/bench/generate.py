@@ -20,7 +20,6 @@ Writes generate.json and generate.png to the output folder.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import machine_info, run_worker, time_in_turns, write_json
+from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns, write_json
 
 MODULE = "flashformer.bench.generate"
 CONTENDERS = ["transformers", "flashformer", "flashformer+compile"]
@@ -215,14 +214,7 @@ def main_from_args(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flashformer bench generate", description=__doc__)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(timing_worker(json.loads(args.worker))))
-        return
-    main_from_args(args)
+    bench_main("flashformer bench generate", __doc__, add_arguments, main_from_args, timing_worker, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ show how much of the difference it makes. Writes model.json and model.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import machine_info, run_worker, time_in_turns, write_json
+from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns, write_json
 
 BATCH, LENGTH = 8, 256
 MODELS = ["gpt2", "bert"]
@@ -279,14 +278,7 @@ def main_from_args(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flashformer bench model", description=__doc__)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(timing_worker(json.loads(args.worker))))
-        return
-    main_from_args(args)
+    bench_main("flashformer bench model", __doc__, add_arguments, main_from_args, timing_worker, argv)
 
 
 if __name__ == "__main__":

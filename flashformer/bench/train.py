@@ -16,7 +16,6 @@ Writes train.json and train.png.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import machine_info, run_worker, time_in_turns, write_json
+from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns, write_json
 from flashformer.bench.model import batch as model_batch
 from flashformer.bench.model import hf_model
 
@@ -258,14 +257,7 @@ def main_from_args(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flashformer bench train", description=__doc__)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(timing_worker(json.loads(args.worker))))
-        return
-    main_from_args(args)
+    bench_main("flashformer bench train", __doc__, add_arguments, main_from_args, timing_worker, argv)
 
 
 if __name__ == "__main__":
