@@ -90,9 +90,3 @@ def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -
         for _ in range(n_layers)
     ]
 
-
-def cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes the self-attention caches take: 2 (k and v) * layers * B * Hk * max_len * D * itemsize."""
-    n_layers = config.n_layers if config.arch == "decoder" else config.decoder_layers
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * n_layers * batch * config.kv_heads * max_len * config.dim_per_head * itemsize

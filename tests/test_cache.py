@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashformer
-from flashformer.cache import KVCache, cache_bytes, cache_dtype, make_caches
+from flashformer.cache import KVCache, cache_dtype, make_caches
 
 TOLERANCE = 1e-5  # float32
 
@@ -154,7 +154,7 @@ def test_expand_repeats_each_row_in_place_of_itself():
     assert cache.memory_kv[0].flatten().tolist() == [1, 1, 1, 2, 2, 2]
 
 
-def test_caches_match_the_model_and_the_size_formula():
+def test_caches_match_the_model():
     model = model_of("llama-tiny")
     caches = make_caches(model, 3, 20)
     config = model.config
@@ -164,8 +164,7 @@ def test_caches_match_the_model_and_the_size_formula():
         config.kv_heads,
         20,
         config.dim_per_head,
-    )  # GQA: kv heads, not query heads
-    assert sum(c.k.nbytes + c.v.nbytes for c in caches) == cache_bytes(config, 3, 20)
+    )  # GQA: kv heads, not query heads (the bytes against the formula: test_costs.py)
     t5 = model_of("t5-tiny")
     assert len(make_caches(t5, 1, 4)) == t5.config.decoder_layers
 
