@@ -89,4 +89,3 @@ def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -
         KVCache(batch, config.kv_heads, max_len, config.dim_per_head, dtype=dtype, device=device)
         for _ in range(n_layers)
     ]
-

@@ -296,8 +296,12 @@ def plot(payload: dict, path: Path) -> None:
             ax.set_xlabel("sequence length n")
             ax.set_title(f"{variant}: {label}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-            if row == 0 and col == 0:
-                ax.legend(fontsize=8)
+            if (
+                row == 0
+                and ax.get_legend_handles_labels()[0]
+                and not any(a.get_legend() for a in axes[0][:col])
+            ):
+                ax.legend(fontsize=8)  # once, in the first panel with data (memory-only runs have no times)
     shape = payload["shape"]
     fig.suptitle(
         f"attention, B={shape['batch']} H={shape['heads']} D={shape['head_dim']}, "
