@@ -291,8 +291,13 @@ def plot(payload: dict, path: Path) -> None:
                             color=colors[backend],
                             label=f"{backend} {dtype}",
                         )
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            if not ax.lines:  # e.g. the times of a --memory-only run
+                ax.text(0.5, 0.5, "not measured in this run", ha="center", transform=ax.transAxes)
+                ax.set_xticks([])
+                ax.set_yticks([])
+            else:
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
             ax.set_xlabel("sequence length n")
             ax.set_title(f"{variant}: {label}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
