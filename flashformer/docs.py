@@ -85,8 +85,8 @@ def attention_table(payload: dict) -> str:
                 p["dtype"],
                 str(p["n"]),
                 p["backend"],
-                f"{fwd.get('time_s', float('nan')) * 1e3:.1f}",
-                f"{train.get('time_s', float('nan')) * 1e3:.1f}",
+                _milliseconds(fwd.get("time_s")),
+                _milliseconds(train.get("time_s")),
                 format_bytes(fwd.get("peak_extra_bytes")),
                 predicted[0],
                 format_bytes(train.get("peak_extra_bytes")),
@@ -113,6 +113,10 @@ def attention_table(payload: dict) -> str:
         "the formula column is `flashformer.costs.attention_peak_bytes` (causal float32 only).\n\n"
         + markdown_table(header, rows)
     )
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def memory_agreement_table(payload: dict) -> str:
@@ -465,7 +469,7 @@ def train_table(payload: dict) -> str:
             [
                 "bf16 autocast" if p["dtype"] == "bfloat16" else p["dtype"],
                 p["contender"],
-                f"{p['tokens_per_s']:.0f}",
+                f"{p['tokens_per_s']:.1f}",
                 f"{p['time_s']:.2f}",
                 f"{p['achieved_gflops']:.1f}",
                 f"{100 * p['mfu']:.1f} %",

@@ -87,7 +87,7 @@ def test_measured_section_tabulates_the_stored_runs(tmp_path):
     section = docs.measured_section(tmp_path)
     assert (
         "### `flashformer bench train`" in section
-        and "| float32 | flashformer | 512 | 2.00 | 10.0 | 25.0 % |" in section
+        and "| float32 | flashformer | 512.0 | 2.00 | 10.0 | 25.0 % |" in section
     )
     assert "| 1 | float32 | 10.0 | 15.0 | 25.0 | 2.50x | yes |" in section
     assert (measured / "train.png").stat().st_size > 0 and (measured / "generate.png").stat().st_size > 0
