@@ -492,7 +492,9 @@ def generate_table(payload: dict) -> str:
     rows = []
     for p in payload["points"]:
         if "error" in p:
-            rows.append([str(p["batch"]), p["dtype"]] + ["-"] * (len(CONTENDERS) + 2))
+            rows.append(
+                [str(p["batch"]), p["dtype"], f"not measured: {p['error']}"] + ["-"] * (len(CONTENDERS) + 1)
+            )
             continue
         rates = p["tokens_per_s"]
         best = max(rates["flashformer"], rates["flashformer+compile"])
