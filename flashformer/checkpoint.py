@@ -69,17 +69,7 @@ def save_checkpoint(
         (tmp / name).write_text(text)
     manifest = {name: _describe(tmp / name) for name in sorted(os.listdir(tmp))}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
-    for path in tmp.iterdir():
-        _fsync_file(path)
-    _fsync_dir(tmp)
-    if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
-        old = run_dir / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(run_dir)
+    _publish(tmp, final)  # the same step saved again (e.g. after a resume) is replaced whole
     for stale in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(stale)
     return final
@@ -151,6 +141,23 @@ def _describe(path: Path) -> dict:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the complete folder `tmp` appear as `final` at once: every file and
+    the folder fsynced, then renamed into place (an existing `final` is moved
+    aside first and deleted after), then the parent fsynced."""
+    for path in tmp.iterdir():
+        _fsync_file(path)
+    _fsync_dir(tmp)
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def _fsync_file(path: Path) -> None:
@@ -261,15 +268,5 @@ def export_hf(path: str | Path, folder: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot export {path} to Hugging Face format: {error}") from None
     tokenizer.save(tmp)
-    for file in tmp.iterdir():
-        _fsync_file(file)
-    _fsync_dir(tmp)
-    if folder.exists():
-        old = folder.parent / f".old-{folder.name}-{os.getpid()}"
-        os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, folder)
-    _fsync_dir(folder.parent)
+    _publish(tmp, folder)
     return folder

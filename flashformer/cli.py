@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# `flashformer bench NAME` runs flashformer/bench/NAME.py (its add_arguments and main_from_args)
+BENCHMARKS = {
+    "attention": "time and memory of the attention backends against n",
+    "model": "tokens/s of flashformer against transformers, forward and training",
+    "generate": "tokens/s of generation against transformers' generate",
+    "train": "training tokens/s and MFU against transformers (gpt2-small shape)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,28 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark (JSON + PNG)")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)
-    from flashformer.bench import attention as bench_attention
-    from flashformer.bench import model as bench_model
-
-    bench_attention.add_arguments(
-        benchmarks.add_parser("attention", help="time and memory of the attention backends against n")
-    )
-    bench_model.add_arguments(
-        benchmarks.add_parser(
-            "model", help="tokens/s of flashformer against transformers, forward and training"
+    for name, help_text in BENCHMARKS.items():
+        importlib.import_module(f"flashformer.bench.{name}").add_arguments(
+            benchmarks.add_parser(name, help=help_text)
         )
-    )
-    from flashformer.bench import generate as bench_generate
-    from flashformer.bench import train as bench_train
-
-    bench_generate.add_arguments(
-        benchmarks.add_parser("generate", help="tokens/s of generation against transformers' generate")
-    )
-    bench_train.add_arguments(
-        benchmarks.add_parser(
-            "train", help="training tokens/s and MFU against transformers (gpt2-small shape)"
-        )
-    )
 
     from flashformer.costs import report
 
@@ -206,22 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             generate_main(args)
         except (CheckpointError, ValueError) as error:
             parser.exit(2, f"flashformer generate: error: {error}\n")
-    elif args.command == "bench" and args.benchmark == "attention":
-        from flashformer.bench import attention as bench_attention
-
-        bench_attention.main_from_args(args)
-    elif args.command == "bench" and args.benchmark == "model":
-        from flashformer.bench import model as bench_model
-
-        bench_model.main_from_args(args)
-    elif args.command == "bench" and args.benchmark == "generate":
-        from flashformer.bench import generate as bench_generate
-
-        bench_generate.main_from_args(args)
-    elif args.command == "bench" and args.benchmark == "train":
-        from flashformer.bench import train as bench_train
-
-        bench_train.main_from_args(args)
+    elif args.command == "bench":
+        importlib.import_module(f"flashformer.bench.{args.benchmark}").main_from_args(args)
     elif args.command == "viz":
         from flashformer.viz import attention as viz_attention
         from flashformer.viz import positional as viz_positional
