@@ -462,3 +462,22 @@ def test_compiled_decode_step_generates_the_same_tokens(family, tmp_path):
         assert (a - b).abs().max().item() <= CACHED_TOLERANCE
     beams = ours.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, compile=True)
     assert beams.tolist() == ours.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3).tolist()
+
+
+def test_the_decode_step_traces_as_one_graph(pair):
+    """compile=True pays off only if torch.compile sees a decode step whole: a
+    graph break per layer would bring the per-layer Python cost back. Dynamo's
+    tracing alone (backend="eager") with fullgraph=True fails on any break."""
+    from flashformer.generation import GenerationSettings, make_session
+
+    family, _, ours = pair
+    ids, mask, _ = left_padded()
+    session = make_session(ours, ids, mask, GenerationSettings(max_new_tokens=4, decoder_start_token_id=0))
+    tokens = session.prefill().argmax(dim=-1)
+    eager = session.step(tokens)
+    session.length -= 1  # the same step again, traced
+    if getattr(session, "next_positions", None) is not None:  # a left-padded decoder's positions
+        session.next_positions = session.next_positions - 1
+    session.decode = torch.compile(session.decode, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    assert torch.equal(session.step(tokens), eager)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashformer import layers
 from flashformer.config import ModelConfig
 from flashformer.layers import (
     CrossAttention,
@@ -252,6 +253,53 @@ def test_decoder_block_with_cross_attention_is_the_residual_composition():
         h = h + block.cross_attn(block.cross_norm(h), memory)
         expected = h + block.ffn(block.ffn_norm(h))
         assert torch.allclose(block(x, memory=memory), expected, atol=1e-6)
+
+
+# ---- the float32 inference path for a few rows (decoding) ----
+
+
+@pytest.mark.parametrize(
+    "shape, out_features, threads",
+    [
+        ((1, 48), 40, 2),  # one row: W's rows in one block per thread
+        ((1, 1, 48), 41, 2),  # a remainder row past the blocks
+        ((1, 48), 40, 3),
+        ((1, 48), 40, 1),  # one thread: no split
+        ((1, 48), 3, 2),  # fewer outputs than two per thread: no split
+        ((8, 1, 48), 40, 2),  # several rows: out^T = W @ x^T
+        ((2, 64, 48), 40, 2),  # FEW_ROWS rows
+    ],
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_few_rows_linear_against_float64(shape, out_features, threads, with_bias, monkeypatch):
+    """Without autograd `linear` computes a few rows of float32 x @ W^T + b
+    another way (faster on CPUs); it must be the same product."""
+    calls, few_rows = [], layers._few_rows_linear
+    monkeypatch.setattr(layers, "_few_rows_linear", lambda *a: calls.append(1) or few_rows(*a))
+    x, weight = torch.randn(*shape), torch.randn(out_features, shape[-1])
+    bias = torch.randn(out_features) if with_bias else None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            out = linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls == [1]
+    assert out.shape == (*shape[:-1], out_features) and out.is_contiguous()
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert (out.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
+
+
+def test_few_rows_linear_is_not_used_for_training_or_many_rows(monkeypatch):
+    """With autograd, and beyond FEW_ROWS rows, `linear` is F.linear."""
+    monkeypatch.setattr(layers, "_few_rows_linear", lambda *a: pytest.fail("few-rows path taken"))
+    weight = torch.randn(40, 48, requires_grad=True)
+    linear(torch.randn(3, 48), weight).sum().backward()
+    assert weight.grad is not None
+    with torch.no_grad():
+        linear(torch.randn(layers.FEW_ROWS + 1, 48), weight)
+        linear(torch.randn(3, 48, dtype=torch.float64), weight.double())
 
 
 # ---- low precision ----

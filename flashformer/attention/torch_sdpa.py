@@ -66,7 +66,8 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, scale: fl
     else:
         attn_mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
-    if dead_rows is not None and bool(dead_rows.any()):
+    # unconditionally: asking whether any row is dead would sync, and break a compiled graph
+    if dead_rows is not None:
         out = out.masked_fill(dead_rows, 0.0)
     return out.to(out_dtype)
 
