@@ -198,6 +198,8 @@ def test_loaded_model_matches_transformers(checkpoint):
     ours = flashformer.from_pretrained(folder)
     ids, mask = inputs()
     assert_close(our_outputs(ours, ids, mask), hf_outputs(hf_model, ids, mask), name)
+    # as a built model's: GPT-2's transposed Conv1D weights must not stay transposed views
+    assert [n for n, p in ours.named_parameters() if not p.is_contiguous()] == []
     if name == "t5-v1.1":
         assert not ours.config.tie_word_embeddings and not ours.config.scale_decoder_output
     if name == "t5-v1.0":

@@ -27,7 +27,9 @@ class Rule:
     def load(self, tensors: list[Tensor]) -> Tensor:
         if self.kind == "cat":
             return torch.cat(tensors, dim=0)
-        return tensors[0].t() if self.kind == "t" else tensors[0]
+        # contiguous: a transposed view would reach the model as its parameter (load_state_dict
+        # with assign=True), and its layout decides which GEMM kernels run (see layers.linear)
+        return tensors[0].t().contiguous() if self.kind == "t" else tensors[0]
 
     def save(self, tensor: Tensor, sizes: list[int]) -> list[Tensor]:
         if self.kind == "cat":
