@@ -155,7 +155,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if dtype in (torch.bfloat16, torch.float16) and _emulate_low_precision_matmul(dtype):
             with torch.autocast("cpu", enabled=False):
                 return _LowPrecisionLinear.apply(x, weight, bias, dtype)
-    if x.numel() <= FEW_ROWS * x.shape[-1] and x.numel() > 0 and _is_cpu_float32_inference(x, weight):
+    elif 0 < x.numel() <= FEW_ROWS * x.shape[-1] and _is_cpu_float32_inference(x, weight):
         return _few_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

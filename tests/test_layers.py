@@ -292,7 +292,8 @@ def test_few_rows_linear_against_float64(shape, out_features, threads, with_bias
 
 
 def test_few_rows_linear_is_not_used_for_training_or_many_rows(monkeypatch):
-    """With autograd, and beyond FEW_ROWS rows, `linear` is F.linear."""
+    """With autograd, beyond FEW_ROWS rows, in another dtype and under
+    autocast, `linear` is F.linear (or the autocast emulation)."""
     monkeypatch.setattr(layers, "_few_rows_linear", lambda *a: pytest.fail("few-rows path taken"))
     weight = torch.randn(40, 48, requires_grad=True)
     linear(torch.randn(3, 48), weight).sum().backward()
@@ -300,6 +301,8 @@ def test_few_rows_linear_is_not_used_for_training_or_many_rows(monkeypatch):
     with torch.no_grad():
         linear(torch.randn(layers.FEW_ROWS + 1, 48), weight)
         linear(torch.randn(3, 48, dtype=torch.float64), weight.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear(torch.randn(3, 48), weight).dtype == torch.bfloat16
 
 
 # ---- low precision ----
