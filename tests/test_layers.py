@@ -259,32 +259,25 @@ def test_decoder_block_with_cross_attention_is_the_residual_composition():
 
 
 @pytest.mark.parametrize(
-    "shape, out_features, threads",
+    "shape, out_features",
     [
-        ((1, 48), 40, 2),  # one row: W's rows in one block per thread
-        ((1, 1, 48), 41, 2),  # a remainder row past the blocks
-        ((1, 48), 40, 3),
-        ((1, 48), 40, 1),  # one thread: no split
-        ((1, 48), 3, 2),  # fewer outputs than two per thread: no split
-        ((8, 1, 48), 40, 2),  # several rows: out^T = W @ x^T
-        ((2, 64, 48), 40, 2),  # FEW_ROWS rows
+        ((1, 48), 64),  # one row: W's rows in ROW_BLOCKS blocks
+        ((1, 1, 48), 41),  # remainder rows past the blocks
+        ((1, 48), 3),  # too few outputs to split
+        ((8, 1, 48), 40),  # several rows: out^T = W @ x^T
+        ((2, 64, 48), 40),  # FEW_ROWS rows
     ],
 )
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_few_rows_linear_against_float64(shape, out_features, threads, with_bias, monkeypatch):
+def test_few_rows_linear_against_float64(shape, out_features, with_bias, monkeypatch):
     """Without autograd `linear` computes a few rows of float32 x @ W^T + b
     another way (faster on CPUs); it must be the same product."""
     calls, few_rows = [], layers._few_rows_linear
     monkeypatch.setattr(layers, "_few_rows_linear", lambda *a: calls.append(1) or few_rows(*a))
     x, weight = torch.randn(*shape), torch.randn(out_features, shape[-1])
     bias = torch.randn(out_features) if with_bias else None
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            out = linear(x, weight, bias)
-    finally:
-        torch.set_num_threads(previous)
+    with torch.no_grad():
+        out = linear(x, weight, bias)
     assert calls == [1]
     assert out.shape == (*shape[:-1], out_features) and out.is_contiguous()
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
