@@ -402,9 +402,9 @@ CPU_DECODE_STEP_OPTIONS = {
     # reads it. By default inductor inlines a LayerNorm into the matrix-vector
     # product after it and normalizes the input again for each of the 2304 or
     # 3072 output rows: that product then streams its weights at 7 GB/s
-    # instead of 17. With this: 35.3 -> 33.1 ms per step.
+    # instead of 17. With this: 33.0 -> 31.1 ms per step.
     "realize_opcount_threshold": 1,
-    # The code that calls the kernels in C++ instead of Python: 33.1 -> 31.6 ms.
+    # The code that calls the kernels in C++ instead of Python: 31.1 -> 30.2 ms.
     # Compiling GPT-2-small's two graphs from a cold cache: 115 s instead of 102.
     "cpp_wrapper": True,
 }
