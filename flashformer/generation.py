@@ -262,7 +262,7 @@ class DecoderSession:
             self.key_mask[:, :prompt_len] = real
             self.positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
             self.next_positions = self.positions[:, -1:] + 1  # (B, 1)
-        self.decode = compiled_decode_step("decoder", input_ids.device.type) if s.compile else decode_step
+        self.decode = compiled(decode_step, input_ids.device.type) if s.compile else decode_step
 
     def prefill(self) -> Tensor:
         """Run the prompt through the model (chunk by chunk); the last token's logits (B, vocab) float32."""
@@ -328,9 +328,7 @@ class EncoderDecoderSession:
         self.memory = None
         self.length = 0
         self.decode = (
-            compiled_decode_step("encoder-decoder", input_ids.device.type)
-            if s.compile
-            else encoder_decoder_step
+            compiled(encoder_decoder_step, input_ids.device.type) if s.compile else encoder_decoder_step
         )
 
     def prefill(self) -> Tensor:
@@ -411,8 +409,9 @@ CPU_DECODE_STEP_OPTIONS = {
 
 
 @functools.cache
-def compiled_decode_step(arch: str, device_type: str):
-    """The decode step under torch.compile (made on first use: importing the compiler is slow).
+def compiled(step, device_type: str):
+    """A decode step (decode_step or encoder_decoder_step) under torch.compile,
+    made on first use (importing the compiler is slow), one per step and device type.
 
     torch.compile's automatic dynamic shapes: the first compiled step is
     specialized to its cache position; the second, seeing it change, compiles
@@ -421,7 +420,6 @@ def compiled_decode_step(arch: str, device_type: str):
     dtype or model compiles again). dynamic=True from the start would also
     make the layers' float attributes symbolic, which breaks the graph.
     """
-    step = encoder_decoder_step if arch == "encoder-decoder" else decode_step
     return torch.compile(step, options=CPU_DECODE_STEP_OPTIONS if device_type == "cpu" else None)
 
 
