@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashformer.generation import GenerationSettings, LogitsProcessor, TokenHistory
+from flashformer.sampling import GenerationSettings, LogitsProcessor, TokenHistory
 
 IMPOSSIBLE = -1.0e9
 

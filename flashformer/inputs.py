@@ -33,7 +33,7 @@ def check_int_tensor(name: str, t, what: str, dims: tuple[int, ...] = (2,)) -> N
         expected = "(batch, length)" if dims == (2,) else "(length,) or (batch, length)"
         raise ValueError(f"{name} must have shape {expected}; got shape {tuple(t.shape)}")
     if t.shape[-1] == 0:
-        raise ValueError(f"{name} must hold at least one token; got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must hold at least one token; got shape {tuple(t.shape)}, an empty prompt")
 
 
 def check_token_ids(name: str, ids, vocab_size: int) -> None:

@@ -20,8 +20,6 @@ cache_position cached ones".
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
@@ -31,138 +29,8 @@ from torch import Tensor, nn
 
 from flashformer.attention import attention
 from flashformer.config import ModelConfig
+from flashformer.kernels.cpu import Linear
 from flashformer.positional import apply_rotary
-
-# ---- projections ----
-
-
-@functools.cache
-def _cpu_lacks_fast_low_precision_matmul(dtype: torch.dtype) -> bool:
-    """True on CPUs where oneDNN has no bf16/fp16 matrix path (AVX2 machines).
-
-    There a bf16 GEMM runs 4-100x slower than a float32 one (measured on a
-    2-core AMD EPYC with AVX2, torch 2.13, 2048 x 768 x 3072: float32 21
-    GFLOP/s in every layout; bf16 4.8 GFLOP/s for x @ W^T, 0.6 for x @ W and
-    0.2 with both operands transposed, the layouts of the backward pass).
-    """
-    if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
-
-
-def _emulate_low_precision_matmul(dtype: torch.dtype) -> bool:
-    """FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL=1 turns the emulation off (to measure the difference)."""
-    if os.environ.get("FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL") == "1":
-        return False
-    return _cpu_lacks_fast_low_precision_matmul(dtype)
-
-
-class _LowPrecisionLinear(torch.autograd.Function):
-    """x @ W^T + b in bf16/fp16 semantics, computed by a float32 GEMM.
-
-    The operands are rounded to the low precision first, exactly as autocast
-    rounds them. A product of two bf16 (or fp16) numbers is exact in float32,
-    and a bf16 GEMM accumulates in float32, so this computes the same numbers
-    as a native low-precision GEMM, up to the order of summation; the output
-    and the gradients are rounded back to the low precision as autocast's
-    would be. What is saved for the backward pass stays in low precision.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
-        x_low, weight_low = x.to(dtype), weight.to(dtype)
-        bias32 = None if bias is None else bias.to(dtype).float()
-        out = F.linear(x_low.float(), weight_low.float(), bias32)  # float32 GEMM of low-precision values
-        ctx.save_for_backward(x_low, weight_low)
-        ctx.dtype, ctx.x_dtype, ctx.has_bias = dtype, x.dtype, bias is not None
-        return out.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x_low, weight_low = ctx.saved_tensors
-        grad = grad_out.to(ctx.dtype).float()  # (*, out)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight_low.float()).to(ctx.dtype).to(ctx.x_dtype)  # (*, in)
-        if ctx.needs_input_grad[1]:
-            grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x_low.reshape(-1, x_low.shape[-1]).float()
-            grad_w = (grad_2d.T @ x_2d).to(ctx.dtype).float()  # (out, in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.dtype).float()
-        return grad_x, grad_w, grad_b, None
-
-
-FEW_ROWS = 128  # up to here (rows of x) the CPU inference path below beats F.linear
-ROW_BLOCKS = 16  # one-row products: W's rows in this many blocks, one bmm
-
-
-def _few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ W^T + b for a few rows of x (decoding), on the CPU, without autograd.
-
-    A decode step multiplies 1 to B rows by every weight matrix, so its time
-    is the time to stream the weights from memory. F.linear computes it as
-    x @ W^T, and for so few rows MKL runs that slowly on the CPU we measured
-    (2-core AMD EPYC, torch 2.13, W 50257 x 768, the GPT-2 head): 1 row 15 ms,
-    on one thread; 8 rows 68 ms. Here:
-    - 1 row: W's rows are cut into ROW_BLOCKS contiguous blocks and the
-      products run as one bmm, which torch spreads over its threads: 9 ms.
-      Over GPT-2-small's 61 matrices of one step, 2 to 16 blocks all stream
-      15-18 GB/s (F.linear: 10), and 20-21.5 GB/s under torch.compile, whose
-      generated kernels follow the blocks. 16 leaves room for more threads.
-    - 2 to FEW_ROWS rows: out^T = W @ x^T, the same product with W as the left
-      operand, which MKL runs as a threaded GEMM: 8 rows 18 ms. Measured gains
-      for GPT-2-small's shapes shrink with the rows: 1.7-3.9x at 8, 1.1-1.2x at
-      128, none at 256.
-    The sums are the same up to their order (float32 rounding).
-    """
-    rows, n_in = x.numel() // x.shape[-1], x.shape[-1]
-    n_out = weight.shape[0]
-    x2 = x.reshape(rows, n_in)  # (M, in)
-    if rows == 1 and n_out >= 2 * ROW_BLOCKS:
-        split = n_out - n_out % ROW_BLOCKS
-        blocks = weight[:split].view(ROW_BLOCKS, split // ROW_BLOCKS, n_in)  # (blocks, out / blocks, in)
-        out = torch.bmm(x2.expand(ROW_BLOCKS, 1, n_in), blocks.transpose(1, 2)).view(1, split)
-        if split < n_out:
-            out = torch.cat([out, x2 @ weight[split:].t()], dim=1)  # (1, out)
-        if bias is not None:
-            out += bias
-    elif bias is not None:
-        out = torch.addmm(bias[:, None], weight, x2.t()).t().contiguous()  # (M, out)
-    else:
-        out = torch.mm(weight, x2.t()).t().contiguous()  # (M, out)
-    return out.view(*x.shape[:-1], n_out)
-
-
-def _is_cpu_float32_inference(x: Tensor, weight: Tensor) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    )
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, with two CPU exceptions: under autocast to bf16/fp16 on a CPU
-    without a fast low-precision GEMM, the same numbers come from a float32
-    GEMM; and in float32 inference on a few rows (decoding), a faster
-    arrangement of the same product (_few_rows_linear)."""
-    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
-        if dtype in (torch.bfloat16, torch.float16) and _emulate_low_precision_matmul(dtype):
-            with torch.autocast("cpu", enabled=False):
-                return _LowPrecisionLinear.apply(x, weight, bias, dtype)
-    elif 0 < x.numel() <= FEW_ROWS * x.shape[-1] and _is_cpu_float32_inference(x, weight):
-        return _few_rows_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear through `linear`: same parameters, same results, fast under CPU autocast."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
-
 
 # ---- norms ----
 
@@ -283,21 +151,13 @@ def attend(
     alibi_slopes: Tensor | None = None,
     cross: bool = False,
 ) -> Tensor:
-    """flashformer.attention with the layers' dtype rule; returns (B, Hq, Lq, Dv) in q's dtype.
+    """flashformer.attention for the layers; returns (B, Hq, Lq, Dv) in q's dtype.
 
     Inside `recording_attention()` the probabilities are recorded as well
-    (cross: this is a decoder's cross-attention).
-
-    On the CPU, bf16/fp16 queries, keys and values are given to attention in
-    float32 (exact: a widening): there its fastest path is float32 SDPA.
-    Measured for GPT-2-small shapes (B=8, H=12, L=256, D=64, causal,
-    forward + backward, 2-core AVX2 EPYC): SDPA float32 420 ms, flash bf16
-    970 ms, SDPA bf16 1350 ms. Autocast is switched off around the call so
-    that the backends run in the dtype they were handed.
+    (cross: this is a decoder's cross-attention). Autocast is switched off
+    around the call so that the backends run in the dtype they are handed
+    (attention itself decides the dtype it computes in).
     """
-    out_dtype = q.dtype
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        q, k, v = q.float(), k.float(), v.float()
     # torch.compile cannot trace a ContextVar; a compiled forward does not record
     maps = None if torch.compiler.is_compiling() else _attention_maps.get()
     with torch.autocast(q.device.type, enabled=False):
@@ -317,7 +177,7 @@ def attend(
     if maps is not None:
         out, probs = out
         (maps.cross if cross else maps.decoder if causal else maps.encoder).append(probs)
-    return out.to(out_dtype)
+    return out
 
 
 class MultiHeadAttention(nn.Module):

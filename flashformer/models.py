@@ -33,12 +33,11 @@ from flashformer.inputs import (
     check_token_types,
     padding_mask_from,
 )
+from flashformer.kernels.cpu import Linear, linear
 from flashformer.layers import (
     ACTIVATIONS,
     DecoderBlock,
     EncoderBlock,
-    Linear,
-    linear,
     make_norm,
     recording_attention,
 )

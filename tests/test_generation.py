@@ -24,7 +24,7 @@ from transformers import (
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import flashformer
-from flashformer.generation import filter_top_k, filter_top_p
+from flashformer.sampling import filter_top_k, filter_top_p
 
 transformers.logging.set_verbosity_error()
 VOCAB, PAD, BOS, EOS = 97, 0, 1, 2
@@ -464,20 +464,12 @@ def test_compiled_decode_step_generates_the_same_tokens(family, tmp_path):
     assert beams.tolist() == ours.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3).tolist()
 
 
-def test_the_cpu_decode_step_options_are_inductor_options():
-    """A torch upgrade that renames one of them must fail here, not in a user's first compile=True."""
-    import torch._inductor.config
-
-    from flashformer.generation import CPU_DECODE_STEP_OPTIONS
-
-    assert set(CPU_DECODE_STEP_OPTIONS) <= set(torch._inductor.config.get_config_copy())
-
-
 def test_the_decode_step_traces_as_one_graph(pair):
     """compile=True pays off only if torch.compile sees a decode step whole: a
     graph break per layer would bring the per-layer Python cost back. Dynamo's
     tracing alone (backend="eager") with fullgraph=True fails on any break."""
-    from flashformer.generation import GenerationSettings, make_session
+    from flashformer.decoding import make_session
+    from flashformer.sampling import GenerationSettings
 
     _, _, ours = pair
     ids, mask, _ = left_padded()

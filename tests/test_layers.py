@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashformer import layers
 from flashformer.config import ModelConfig
 from flashformer.layers import (
     CrossAttention,
@@ -18,7 +17,6 @@ from flashformer.layers import (
     GatedFeedForward,
     MultiHeadAttention,
     RMSNorm,
-    linear,
 )
 from flashformer.positional import RelativePositionBias, RotaryEmbedding, alibi_slopes, apply_rotary
 
@@ -255,72 +253,7 @@ def test_decoder_block_with_cross_attention_is_the_residual_composition():
         assert torch.allclose(block(x, memory=memory), expected, atol=1e-6)
 
 
-# ---- the float32 inference path for a few rows (decoding) ----
-
-
-@pytest.mark.parametrize(
-    "shape, out_features",
-    [
-        ((1, 48), 64),  # one row: W's rows in ROW_BLOCKS blocks
-        ((1, 1, 48), 41),  # remainder rows past the blocks
-        ((1, 48), 3),  # too few outputs to split
-        ((8, 1, 48), 40),  # several rows: out^T = W @ x^T
-        ((2, 64, 48), 40),  # FEW_ROWS rows
-    ],
-)
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_few_rows_linear_against_float64(shape, out_features, with_bias, monkeypatch):
-    """Without autograd `linear` computes a few rows of float32 x @ W^T + b
-    another way (faster on CPUs); it must be the same product."""
-    calls, few_rows = [], layers._few_rows_linear
-    monkeypatch.setattr(layers, "_few_rows_linear", lambda *a: calls.append(1) or few_rows(*a))
-    x, weight = torch.randn(*shape), torch.randn(out_features, shape[-1])
-    bias = torch.randn(out_features) if with_bias else None
-    with torch.no_grad():
-        out = linear(x, weight, bias)
-    assert calls == [1]
-    assert out.shape == (*shape[:-1], out_features) and out.is_contiguous()
-    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
-    assert (out.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
-
-
-def test_few_rows_linear_is_not_used_for_training_or_many_rows(monkeypatch):
-    """With autograd, beyond FEW_ROWS rows, in another dtype and under
-    autocast, `linear` is F.linear (or the autocast emulation)."""
-    monkeypatch.setattr(layers, "_few_rows_linear", lambda *a: pytest.fail("few-rows path taken"))
-    weight = torch.randn(40, 48, requires_grad=True)
-    linear(torch.randn(3, 48), weight).sum().backward()
-    assert weight.grad is not None
-    with torch.no_grad():
-        linear(torch.randn(layers.FEW_ROWS + 1, 48), weight)
-        linear(torch.randn(3, 48, dtype=torch.float64), weight.double())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert linear(torch.randn(3, 48), weight).dtype == torch.bfloat16
-
-
 # ---- low precision ----
-
-
-def test_low_precision_linear_computes_what_autocast_means():
-    """Under CPU bf16 autocast `linear` returns bf16, and its numbers are the
-    float64 product of the bf16-rounded operands, rounded once to bf16."""
-    x = torch.randn(4, 33, 48, requires_grad=True)
-    weight = torch.randn(40, 48, requires_grad=True)
-    bias = torch.randn(40, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = linear(x, weight, bias)
-    assert out.dtype == torch.bfloat16
-    rounded = [t.detach().bfloat16().double() for t in (x, weight, bias)]
-    exact = rounded[0] @ rounded[1].T + rounded[2]
-    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # within bf16 rounding
-
-    grad_out = torch.randn_like(out, dtype=torch.float32)
-    out.backward(grad_out)
-    g = grad_out.bfloat16().double()
-    expected_x, expected_w = g @ rounded[1], g.reshape(-1, 40).T @ rounded[0].reshape(-1, 48)
-    for got, expected in ((x.grad, expected_x), (weight.grad, expected_w), (bias.grad, g.sum((0, 1)))):
-        assert got.dtype == torch.float32
-        assert ((got.double() - expected).abs() <= expected.abs() * 2**-7 + 1e-3).all()
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash", "torch"])

@@ -33,6 +33,14 @@ import os
 import torch
 from torch import Tensor
 
+from flashformer.attention.checks import (
+    check_alibi,
+    check_dropout,
+    check_scale,
+    check_softcap,
+    check_window,
+    dropout_seed_for,
+)
 from flashformer.attention.masks import ScoreRules
 
 MAX_HEAD_DIM = 256
@@ -141,8 +149,6 @@ def varlen_attention(
     batch row b. Returns out (total_q, Hq, Dv), and with return_lse also lse
     (Hq, total_q) float32. Differentiable in q, k and v.
     """
-    from flashformer.attention.api import _check_alibi, _check_dropout, _check_scale, _check_window
-
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor (total, H, D); got {_shape(t)}")
@@ -164,15 +170,13 @@ def varlen_attention(
             f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got shapes "
             f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
         )
-    window_left, window_right = _check_window(window)
+    window_left, window_right = check_window(window)
     rules = ScoreRules(batch, q_heads, max_seqlen_q, max_seqlen_k, bool(causal), window_left, window_right)
-    scale = _check_scale(scale, dim)
-    _check_dropout(dropout_p, dropout_seed)
-    if dropout_p > 0 and dropout_seed is None:
-        dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None; got {softcap!r}")
-    slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, q_heads, q.device).float()
+    scale = check_scale(scale, dim)
+    check_dropout(dropout_p, dropout_seed)
+    dropout_seed = dropout_seed_for(dropout_p, dropout_seed)
+    softcap = check_softcap(softcap)
+    slopes = None if alibi_slopes is None else check_alibi(alibi_slopes, batch, q_heads, q.device).float()
     _refuse(q, k, v)
     from flashformer.attention.triton.launch import Plan, TritonAttention
 
@@ -183,7 +187,7 @@ def varlen_attention(
         max_q_len=max_seqlen_q,
         max_k_len=max_seqlen_k,
         scale=scale,
-        softcap=None if softcap is None else float(softcap),
+        softcap=softcap,
         window_left=rules.window_left,
         right_limit=rules.right_limit,
         alibi_slopes=slopes,
@@ -223,8 +227,6 @@ def decode_attention(
     only (no gradient). Returns out (B, Hq, Lq, Dv) in q's dtype, and with
     return_lse also lse (B, Hq, Lq) float32.
     """
-    from flashformer.attention.api import _check_alibi, _check_scale, _check_window
-
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, H, L, D); got {_shape(t)}")
@@ -260,11 +262,10 @@ def decode_attention(
         )
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None; got {softcap!r}")
-    window_left, window_right = _check_window(window)
+    softcap = check_softcap(softcap)
+    window_left, window_right = check_window(window)
     rules = ScoreRules(batch, q_heads, q.shape[2], max_k_len, bool(causal), window_left, window_right)
-    slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, q_heads, q.device).float()
+    slopes = None if alibi_slopes is None else check_alibi(alibi_slopes, batch, q_heads, q.device).float()
     _refuse(q, k_cache, v_cache)
     from flashformer.attention.triton.launch import Plan, decode
 
@@ -274,8 +275,8 @@ def decode_attention(
         kv_heads=kv_heads,
         max_q_len=q.shape[2],
         max_k_len=max_k_len,
-        scale=_check_scale(scale, dim),
-        softcap=None if softcap is None else float(softcap),
+        scale=check_scale(scale, dim),
+        softcap=softcap,
         window_left=rules.window_left,
         right_limit=rules.right_limit,
         alibi_slopes=slopes,
