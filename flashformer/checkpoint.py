@@ -22,6 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from flashformer.files import publish_folder
+
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 TRAINER_STATE = "trainer_state.pt"
@@ -69,7 +71,7 @@ def save_checkpoint(
         (tmp / name).write_text(text)
     manifest = {name: _describe(tmp / name) for name in sorted(os.listdir(tmp))}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
-    _publish(tmp, final)  # the same step saved again (e.g. after a resume) is replaced whole
+    publish_folder(tmp, final)  # the same step saved again (e.g. after a resume) is replaced whole
     for stale in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(stale)
     return final
@@ -141,132 +143,3 @@ def _describe(path: Path) -> dict:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Make the complete folder `tmp` appear as `final` at once: every file and
-    the folder fsynced, then renamed into place (an existing `final` is moved
-    aside first and deleted after), then the parent fsynced."""
-    for path in tmp.iterdir():
-        _fsync_file(path)
-    _fsync_dir(tmp)
-    if final.exists():
-        old = final.parent / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ---- loading a model to use it ----
-
-
-def load(path: str | Path, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a folder, in eval mode, for generation:
-
-    - a run folder of `flashformer train` (its newest complete step-*),
-    - one checkpoint folder step-* (verified against its manifest first),
-    - a Hugging Face folder: config.json with "model_type", the weights, tokenizer.json.
-
-    dtype: None keeps the stored dtype. Raises CheckpointError naming the
-    folder and what is missing or damaged.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder} does not exist or is not a folder")
-    config = _read_config(folder) if (folder / "config.json").is_file() else None
-    if not (folder / MANIFEST).is_file() and not (config and "model_type" in config):
-        steps = list_checkpoints(folder)
-        if not steps:
-            raise CheckpointError(
-                f"{folder} is neither a run folder (no step-* checkpoint inside), a checkpoint folder "
-                f"(no {MANIFEST}) nor a Hugging Face folder (no config.json with a model_type)"
-            )
-        folder = steps[-1]
-        config = _read_config(folder) if (folder / "config.json").is_file() else None
-    if (folder / MANIFEST).is_file():
-        model = _load_flashformer_checkpoint(folder, config)
-    else:
-        from flashformer.hf import from_pretrained
-
-        try:
-            model = from_pretrained(folder)
-        except (ValueError, OSError, SafetensorError) as error:
-            raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {error}") from None
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval(), _load_tokenizer(folder)
-
-
-def _read_config(folder: Path) -> dict:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{folder / 'config.json'} is corrupt: {error}") from None
-
-
-def _load_flashformer_checkpoint(folder: Path, config: dict | None) -> torch.nn.Module:
-    from flashformer.config import ModelConfig
-    from flashformer.models import build
-
-    verify_checkpoint(folder)
-    if config is None or "model" not in config:
-        raise CheckpointError(f"{folder / 'config.json'} lacks the model's config (a 'model' entry)")
-    try:
-        model_config = ModelConfig.from_dict(config["model"])
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{folder / 'config.json'} holds an invalid model config: {error}") from None
-    model = build(model_config)
-    load_weights(folder, model)
-    return model
-
-
-def _load_tokenizer(folder: Path):
-    from flashformer.data import load_tokenizer
-
-    if not (folder / "tokenizer.json").is_file():
-        raise CheckpointError(
-            f"{folder} has no tokenizer.json: the text cannot be encoded without the tokenizer the model "
-            f"was trained with"
-        )
-    try:
-        return load_tokenizer(folder)
-    except Exception as error:  # the tokenizers library raises its own exception types
-        raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be read: {error}") from None
-
-
-def export_hf(path: str | Path, folder: str | Path) -> Path:
-    """Write the model of a run or checkpoint as a Hugging Face folder
-    (config.json, model.safetensors, tokenizer.json) that transformers loads.
-
-    The folder is written beside its final place and renamed into it, as a
-    checkpoint is: an interrupted export leaves the previous one (or none).
-    """
-    model, tokenizer = load(path)
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-    except ValueError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot export {path} to Hugging Face format: {error}") from None
-    tokenizer.save(tmp)
-    _publish(tmp, folder)
-    return folder

@@ -1,164 +1,105 @@
-"""The `flashformer` command."""
+"""The `flashformer` command: one table of commands, each a module with
+`add_arguments(parser)` and `main_from_args(args)`.
+
+A command's module is imported only when the parser is built or the command
+runs, so `flashformer --help` does not pay for what it does not use.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+from dataclasses import dataclass
 
-# `flashformer bench NAME` runs flashformer/bench/NAME.py (its add_arguments and main_from_args)
-BENCHMARKS = {
-    "attention": "time and memory of the attention backends against n",
-    "model": "tokens/s of flashformer against transformers, forward and training",
-    "generate": "tokens/s of generation against transformers' generate",
-    "train": "training tokens/s and MFU against transformers (gpt2-small shape)",
+from flashformer.checkpoint import CheckpointError
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command (or sub-command): the module that implements it and its help texts."""
+
+    module: str
+    help: str
+    description: str | None = None
+
+
+# name -> a Command, or a group: (its help, {sub-name -> Command})
+COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
+    "train": Command(
+        "flashformer.train_command",
+        "train a model (default: a small GPT on Python's standard library)",
+        "Extra --model.FIELD VALUE and --train.FIELD VALUE arguments override any config field.",
+    ),
+    "generate": Command(
+        "flashformer.generate_command",
+        "continue a prompt with a trained or converted model, printing text as it comes",
+        "CHECKPOINT: a run folder of `flashformer train` (its newest checkpoint), one checkpoint folder, "
+        "or a Hugging Face folder with tokenizer.json. Samples with temperature 0.8 and top-k 50 unless "
+        "--greedy or --num-beams is given.",
+    ),
+    "bench": (
+        "run a benchmark (JSON + PNG)",
+        {
+            "attention": Command(
+                "flashformer.bench.attention", "time and memory of the attention backends against n"
+            ),
+            "model": Command(
+                "flashformer.bench.model",
+                "tokens/s of flashformer against transformers, forward and training",
+            ),
+            "generate": Command(
+                "flashformer.bench.generate", "tokens/s of generation against transformers' generate"
+            ),
+            "train": Command(
+                "flashformer.bench.train", "training tokens/s and MFU against transformers (gpt2-small shape)"
+            ),
+        },
+    ),
+    "cost": Command(
+        "flashformer.costs.report",
+        "FLOPs, memory, KV cache and memory traffic from the formulas (table, JSON, PNG)",
+        "Per-component FLOPs and bytes of a model, and a plot of how each part grows with n.",
+    ),
+    "viz": (
+        "draw attention maps or the positional encodings (PNG)",
+        {
+            "attention": Command(
+                "flashformer.viz.attention",
+                "per-layer, per-head attention maps of a text",
+                "A grid of attention maps (rows: layers, columns: heads) from a run, checkpoint or HF folder.",
+            ),
+            "positional": Command(
+                "flashformer.viz.positional",
+                "sinusoidal and RoPE similarity against distance, T5 buckets, ALiBi biases",
+            ),
+        },
+    ),
 }
+
+# what a command raises for bad input: reported as "flashformer NAME: error: ..." with exit code 2
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, CheckpointError)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashformer", description="The Transformer, exact and measured.")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    from flashformer import train_command as train
-
-    train.add_arguments(
-        commands.add_parser(
-            "train",
-            help="train a model (default: a small GPT on Python's standard library)",
-            description="Extra --model.FIELD VALUE and --train.FIELD VALUE arguments override any config field.",
-        )
-    )
-
-    add_generate_arguments(
-        commands.add_parser(
-            "generate",
-            help="continue a prompt with a trained or converted model, printing text as it comes",
-            description="CHECKPOINT: a run folder of `flashformer train` (its newest checkpoint), one "
-            "checkpoint folder, or a Hugging Face folder with tokenizer.json. Samples with temperature 0.8 "
-            "and top-k 50 unless --greedy or --num-beams is given.",
-        )
-    )
-
-    bench = commands.add_parser("bench", help="run a benchmark (JSON + PNG)")
-    benchmarks = bench.add_subparsers(dest="benchmark", required=True)
-    for name, help_text in BENCHMARKS.items():
-        importlib.import_module(f"flashformer.bench.{name}").add_arguments(
-            benchmarks.add_parser(name, help=help_text)
-        )
-
-    from flashformer.costs import report
-
-    report.add_arguments(
-        commands.add_parser(
-            "cost",
-            help="FLOPs, memory, KV cache and memory traffic from the formulas (table, JSON, PNG)",
-            description="Per-component FLOPs and bytes of a model, and a plot of how each part grows with n.",
-        )
-    )
-
-    viz = commands.add_parser("viz", help="draw attention maps or the positional encodings (PNG)")
-    pictures = viz.add_subparsers(dest="picture", required=True)
-    from flashformer.viz import attention as viz_attention
-    from flashformer.viz import positional as viz_positional
-
-    viz_attention.add_arguments(
-        pictures.add_parser(
-            "attention",
-            help="per-layer, per-head attention maps of a text",
-            description="A grid of attention maps (rows: layers, columns: heads) from a run, checkpoint or HF folder.",
-        )
-    )
-    viz_positional.add_arguments(
-        pictures.add_parser(
-            "positional",
-            help="sinusoidal and RoPE similarity against distance, T5 buckets, ALiBi biases",
-        )
-    )
-
-    docs = commands.add_parser("docs", help="regenerate the documentation's figures and tables")
-    docs_parts = docs.add_subparsers(dest="part", required=True)
-    from flashformer import docs as docs_module
-
-    docs_module.add_arguments(
-        docs_parts.add_parser(
-            "figures",
-            help="every figure under docs/figures and every generated table in docs/*.md",
-            description="Runs the quick attention benchmark (or reuses its JSON) and redraws every figure.",
-        )
-    )
-
+    for name, entry in COMMANDS.items():
+        if isinstance(entry, Command):
+            _add(commands, name, entry, (name,))
+            continue
+        group_help, members = entry
+        group = commands.add_parser(name, help=group_help).add_subparsers(dest="subcommand", required=True)
+        for sub_name, command in members.items():
+            _add(group, sub_name, command, (name, sub_name))
     return parser
 
 
-def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="run folder, checkpoint folder or Hugging Face folder")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
-    parser.add_argument("--num-beams", type=int, default=1, help="beam search (prints the result at the end)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-
-
-def generate_main(args) -> None:
-    """Load, encode the prompt, and print the continuation as it is generated."""
-    import torch
-
-    from flashformer.checkpoint import load
-    from flashformer.data import EOS
-
-    model, tokenizer = load(args.checkpoint)
-    ids = tokenizer.encode(args.prompt)
-    if not ids:
-        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give some text")
-    input_ids = torch.tensor([ids])
-    settings = dict(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=not args.greedy and args.num_beams == 1,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        num_beams=args.num_beams,
-        seed=args.seed,
-        compile=args.compile,
-        eos_token_id=_eos_ids(model, tokenizer, EOS),
-    )
-    decoder = model.config.arch == "decoder"
-    if decoder:
-        print(args.prompt, end="", flush=True)
-    if args.num_beams > 1:
-        out = model.generate(input_ids, **settings)[0]
-        new = out[len(ids) :] if decoder else out[1:]
-        print(tokenizer.decode(new.tolist()), flush=True)
-        return
-    new, shown = [], ""
-    for tokens in model.stream(input_ids, **settings):
-        new.append(int(tokens[0]))
-        text = tokenizer.decode(new)
-        if not text.endswith("\ufffd"):  # hold back a character whose UTF-8 bytes are still coming
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
-    print(tokenizer.decode(new)[len(shown) :], flush=True)
-
-
-def _eos_ids(model, tokenizer, eos_token: str) -> list[int]:
-    """The model's eos ids if its config has usable ones, else the tokenizer's
-    end-of-text token (what `flashformer train` puts between documents), else none."""
-    configured = model.config.eos_token_id
-    configured = [configured] if isinstance(configured, int) else list(configured or [])
-    usable = [i for i in configured if 0 <= i < model.config.vocab_size]
-    if usable:
-        return usable
-    try:
-        eos = tokenizer.token_id(eos_token)
-    except KeyError:
-        return []
-    return [eos] if 0 <= eos < model.config.vocab_size else []
+def _add(subparsers, name: str, command: Command, path: tuple[str, ...]) -> None:
+    parser = subparsers.add_parser(name, help=command.help, description=command.description)
+    importlib.import_module(command.module).add_arguments(parser)
+    parser.set_defaults(command_path=path, command_module=command.module)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -179,50 +120,35 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv, extra = split_overrides(sys.argv[1:] if argv is None else argv)
+    argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if extra and args.command != "train":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "train":
-        from flashformer import train_command as train
-
-        try:
-            train.main_from_args(args, extra)
-        except (ValueError, FileNotFoundError) as error:
-            parser.exit(2, f"flashformer train: error: {error}\n")
-    elif args.command == "generate":
-        from flashformer.checkpoint import CheckpointError
-
-        try:
-            generate_main(args)
-        except (CheckpointError, ValueError) as error:
-            parser.exit(2, f"flashformer generate: error: {error}\n")
-    elif args.command == "bench":
-        importlib.import_module(f"flashformer.bench.{args.benchmark}").main_from_args(args)
-    elif args.command == "viz":
-        from flashformer.viz import attention as viz_attention
-        from flashformer.viz import positional as viz_positional
-
-        draw = viz_attention if args.picture == "attention" else viz_positional
-        try:
-            draw.main_from_args(args)
-        except (ValueError, FileNotFoundError) as error:
-            parser.exit(2, f"flashformer viz {args.picture}: error: {error}\n")
-    elif args.command == "docs":
-        from flashformer import docs as docs_module
-
-        try:
-            docs_module.main_from_args(args)
-        except (ValueError, FileNotFoundError, RuntimeError) as error:
-            parser.exit(2, f"flashformer docs figures: error: {error}\n")
-    elif args.command == "cost":
-        from flashformer.costs import report
-
-        try:
-            report.main_from_args(args)
-        except (ValueError, TypeError, FileNotFoundError) as error:
-            parser.exit(2, f"flashformer cost: error: {error}\n")
+    if overrides and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
+    try:
+        importlib.import_module(args.command_module).main_from_args(args)
+    except USER_ERRORS as error:
+        parser.exit(2, f"flashformer {' '.join(args.command_path)}: error: {error}\n")
     return 0
+
+
+def reference() -> str:
+    """`flashformer ... --help` of every command, from the parser itself (docs/cli.md)."""
+
+    def walk(parser: argparse.ArgumentParser, prefix: str):
+        yield prefix, parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, f"{prefix} {name}")
+
+    parts = []
+    for command, text in walk(build_parser(), "flashformer"):
+        if command == "flashformer":
+            continue
+        text = re.sub(r"^usage: .*?(flashformer|cli\.py|pytest)", "usage: flashformer", text)
+        parts.append(f"### `{command}`\n\n```\n{text.rstrip()}\n```")
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashformer.files import atomic_writer, write_atomic, write_json
+
 EOS = "<|endoftext|>"
 MASK = "<mask>"
 PAD = "<pad>"
@@ -128,7 +130,7 @@ class ByteTokenizer:
         return self.specials[token]
 
     def save(self, folder: Path) -> None:
-        _write_atomic(
+        write_atomic(
             Path(folder) / "tokenizer.json", json.dumps({"flashformer_byte_tokenizer": SPECIAL_TOKENS})
         )
 
@@ -182,7 +184,7 @@ class BPETokenizer:
         return index
 
     def save(self, folder: Path) -> None:
-        _write_atomic(Path(folder) / "tokenizer.json", self.tokenizer.to_str())
+        write_atomic(Path(folder) / "tokenizer.json", self.tokenizer.to_str())
 
 
 def load_tokenizer(folder: str | Path) -> ByteTokenizer | BPETokenizer:
@@ -195,7 +197,10 @@ def load_tokenizer(folder: str | Path) -> ByteTokenizer | BPETokenizer:
         return ByteTokenizer()
     from tokenizers import Tokenizer
 
-    return BPETokenizer(Tokenizer.from_str(text))
+    tokenizer = Tokenizer.from_str(text)
+    tokenizer.no_padding()  # a Hugging Face tokenizer.json may pad or cut every text to a fixed length
+    tokenizer.no_truncation()
+    return BPETokenizer(tokenizer)
 
 
 # ---- token files ----
@@ -215,14 +220,12 @@ def write_token_file(documents: list[Document], tokenizer, path: Path, show_prog
     from tqdm import tqdm
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     eos = tokenizer.token_id(EOS)
-    tmp = path.with_name(path.name + ".tmp")
     count = 0
     chunk = 32  # documents tokenized together
     with (
-        open(tmp, "wb") as f,
+        atomic_writer(path, "wb") as f,
         tqdm(
             total=len(documents), desc=f"tokenizing {path.name}", unit="file", disable=not show_progress
         ) as progress,
@@ -234,10 +237,7 @@ def write_token_file(documents: list[Document], tokenizer, path: Path, show_prog
                 f.write(array.tobytes())
                 count += len(array)
             progress.update(len(group))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _write_atomic(path.with_suffix(".json"), json.dumps({"dtype": np.dtype(dtype).name, "tokens": count}))
+    write_json(path.with_suffix(".json"), {"dtype": np.dtype(dtype).name, "tokens": count}, indent=None)
     return path
 
 
@@ -315,17 +315,6 @@ class ShardedSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._shard(self.epoch)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---- objectives: one batch of windows -> the model inputs of a family ----

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from flashformer import hf
 from flashformer.config import ModelConfig, preset
 from flashformer.generation import GenerationMixin
 from flashformer.inputs import (
@@ -281,9 +282,7 @@ class PreTrainedModel(nn.Module):
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write config.json + model.safetensors that transformers loads into the same outputs."""
-        from flashformer.hf import save_pretrained
-
-        save_pretrained(self, folder)
+        hf.save_pretrained(self, folder)
 
     def init_weights(self) -> None:
         """GPT-2's scheme: weights N(0, init_std), biases 0, norms 1; the
@@ -578,6 +577,20 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
 
 
 MODEL_CLASSES = {"encoder": EncoderModel, "decoder": DecoderModel, "encoder-decoder": EncoderDecoderModel}
+
+
+def build_with_weights(config: ModelConfig, weights: dict[str, Tensor]) -> PreTrainedModel:
+    """The model of `config` holding exactly `weights` (our parameter names),
+    in eval mode: built on the meta device, so nothing is randomly initialized
+    and no memory is taken until the weights arrive; a missing or unexpected
+    name is an error (load_state_dict's, strict)."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.arch](config)
+    model.load_state_dict(weights, strict=True, assign=True)
+    for module in model.modules():  # buffers computed at construction (RoPE frequencies, ALiBi slopes)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
 
 
 def build(config: ModelConfig | str, **overrides) -> PreTrainedModel:

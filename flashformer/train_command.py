@@ -7,27 +7,15 @@ turns text (a YAML file, command-line strings) into the two typed configs.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from pathlib import Path
 
 import torch.distributed as dist
 
-from flashformer import checkpoint as ckpt
+from flashformer.loading import export_hf
 from flashformer.train import TrainConfig, Trainer
 
 # ---- configuration from YAML files and the command line ----
-
-
-def apply_overrides(config, overrides: dict[str, str]):
-    """Set dataclass fields from strings, converted to each field's type."""
-    hints = typing.get_type_hints(type(config))
-    names = {f.name for f in dataclasses.fields(config)}
-    for name, text in overrides.items():
-        if name not in names:
-            raise ValueError(f"unknown field {name!r} of {type(config).__name__}; known: {sorted(names)}")
-        setattr(config, name, convert(text, hints[name], name))
-    return config
 
 
 def convert(value, hint, name: str):
@@ -138,8 +126,9 @@ def parse_dotted(extra: list[str]) -> dict[str, dict[str, str]]:
     return result
 
 
-def main_from_args(args, extra: list[str]) -> dict:
-    model_config, train_config, out_dir = configs_from_args(args, extra)
+def main_from_args(args) -> dict:
+    """Train; args.overrides holds the --model.FIELD / --train.FIELD arguments."""
+    model_config, train_config, out_dir = configs_from_args(args, getattr(args, "overrides", []))
     trainer = Trainer(
         model_config, train_config, out_dir, resume=args.resume, show_progress=not args.no_progress
     )
@@ -161,7 +150,7 @@ def main_from_args(args, extra: list[str]) -> dict:
             print("----------------")
         print(f"checkpoint: {summary['checkpoint']}")
         if train_config.export_hf and summary["checkpoint"] and model_config.hf_model_type:
-            summary["hf_export"] = str(ckpt.export_hf(summary["checkpoint"], out_dir / "hf"))
+            summary["hf_export"] = str(export_hf(summary["checkpoint"], out_dir / "hf"))
             print(f"Hugging Face export (transformers' from_pretrained loads it): {summary['hf_export']}")
         print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")
     if dist.is_initialized():

@@ -176,7 +176,7 @@ def test_viz_attention_errors_name_the_argument(run_folder, tmp_path, extra, mes
 def test_viz_attention_refuses_a_folder_without_a_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["viz", "attention", str(tmp_path), "--text", "x"])
-    assert "no config.json and no step-* checkpoints" in capsys.readouterr().err
+    assert "is neither a run folder (no step-* checkpoint inside)" in capsys.readouterr().err
 
 
 # ---- flashformer viz positional ----

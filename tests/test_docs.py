@@ -1,18 +1,24 @@
-"""`flashformer docs figures`: the generated sections of the Markdown files,
-and (slow) the whole command on a copy of docs/."""
+"""scripts/docs.py, the maintainer's command that regenerates docs/: the
+generated sections of the Markdown files, the tables each module makes of
+its data, and (slow) the whole command on a copy of docs/."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from flashformer import cli, docs
+from flashformer import cli, hf
 from flashformer.hf import FAMILIES
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+_spec = importlib.util.spec_from_file_location("docs_script", ROOT / "scripts" / "docs.py")
+docs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docs)
 
 
 def test_generated_sections_replace_only_between_their_markers(tmp_path):
@@ -38,7 +44,7 @@ def test_every_docs_page_has_the_markers_the_command_fills():
 
 
 def test_cli_reference_holds_every_command():
-    reference = docs.cli_reference()
+    reference = cli.reference()
     for command in (
         "train",
         "generate",
@@ -49,7 +55,6 @@ def test_cli_reference_holds_every_command():
         "cost",
         "viz attention",
         "viz positional",
-        "docs figures",
     ):
         assert f"### `flashformer {command}`" in reference
 
@@ -94,7 +99,7 @@ def test_measured_section_tabulates_the_stored_runs(tmp_path):
 
 
 def test_hf_names_table_lists_every_rule():
-    table = docs.hf_names_table()
+    table = hf.names_table()
     for family in FAMILIES.values():
         assert f"**{family.model_type}**" in table
     assert "`transformer.h.0.attn.c_attn.weight`" in table and "`decoder.blocks.0.attn.qkv.weight`" in table
@@ -113,7 +118,7 @@ def test_every_figure_the_docs_show_exists_and_is_small():
 def test_docs_figures_regenerates_a_copy_of_docs(tmp_path):
     copy = tmp_path / "docs"
     shutil.copytree(DOCS, copy)
-    cli.main(["docs", "figures", "--docs", str(copy), "--skip-bench"])
+    docs.main(["--docs", str(copy), "--skip-bench"])
     for name in ("cost-gpt2.png", "positional.png", "flash-tiles.png", "attention-memory-formula.png"):
         assert (copy / "figures" / name).stat().st_size > 0
     assert "| eager | 1024 |" in (copy / "costs.md").read_text()

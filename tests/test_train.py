@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from flashformer import checkpoint as ckpt
 from flashformer.config import preset
+from flashformer.loading import export_hf
 from flashformer.train import TrainConfig, Trainer, learning_rate
 
 SNIPPETS = [
@@ -137,7 +138,7 @@ def test_a_trained_model_exports_to_transformers(corpus, tmp_path):
     import flashformer
 
     summary = Trainer(tiny_model(), tiny_config(corpus, max_steps=4), tmp_path, show_progress=False).fit()
-    folder = ckpt.export_hf(tmp_path, tmp_path / "hf")
+    folder = export_hf(tmp_path, tmp_path / "hf")
     ours, tokenizer = flashformer.load(folder)
     theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
     trained, _ = flashformer.load(summary["checkpoint"])
@@ -146,7 +147,7 @@ def test_a_trained_model_exports_to_transformers(corpus, tmp_path):
         expected = trained(ids).logits
         torch.testing.assert_close(ours(ids).logits, expected, rtol=0, atol=0)
         torch.testing.assert_close(theirs(ids).logits, expected, rtol=1e-5, atol=1e-5)
-    ckpt.export_hf(tmp_path, tmp_path / "hf")  # exporting again replaces the folder whole
+    export_hf(tmp_path, tmp_path / "hf")  # exporting again replaces the folder whole
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
 

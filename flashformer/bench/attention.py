@@ -17,15 +17,16 @@ from pathlib import Path
 import torch
 
 import flashformer
+from flashformer import costs
 from flashformer.bench.common import (
     bench_main,
-    format_bytes,
     machine_info,
     measure_peak,
     run_worker,
     time_in_turns,
-    write_json,
 )
+from flashformer.files import write_json
+from flashformer.formatting import format_bytes, markdown_table
 from flashformer.positional import alibi_slopes, t5_relative_bucket
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
@@ -370,3 +371,174 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- tables and figures of the results (docs/benchmarks.md, docs/costs.md) ----
+
+
+def table(payload: dict) -> str:
+    """Time and peak memory of each point, with the formulas' memory beside the measured one."""
+
+    rows = []
+    for p in payload["points"]:
+        if "skipped" in p or "error" in p:
+            rows.append([p["variant"], p["dtype"], str(p["n"]), p["backend"]] + ["-"] * 6)
+            continue
+        predicted = ["-", "-"]
+        if p["backend"] in ("eager", "flash") and p["variant"] == "causal" and p["dtype"] == "float32":
+            predicted = [
+                format_bytes(
+                    costs.attention_peak_bytes(p["backend"], BATCH, HEADS, p["n"], p["n"], HEAD_DIM, train=t)
+                )
+                for t in (False, True)
+            ]
+        fwd, train = p.get("forward", {}), p.get("train", {})
+        rows.append(
+            [
+                p["variant"],
+                p["dtype"],
+                str(p["n"]),
+                p["backend"],
+                _milliseconds(fwd.get("time_s")),
+                _milliseconds(train.get("time_s")),
+                format_bytes(fwd.get("peak_extra_bytes")),
+                predicted[0],
+                format_bytes(train.get("peak_extra_bytes")),
+                predicted[1],
+            ]
+        )
+    machine = payload["machine"]
+    header = [
+        "variant",
+        "dtype",
+        "n",
+        "backend",
+        "forward ms",
+        "fwd+bwd ms",
+        "forward peak",
+        "(formula)",
+        "fwd+bwd peak",
+        "(formula)",
+    ]
+    return (
+        f"Measured on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}; "
+        f"B={payload['shape']['batch']}, H={payload['shape']['heads']}, D={payload['shape']['head_dim']}. "
+        "Peak memory is what the call adds on top of its inputs in a fresh process; "
+        "the formula column is `flashformer.costs.attention_peak_bytes` (causal float32 only).\n\n"
+        + markdown_table(header, rows)
+    )
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def memory_agreement_table(payload: dict) -> str:
+    """The formulas' peak memory against the benchmark's measurement, causal float32:
+    eager absolute; flash as growth from the smallest n measured at or above 1024."""
+
+    def measured(backend: str) -> dict[int, dict[str, int]]:
+        return {
+            p["n"]: {mode: p[mode]["peak_extra_bytes"] for mode in ("forward", "train")}
+            for p in payload["points"]
+            if (p["variant"], p["dtype"], p["backend"]) == ("causal", "float32", backend)
+            and all("peak_extra_bytes" in p.get(mode, {}) for mode in ("forward", "train"))
+        }
+
+    def formula(backend: str, n: int, mode: str) -> int:
+        return costs.attention_peak_bytes(backend, BATCH, HEADS, n, n, HEAD_DIM, train=mode == "train")
+
+    rows = []
+    for n, values in sorted(measured("eager").items()):
+        row = ["eager", str(n)]
+        for mode in ("forward", "train"):
+            predicted = formula("eager", n, mode)
+            row += [
+                format_bytes(values[mode]),
+                format_bytes(predicted),
+                f"{predicted / values[mode] - 1:+.0%}",
+            ]
+        rows.append(row)
+    flash = measured("flash")
+    bases = [n for n in sorted(flash) if n >= 1024]
+    for n in bases[1:]:
+        row = ["flash, growth", f"{bases[0]} → {n}"]
+        for mode in ("forward", "train"):
+            grown = flash[n][mode] - flash[bases[0]][mode]
+            predicted = formula("flash", n, mode) - formula("flash", bases[0], mode)
+            row += [format_bytes(grown), format_bytes(predicted), f"{predicted / grown - 1:+.0%}"]
+        rows.append(row)
+    header = [
+        "backend",
+        "n",
+        "forward, measured",
+        "formula",
+        "error",
+        "fwd+bwd, measured",
+        "formula",
+        "error",
+    ]
+    return (
+        f"From the attention benchmark's JSON (B={BATCH}, H={HEADS}, D={HEAD_DIM}, causal, float32; "
+        f"{payload['machine']['cpu']}).\n\n" + markdown_table(header, rows)
+    )
+
+
+def plot_memory_agreement(payload: dict, path: Path) -> None:
+    """Measured peak memory (points) against the formulas (lines), causal float32."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in payload["points"] if p["variant"] == "causal" and p["dtype"] == "float32"]
+    ns = sorted({p["n"] for p in points})
+    dense = [2**k for k in range(8, 15)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"eager": "tab:red", "flash": "tab:blue", "torch": "tab:green"}
+    for ax, mode in zip(axes, ("forward", "train")):
+        for backend, color in colors.items():
+            measured = [
+                (p["n"], p[mode]["peak_extra_bytes"] / 2**20)
+                for p in points
+                if p["backend"] == backend and "peak_extra_bytes" in p.get(mode, {})
+            ]
+            if measured:
+                ax.plot(*zip(*measured), "o", color=color, label=f"{backend}, measured")
+            if backend != "torch":
+                line = [
+                    costs.attention_peak_bytes(backend, BATCH, HEADS, n, n, HEAD_DIM, train=mode == "train")
+                    for n in dense
+                ]
+                ax.plot(
+                    dense, [b / 2**20 for b in line], "-", color=color, alpha=0.7, label=f"{backend}, formula"
+                )
+            anchor = dict(measured).get(1024)
+            if backend == "flash" and anchor is not None:
+                # flash's O(n) bytes sit below the fresh process's one-time allocations:
+                # shift the formula by the gap measured at n = 1024 to compare how both grow
+                formula_1024 = costs.attention_peak_bytes(
+                    backend, BATCH, HEADS, 1024, 1024, HEAD_DIM, train=mode == "train"
+                )
+                gap = anchor - formula_1024 / 2**20
+                ax.plot(
+                    dense,
+                    [b / 2**20 + gap for b in line],
+                    "--",
+                    color=color,
+                    alpha=0.7,
+                    label="flash, formula + the gap at n = 1024",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("peak extra memory (MiB)")
+        title = "forward (no grad)" if mode == "forward" else "forward + backward"
+        ax.set_title(f"causal float32, B={BATCH} H={HEADS} D={HEAD_DIM}: {title}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        if ns:
+            ax.set_xlim(min(ns) / 1.5, max(dense) * 1.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import machine_info, write_json
+from flashformer.bench.common import machine_info
+from flashformer.files import write_json
 
 TOKENS, MODEL_DIM = 16384, 2048
 METHODS = ["triton", "flash", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"]

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns, write_json
+from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
+from flashformer.files import write_json
+from flashformer.formatting import markdown_table
 
 MODULE = "flashformer.bench.generate"
 CONTENDERS = ["transformers", "flashformer", "flashformer+compile"]
@@ -219,3 +221,29 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def table(payload: dict) -> str:
+
+    rows = []
+    for p in payload["points"]:
+        if "error" in p:
+            rows.append(
+                [str(p["batch"]), p["dtype"], f"not measured: {p['error']}"] + ["-"] * (len(CONTENDERS) + 1)
+            )
+            continue
+        rates = p["tokens_per_s"]
+        best = max(rates["flashformer"], rates["flashformer+compile"])
+        same = {True: "yes", False: "NO"}.get(p.get("same_tokens"), "-")
+        rows.append(
+            [str(p["batch"]), p["dtype"]]
+            + [f"{rates[name]:.1f}" for name in CONTENDERS]
+            + [f"{best / rates['transformers']:.2f}x", same]
+        )
+    config = payload["config"]
+    return (
+        f"{config['prompt_len']}-token prompt, {config['new_tokens']} new tokens, greedy; tokens/s:\n\n"
+        + markdown_table(
+            ["batch", "dtype", *CONTENDERS, "best flashformer / transformers", "same greedy tokens"], rows
+        )
+    )

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns, write_json
+from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
+from flashformer.files import write_json
 
 BATCH, LENGTH = 8, 256
 MODELS = ["gpt2", "bert"]

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns, write_json
+from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
 from flashformer.bench.model import batch as model_batch
 from flashformer.bench.model import hf_model
+from flashformer.files import write_json
+from flashformer.formatting import markdown_table
 
 BATCH, LENGTH = 4, 256
 DTYPES = ["bfloat16", "float32"]
@@ -262,3 +264,30 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def table(payload: dict) -> str:
+    rows = []
+    for p in payload["points"]:
+        if "error" in p:
+            rows.append([p["dtype"], "-", "error: " + p["error"], "-", "-", "-"])
+            continue
+        rows.append(
+            [
+                "bf16 autocast" if p["dtype"] == "bfloat16" else p["dtype"],
+                p["contender"],
+                f"{p['tokens_per_s']:.1f}",
+                f"{p['time_s']:.2f}",
+                f"{p['achieved_gflops']:.1f}",
+                f"{100 * p['mfu']:.1f} %",
+            ]
+        )
+    peaks = "; ".join(
+        f"{dtype} run: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items())
+        for dtype, peak in payload["matmul_gflops"].items()
+    )
+    ratios = ", ".join(f"{dtype} {value:.2f}x" for dtype, value in payload["ratios"].items())
+    return (
+        markdown_table(["dtype", "model", "tokens/s", "s/step", "GFLOP/s", "MFU"], rows)
+        + f"\n\nflashformer / transformers tokens/s: {ratios}. Matmul GFLOP/s measured in each run: {peaks}."
+    )

