@@ -82,10 +82,10 @@ def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
 def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -> list[KVCache]:
     """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel)."""
     config = model.config
-    n_layers = config.n_layers if config.arch == "decoder" else config.decoder_layers
+    n_layers = config.n_layers if config.arch == "decoder" else config.n_decoder_layers
     device = torch.device(device) if device is not None else next(model.parameters()).device
     dtype = cache_dtype(model, device)
     return [
-        KVCache(batch, config.kv_heads, max_len, config.dim_per_head, dtype=dtype, device=device)
+        KVCache(batch, config.n_kv_heads, max_len, config.head_dim, dtype=dtype, device=device)
         for _ in range(n_layers)
     ]

@@ -13,7 +13,7 @@ nothing in a forward pass branches on it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flashformer.positional import RopeScaling
 
@@ -34,6 +34,7 @@ class ModelConfig:
         n_kv_heads: key/value heads (GQA, MQA); None = n_heads.
         head_dim: None = d_model // n_heads; T5 sets it apart (d_kv).
         n_decoder_layers: decoder depth of an encoder-decoder; None = n_layers.
+        (These three are resolved at construction: a built config holds ints.)
         max_seq_len: positions a model knows; a hard limit only for learned positions.
     Positions
         position: "learned" | "sinusoidal" (added to the embeddings), "rope",
@@ -117,6 +118,9 @@ class ModelConfig:
     decoder_start_token_id: int | None = None
     hf_model_type: str | None = None
 
+    # which of the fields above were None and filled in from the others (see replace)
+    _derived: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
@@ -134,13 +138,21 @@ class ModelConfig:
                 f"ModelConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
                 f"unless head_dim is given"
             )
-        if self.n_heads % self.kv_heads != 0:
+        derived = {
+            "n_kv_heads": self.n_heads,
+            "head_dim": self.d_model // self.n_heads,
+            "n_decoder_layers": self.n_layers,
+        }
+        self._derived = frozenset(name for name in derived if getattr(self, name) is None)
+        for name in self._derived:
+            setattr(self, name, derived[name])
+        if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
-        if self.position == "rope" and int(self.dim_per_head * self.rotary_fraction) % 2 != 0:
+        if self.position == "rope" and int(self.head_dim * self.rotary_fraction) % 2 != 0:
             raise ValueError(
-                f"RoPE rotates channel pairs: head_dim * rotary_fraction = {self.dim_per_head} * "
+                f"RoPE rotates channel pairs: head_dim * rotary_fraction = {self.head_dim} * "
                 f"{self.rotary_fraction} must be even"
             )
         if self.position == "sinusoidal" and self.d_model % 2 != 0:
@@ -149,40 +161,31 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
 
-    # ---- derived sizes ----
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def decoder_layers(self) -> int:
-        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers
-
     # ---- serialization (config.json of our own checkpoints) ----
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)  # rope_scaling becomes a plain dict
+        del out["_derived"]
         return out
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {unknown}")
         return cls(**values)
 
     def replace(self, **changes) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(self)}
+        """A copy with fields changed. A field that was derived (None at
+        construction) is derived again from the new sizes unless it is changed
+        too: replace(n_heads=6) on GPT-2's config gives head_dim 128, not 64."""
+        known = {f.name for f in dataclasses.fields(self) if f.init}
         unknown = sorted(set(changes) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {unknown}")
-        return dataclasses.replace(self, **changes)
+        again = {name: None for name in self._derived if name not in changes}
+        return dataclasses.replace(self, **again, **changes)
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
@@ -293,4 +296,8 @@ def preset(name: str, **overrides) -> ModelConfig:
     """The ModelConfig of a preset, with any fields overridden."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return ModelConfig(**PRESETS[name]).replace(**overrides)
+    known = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields: {unknown}")
+    return ModelConfig(**dict(PRESETS[name], **overrides))

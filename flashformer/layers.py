@@ -192,7 +192,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, causal: bool):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_per_head
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.causal = causal
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout
@@ -251,7 +251,7 @@ class CrossAttention(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_per_head
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout
         self.backend = config.attention_backend

@@ -125,7 +125,7 @@ def _attention_positions(config: ModelConfig, bidirectional: bool) -> nn.Module:
     """The positional module a stack shares among its layers' self-attention."""
     if config.position == "rope":
         return RotaryEmbedding(
-            config.dim_per_head, config.rotary_fraction, config.rope_theta, config.rope_scaling
+            config.head_dim, config.rotary_fraction, config.rope_theta, config.rope_scaling
         )
     if config.position == "relative":
         return RelativePositionBias(
@@ -293,7 +293,7 @@ class PreTrainedModel(nn.Module):
         unit-scale embeddings."""
         std = self.config.init_std
         depth = self.config.n_layers + (
-            self.config.decoder_layers if self.config.arch == "encoder-decoder" else 0
+            self.config.n_decoder_layers if self.config.arch == "encoder-decoder" else 0
         )
         for name, parameter in self.named_parameters():
             if name.endswith("norm.weight"):
@@ -459,7 +459,7 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
         self.config = config
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
-        self.decoder = Decoder(config, config.decoder_layers, cross_attention=True)
+        self.decoder = Decoder(config, config.n_decoder_layers, cross_attention=True)
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         )
@@ -517,7 +517,7 @@ class EncoderDecoderModel(GenerationMixin, PreTrainedModel):
             "decoder_attention_mask", decoder_attention_mask, (batch, cache_position + length)
         )
         check_labels(labels, (batch, length), self.config.vocab_size)
-        check_caches(kv_caches, self.config.decoder_layers)
+        check_caches(kv_caches, self.config.n_decoder_layers)
         check_logits_to_keep(logits_to_keep, length, labels)
         encoder_maps = None  # the encoder's attention maps, when it runs here
         if encoder_outputs is None:

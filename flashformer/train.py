@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from flashformer import checkpoint as ckpt
 from flashformer import data
+from flashformer.config import ModelConfig
+from flashformer.models import build, cross_entropy
 from flashformer.run_folder import archive_previous_run, prepare_data
 from flashformer.viz.losses import plot_losses
 
@@ -190,8 +192,6 @@ def make_batch(arch: str, windows: torch.Tensor, tokenizer, generator: torch.Gen
 
 
 def batch_loss(model, batch: dict) -> torch.Tensor:
-    from flashformer.models import cross_entropy
-
     if "targets" in batch:  # next-token targets are already aligned: no shift inside the model
         return cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["targets"])
     return model(**batch).loss
@@ -211,8 +211,6 @@ class Trainer:
         resume: bool = False,
         show_progress: bool = True,
     ):
-        from flashformer.models import build
-
         check_train_config(config)
         self.config, self.out_dir, self.show_progress = config, Path(out_dir), show_progress
         self.dist = Distributed.from_environment()
@@ -328,7 +326,8 @@ class Trainer:
             raise ckpt.CheckpointError(f"--resume: no checkpoint in {self.out_dir}")
         folder = found[-1]
         ckpt.verify_checkpoint(folder)
-        saved = json.loads((folder / "config.json").read_text())["model"]
+        # both resolved, so that a checkpoint written before derived sizes were stored (None) compares equal
+        saved = ModelConfig.from_dict(json.loads((folder / "config.json").read_text())["model"]).to_dict()
         ours = self.model_config.to_dict()
         changed = sorted(
             k for k in set(saved) | set(ours) if k not in RUNTIME_ONLY_FIELDS and saved.get(k) != ours.get(k)

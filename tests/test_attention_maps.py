@@ -6,50 +6,25 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    T5Config,
-    T5ForConditionalGeneration,
-)
+from helpers import VOCAB, hf_config, perturbed
+from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, T5ForConditionalGeneration
 
 import flashformer
 
 transformers.logging.set_verbosity_error()
-VOCAB, BATCH, LENGTH, DECODER_LENGTH = 97, 2, 11, 7
-SMALL = dict(vocab_size=VOCAB)
+BATCH, LENGTH, DECODER_LENGTH = 2, 11, 7
 CASES = {
-    "bert": lambda: BertForMaskedLM(
-        BertConfig(**SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40)
-    ),
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(**SMALL, n_embd=32, n_layer=2, n_head=4, n_positions=40)),
-    "t5": lambda: T5ForConditionalGeneration(
-        T5Config(**SMALL, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=3, num_heads=4)
-    ),
-    "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            **SMALL,
-            hidden_size=32,
-            intermediate_size=40,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ),
+    "bert": lambda: BertForMaskedLM(hf_config("bert")),
+    "gpt2": lambda: GPT2LMHeadModel(hf_config("gpt2")),
+    "t5": lambda: T5ForConditionalGeneration(hf_config("t5")),
+    "llama": lambda: LlamaForCausalLM(hf_config("llama")),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_attention_maps_match_transformers(name, tmp_path):
     torch.manual_seed(0)
-    theirs = CASES[name]()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.add_(torch.randn_like(p) * 0.2)  # norms and biases away from 1 and 0
+    theirs = perturbed(CASES[name]())
     theirs.save_pretrained(tmp_path)
     theirs = type(theirs).from_pretrained(tmp_path, attn_implementation="eager").eval()
     ours = flashformer.from_pretrained(tmp_path)

@@ -161,12 +161,12 @@ def test_caches_match_the_model():
     assert len(caches) == config.n_layers
     assert caches[0].k.shape == (
         3,
-        config.kv_heads,
+        config.n_kv_heads,
         20,
-        config.dim_per_head,
+        config.head_dim,
     )  # GQA: kv heads, not query heads (the bytes against the formula: test_costs.py)
     t5 = model_of("t5-tiny")
-    assert len(make_caches(t5, 1, 4)) == t5.config.decoder_layers
+    assert len(make_caches(t5, 1, 4)) == t5.config.n_decoder_layers
 
 
 def test_cache_dtype_follows_autocast_then_the_parameters():

@@ -10,12 +10,13 @@ import math
 
 import pytest
 import torch
+from helpers import flop_counter
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import flashformer
 from flashformer import cli, costs
 from flashformer.config import preset
 from flashformer.costs import report
-from flashformer.train import TrainConfig, Trainer
 from flashformer.viz import attention as viz_attention
 from flashformer.viz import positional
 
@@ -23,21 +24,32 @@ from flashformer.viz import positional
 
 
 def test_cost_prints_the_estimate_and_writes_json_and_png(tmp_path, capsys):
+    """The written figures against the model itself: its parameters, the
+    FLOPs torch's counter sees in a forward of 300 new tokens after 40
+    cached ones (batch 2, the flash backend's tiles), and the cache's bytes."""
+    from flashformer.cache import make_caches
+
     cli.main(
         ["cost", "llama-tiny", "--seq-len", "300", "--cache", "40", "--batch", "2", "--out", str(tmp_path)]
     )
     printed = capsys.readouterr().out
-    est = costs.estimate("llama-tiny", 300, cache_len=40, batch=2)
     written = json.loads((tmp_path / "cost.json").read_text())
-    assert written["forward_flops"] == est.forward_flops
-    assert written["train_step_flops"] == est.train_step_flops
-    assert (
-        written["kv_cache_bytes"] == est.kv_cache_bytes == 2 * 2 * 40 * 2 * 16 * 4 * 2
-    )  # 2·L·c·h_kv·d_k·4·B
-    assert written["flops"] == est.flops
+
+    torch.manual_seed(0)
+    model = flashformer.build("llama-tiny", attention_backend="flash", max_seq_len=512).eval()
+    caches = make_caches(model, 2, 340)
+    ids = torch.randint(0, model.config.vocab_size, (2, 340))
+    with torch.no_grad():
+        model(ids[:, :40], kv_caches=caches)
+        counter = flop_counter()
+        with counter:
+            model(ids[:, 40:], kv_caches=caches, cache_position=40)
+    assert written["forward_flops"] == counter.get_total_flops()
+    assert written["parameters"] == model.num_parameters()
+    assert written["kv_cache_bytes"] == 2 * 2 * 40 * 2 * 16 * 4 * 2  # 2·L·c·h_kv·d_k·4·B
     for line in ("Q projection", "feed-forward", "decode step", "KV cache (c = 40)", "HBM traffic"):
         assert line in printed
-    assert report.format_count(est.forward_flops) in printed
+    assert report.format_count(written["forward_flops"]) in printed
     assert (tmp_path / "cost.png").stat().st_size < 300_000
 
 
@@ -83,32 +95,8 @@ def test_cost_errors_name_the_argument(argv, message, tmp_path, capsys):
 # ---- flashformer viz attention ----
 
 
-@pytest.fixture(scope="module")
-def run_folder(tmp_path_factory):
-    """A real (two-step) run of the trainer on a byte tokenizer."""
-    corpus = tmp_path_factory.mktemp("corpus")
-    for i in range(12):
-        (corpus / f"f{i}.py").write_text("def add(a, b):\n    return a + b\n" * (2 + i % 3))
-    out = tmp_path_factory.mktemp("run")
-    config = TrainConfig(
-        data=[str(corpus)],
-        tokenizer="byte",
-        seq_len=32,
-        batch_size=4,
-        max_steps=2,
-        save_every=2,
-        eval_every=2,
-        eval_batches=1,
-        sample_tokens=4,
-        val_fraction=0.2,
-    )
-    model = preset("gpt2-tiny", n_layers=2, d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
-    Trainer(model, config, out, show_progress=False).fit()
-    return out
-
-
-def test_viz_attention_of_a_trainer_run(run_folder, tmp_path):
-    model, encode, _ = viz_attention.load(run_folder)
+def test_viz_attention_of_a_trainer_run(tiny_run, tmp_path):
+    model, encode, _ = viz_attention.load(tiny_run)
     tokens = encode("def f(x):")
     assert tokens.labels[:4] == ["d", "e", "f", " "] and len(tokens.ids) == 9
     maps = viz_attention.attention_maps(model, tokens)["decoder"]
@@ -116,7 +104,7 @@ def test_viz_attention_of_a_trainer_run(run_folder, tmp_path):
     assert torch.allclose(maps[1].sum(-1), torch.ones(2, 9)) and maps[1].triu(1).abs().max() == 0  # causal
 
     out = tmp_path / "maps.png"
-    cli.main(["viz", "attention", str(run_folder), "--text", "def f(x):", "--heads", "1", "--out", str(out)])
+    cli.main(["viz", "attention", str(tiny_run), "--text", "def f(x):", "--heads", "1", "--out", str(out)])
     assert 0 < out.stat().st_size < 300_000
 
 
@@ -156,13 +144,13 @@ def test_viz_attention_of_an_hf_folder_with_t5(tmp_path):
         (["--max-tokens", "3"], "--text has 9 tokens; give 1 to --max-tokens=3"),
     ],
 )
-def test_viz_attention_errors_name_the_argument(run_folder, tmp_path, extra, message, capsys):
+def test_viz_attention_errors_name_the_argument(tiny_run, tmp_path, extra, message, capsys):
     with pytest.raises(SystemExit):
         cli.main(
             [
                 "viz",
                 "attention",
-                str(run_folder),
+                str(tiny_run),
                 "--text",
                 "def f(x):",
                 "--out",

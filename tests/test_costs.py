@@ -19,6 +19,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import flashformer
@@ -28,15 +29,6 @@ from flashformer.costs.flops import GROUPS, attention_pairs, flash_backward_pair
 
 FULL_PRESETS = ["bert-base", "gpt2", "t5-small", "llama-small"]
 TINY_PRESETS = sorted(set(PRESETS) - set(FULL_PRESETS))
-
-
-def _inplace_baddbmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    batch, rows, inner = a_shape
-    return 2 * batch * rows * inner * b_shape[2]
-
-
-def flop_counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.baddbmm_: _inplace_baddbmm_flops})
 
 
 def counted_groups(counter: FlopCounterMode) -> dict[str, int]:

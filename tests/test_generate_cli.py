@@ -14,37 +14,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import flashformer
 from flashformer import cli
 from flashformer.checkpoint import CheckpointError, list_checkpoints
-from flashformer.config import preset
-from flashformer.train import TrainConfig, Trainer
 
 PROMPT = "def "
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A run folder with two checkpoints of a tiny byte-level GPT trained for a few steps."""
-    corpus = tmp_path_factory.mktemp("corpus")
-    for i in range(20):
-        (corpus / f"file{i}.py").write_text("def add(a, b):\n    return a + b\n" * (2 + i % 3))
-    model_config = preset("gpt2-tiny", n_layers=2, d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
-    train_config = TrainConfig(
-        data=[str(corpus)],
-        tokenizer="byte",
-        seq_len=32,
-        batch_size=4,
-        max_steps=6,
-        warmup_steps=1,
-        eval_every=3,
-        eval_batches=1,
-        save_every=3,
-        log_every=3,
-        sample_tokens=8,
-        val_fraction=0.1,
-    )
-    out = tmp_path_factory.mktemp("run")
-    summary = Trainer(model_config, train_config, out, show_progress=False).fit()
-    assert summary["sample"].startswith(PROMPT)  # the trainer's own sampling call went through generate
-    return out
 
 
 def run_cli(args, capsys) -> tuple[int, str, str]:
@@ -56,9 +27,9 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_load_takes_the_newest_checkpoint_of_a_run(run_dir):
-    model, tokenizer = flashformer.load(run_dir)
-    newest = list_checkpoints(run_dir)[-1]
+def test_load_takes_the_newest_checkpoint_of_a_run(tiny_run):
+    model, tokenizer = flashformer.load(tiny_run)
+    newest = list_checkpoints(tiny_run)[-1]
     assert newest.name == "step-0000006"
     same, _ = flashformer.load(newest)
     for (name, a), (_, b) in zip(model.state_dict().items(), same.state_dict().items()):
@@ -67,30 +38,30 @@ def test_load_takes_the_newest_checkpoint_of_a_run(run_dir):
     assert tokenizer.decode(tokenizer.encode(PROMPT)) == PROMPT
 
 
-def test_generate_prints_the_greedy_continuation(run_dir, capsys):
+def test_generate_prints_the_greedy_continuation(tiny_run, capsys):
     code, out, _ = run_cli(
-        ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12", "--greedy"], capsys
+        ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "12", "--greedy"], capsys
     )
     assert code == 0
-    model, tokenizer = flashformer.load(run_dir)
+    model, tokenizer = flashformer.load(tiny_run)
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     eos = tokenizer.token_id("<|endoftext|>")
     expected = model.generate(ids, max_new_tokens=12, eos_token_id=eos)[0, ids.shape[1] :].tolist()
     assert out == PROMPT + tokenizer.decode(expected) + "\n"
 
 
-def test_seeded_sampling_from_the_command_line_is_reproducible(run_dir, capsys):
-    args = ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "16", "--seed", "3"]
+def test_seeded_sampling_from_the_command_line_is_reproducible(tiny_run, capsys):
+    args = ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "16", "--seed", "3"]
     first = run_cli(args, capsys)
     again = run_cli(args, capsys)
     assert first[0] == again[0] == 0 and first[1] == again[1] and first[1].startswith(PROMPT)
 
 
-def test_beam_search_from_the_command_line(run_dir, capsys):
+def test_beam_search_from_the_command_line(tiny_run, capsys):
     code, out, _ = run_cli(
-        ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "8", "--num-beams", "3"], capsys
+        ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "8", "--num-beams", "3"], capsys
     )
-    model, tokenizer = flashformer.load(run_dir)
+    model, tokenizer = flashformer.load(tiny_run)
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     eos = tokenizer.token_id("<|endoftext|>")
     expected = model.generate(ids, max_new_tokens=8, num_beams=3, eos_token_id=eos)[0, ids.shape[1] :]
@@ -119,9 +90,9 @@ def test_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert code == 2 and "neither a run folder" in err
 
 
-def test_a_damaged_checkpoint_is_a_clear_error(run_dir, tmp_path, capsys):
+def test_a_damaged_checkpoint_is_a_clear_error(tiny_run, tmp_path, capsys):
     folder = tmp_path / "step-0000006"
-    shutil.copytree(list_checkpoints(run_dir)[-1], folder)
+    shutil.copytree(list_checkpoints(tiny_run)[-1], folder)
     weights = folder / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
@@ -132,9 +103,9 @@ def test_a_damaged_checkpoint_is_a_clear_error(run_dir, tmp_path, capsys):
         flashformer.load(folder)
 
 
-def test_a_missing_tokenizer_is_a_clear_error(run_dir, tmp_path, capsys):
+def test_a_missing_tokenizer_is_a_clear_error(tiny_run, tmp_path, capsys):
     folder = tmp_path / "step-0000006"
-    shutil.copytree(list_checkpoints(run_dir)[-1], folder)
+    shutil.copytree(list_checkpoints(tiny_run)[-1], folder)
     (folder / "tokenizer.json").unlink()
     code, _, err = run_cli(["generate", str(folder), "--prompt", PROMPT], capsys)
     assert code == 2 and "tokenizer.json is missing" in err
@@ -144,14 +115,14 @@ def test_a_missing_tokenizer_is_a_clear_error(run_dir, tmp_path, capsys):
         flashformer.load(hf)
 
 
-def test_an_empty_prompt_is_a_clear_error(run_dir, capsys):
-    code, _, err = run_cli(["generate", str(run_dir), "--prompt", ""], capsys)
+def test_an_empty_prompt_is_a_clear_error(tiny_run, capsys):
+    code, _, err = run_cli(["generate", str(tiny_run), "--prompt", ""], capsys)
     assert code == 2 and "--prompt" in err and "no tokens" in err
 
 
-def test_a_config_without_the_model_is_a_clear_error(run_dir, tmp_path):
+def test_a_config_without_the_model_is_a_clear_error(tiny_run, tmp_path):
     folder = tmp_path / "step-0000006"
-    shutil.copytree(list_checkpoints(run_dir)[-1], folder)
+    shutil.copytree(list_checkpoints(tiny_run)[-1], folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "config.json").write_text("{}")
     manifest["files"].pop("config.json")  # a consistent manifest, so the config itself is judged

@@ -13,13 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    T5Config,
-    T5ForConditionalGeneration,
+from helpers import (
+    EOS,
+    PAD,
+    VOCAB,
+    decoder_prompt_len,
+    generation_model,
+    hf_generate,
+    left_padded,
+    perturbed,
+    prompts,
 )
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
@@ -27,115 +30,7 @@ import flashformer
 from flashformer.sampling import filter_top_k, filter_top_p
 
 transformers.logging.set_verbosity_error()
-VOCAB, PAD, BOS, EOS = 97, 0, 1, 2
 CACHED_TOLERANCE = 1e-5  # cached step vs full recompute, float32
-
-
-def perturbed(model):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model.eval()
-
-
-FAMILIES = {
-    "gpt2": lambda: GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=48,
-            bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-        )
-    ),
-    "llama-gqa": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-        )
-    ),
-    # T5 ids: pad 0 (also the decoder start), eos 1; 12-distance buckets crossed by the decoder
-    "t5": lambda: T5ForConditionalGeneration(
-        T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=6, d_ff=44, num_layers=2, num_heads=5,
-            relative_attention_num_buckets=8, relative_attention_max_distance=12,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        )
-    ),
-}  # fmt: skip
-
-
-_PAIRS: dict[str, tuple] = {}  # built once per family, shared by the fixtures below
-
-
-def load_pair(family: str, tmp_path_factory):
-    """(family, transformers model, the same model loaded by flashformer)."""
-    if family not in _PAIRS:
-        torch.manual_seed(0)
-        theirs = perturbed(FAMILIES[family]())
-        folder = tmp_path_factory.mktemp(family)
-        theirs.save_pretrained(folder)
-        _PAIRS[family] = (family, theirs, flashformer.from_pretrained(folder))
-    return _PAIRS[family]
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def pair(request, tmp_path_factory):
-    return load_pair(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
-def decoder_pair(request, tmp_path_factory):
-    return load_pair(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def t5_pair(tmp_path_factory):
-    return load_pair("t5", tmp_path_factory)
-
-
-def prompts(batch=3, length=7, seed=3):
-    torch.manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length))  # no special tokens inside
-
-
-def left_padded():
-    """A batch of prompts of lengths 7, 4 and 2, left-padded, and the prompts alone."""
-    ids = prompts()
-    lengths = [7, 4, 2]
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, -n:] = 1
-    ids = ids.masked_fill(mask == 0, PAD)
-    alone = [ids[row : row + 1, -n:] for row, n in enumerate(lengths)]
-    return ids, mask, alone
-
-
-def hf_generate(model, ids, mask=None, **kwargs):
-    mask = torch.ones_like(ids) if mask is None else mask
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, do_sample=kwargs.pop("do_sample", False), **kwargs)
-
-
-def eos_of(family):
-    return 1 if family == "t5" else EOS
-
-
-def assert_same_tokens(mine, theirs, eos: list[int], prompt_len: int):
-    """Token for token, with one allowance: transformers' beam search fills the
-    rows that ended early with `pad_token_id or eos_token_id[0]`, so with pad
-    id 0 it fills with eos; flashformer fills with the pad id. Everything up
-    to each row's first eos must be equal, and after it only filler may follow."""
-    assert mine.shape == theirs.shape, f"shapes {tuple(mine.shape)} vs {tuple(theirs.shape)}"
-    for row in range(mine.shape[0]):
-        generated = theirs[row, prompt_len:].tolist()
-        end = prompt_len + next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
-        assert mine[row, :end].tolist() == theirs[row, :end].tolist(), f"row {row} differs"
-        assert set(mine[row, end:].tolist()) <= {PAD}, f"row {row}: flashformer's filler is not pad"
-        assert set(theirs[row, end:].tolist()) <= {PAD, eos[0]}, f"row {row}: transformers' filler"
-
-
-def decoder_prompt_len(family, ids):
-    return 1 if family == "t5" else ids.shape[1]
 
 
 # ---- exactness against transformers ----
@@ -165,42 +60,6 @@ def test_greedy_on_a_left_padded_batch_equals_transformers(pair):
     expected = hf_generate(theirs, ids, mask, max_new_tokens=10)
     got = ours.generate(ids, attention_mask=mask, max_new_tokens=10)
     assert got.tolist() == expected.tolist()
-
-
-BEAM_SETTINGS = [
-    {"num_beams": 3},
-    {"num_beams": 4, "length_penalty": 0.5, "early_stopping": True},
-    {"num_beams": 2, "length_penalty": 1.5, "early_stopping": "never"},
-    {"num_beams": 3, "eos_token_id": [5, 11, 23], "repetition_penalty": 1.2, "min_new_tokens": 2},
-]
-
-
-@pytest.mark.parametrize("settings", BEAM_SETTINGS, ids=["plain", "early", "never", "eos-list-penalty"])
-def test_beam_search_equals_transformers(pair, settings):
-    family, theirs, ours = pair
-    ids = prompts()
-    expected = hf_generate(theirs, ids, max_new_tokens=12, **settings)
-    got = ours.generate(ids, max_new_tokens=12, **settings)
-    eos = settings.get("eos_token_id", [eos_of(family)])
-    assert_same_tokens(got, expected, eos, decoder_prompt_len(family, ids))
-
-
-def test_beam_search_rows_that_end_early_equal_transformers(pair):
-    """Rows whose best hypothesis ends before max_new_tokens: the
-    finished-hypothesis bookkeeping and the filler are exercised."""
-    family, theirs, ours = pair
-    ids = prompts()
-    prompt_len = decoder_prompt_len(family, ids)
-    # length_penalty=0 scores a hypothesis by its summed log-probability, which favours short ones
-    settings = dict(max_new_tokens=12, num_beams=3, length_penalty=0.0, early_stopping=True)
-    free = ours.generate(ids, eos_token_id=[], **settings)
-    eos = sorted({int(free[row, prompt_len + 1 + row]) for row in range(3)})  # tokens the beams do produce
-    expected = hf_generate(theirs, ids, eos_token_id=eos, **settings)
-    got = ours.generate(ids, eos_token_id=eos, **settings)
-    assert_same_tokens(got, expected, eos, prompt_len)
-    ended = torch.isin(expected[:, prompt_len:], torch.tensor(eos))  # (B, generated)
-    ends = [row.nonzero()[0].item() + 1 if row.any() else 12 for row in ended]
-    assert min(ends) < 12, "no row ended early: the test is idle"
 
 
 def test_sampling_equals_transformers_under_the_same_seed(pair):
@@ -442,7 +301,7 @@ def _forbid_compute(model, monkeypatch):
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
 def test_compiled_decode_step_generates_the_same_tokens(family, tmp_path):
     torch.manual_seed(0)
-    theirs = perturbed(FAMILIES[family]())
+    theirs = perturbed(generation_model(family))
     theirs.save_pretrained(tmp_path)
     ours = flashformer.from_pretrained(tmp_path)
     ids, mask, _ = left_padded()

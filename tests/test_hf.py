@@ -11,16 +11,13 @@ import json
 import pytest
 import torch
 import transformers
+from helpers import VOCAB, hf_config, perturbed
 from safetensors.torch import load_file, save_file
 from transformers import (
-    BertConfig,
     BertForMaskedLM,
     BertModel,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
-    T5Config,
     T5ForConditionalGeneration,
 )
 
@@ -28,15 +25,7 @@ import flashformer
 
 transformers.logging.set_verbosity_error()
 TOLERANCE = 1e-4
-VOCAB, BATCH, LENGTH = 97, 3, 13
-
-
-def perturbed(model):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model.eval()
+BATCH, LENGTH = 3, 13
 
 
 def inputs():
@@ -49,45 +38,19 @@ def inputs():
 
 
 def bert(**changes):
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=44,
-        max_position_embeddings=40,
-        type_vocab_size=3,
-    )
-    return BertConfig(**dict(config, **changes))
+    return hf_config("bert", **changes)
 
 
 def gpt2(**changes):
-    return GPT2Config(
-        **dict(dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=40), **changes)
-    )
+    return hf_config("gpt2", **changes)
 
 
 def t5(**changes):
-    config = dict(
-        vocab_size=VOCAB, d_model=32, d_kv=6, d_ff=44, num_layers=2, num_decoder_layers=3, num_heads=5
-    )
-    config.update(
-        relative_attention_num_buckets=8, relative_attention_max_distance=12
-    )  # crossed at length 13
-    return T5Config(**dict(config, **changes))
+    return hf_config("t5", **changes)
 
 
 def llama(**changes):
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=44,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaConfig(**dict(config, **changes))
+    return hf_config("llama", **changes)
 
 
 LLAMA3 = {

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TestCache, perturbed
 
 from flashformer.config import ModelConfig
 from flashformer.layers import (
@@ -26,29 +27,6 @@ def config(**changes) -> ModelConfig:
         d_model=24, n_heads=4, d_ff=40, vocab_size=50, max_seq_len=64, dropout=0.0, attention_dropout=0.0
     )
     return ModelConfig(**dict(base, **changes))
-
-
-def perturbed(module: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    return module.eval()
-
-
-class Cache:
-    """The smallest KV cache that meets layers.py's protocol: preallocated
-    (B, Hk, 64, D) tensors written at cache_position."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    def update(self, k, v, cache_position):
-        if self.k is None:
-            self.k = torch.zeros(k.shape[0], k.shape[1], 64, k.shape[3], dtype=k.dtype)
-            self.v = torch.zeros(v.shape[0], v.shape[1], 64, v.shape[3], dtype=v.dtype)
-        end = cache_position + k.shape[2]
-        self.k[:, :, cache_position:end], self.v[:, :, cache_position:end] = k, v
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 # ---- norms and feed-forward ----
@@ -220,7 +198,7 @@ def test_kv_cache_hook_decodes_like_the_full_sequence(rope):
 
     with torch.no_grad():
         full = attn(x, **args(0, 10))
-        cache, pieces = Cache(), []
+        cache, pieces = TestCache(), []
         for start, end in ((0, 6), (6, 7), (7, 10)):
             pieces.append(attn(x[:, start:end], kv_cache=cache, cache_position=start, **args(start, end)))
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TestCache
 
 import flashformer
 from flashformer.config import PRESETS, ModelConfig, preset
@@ -13,23 +14,6 @@ from flashformer.models import DecoderModel, EncoderDecoderModel, EncoderModel
 from flashformer.positional import RopeScaling
 
 TINY = ["bert-tiny", "gpt2-tiny", "t5-tiny", "llama-tiny"]
-
-
-class Cache:
-    """The smallest KV cache that meets the models' protocol (flashformer.cache.KVCache is the real one):
-    update(), and memory_kv for an encoder-decoder's cross-attention keys and values."""
-
-    def __init__(self):
-        self.k = self.v = None
-        self.memory_kv = None
-
-    def update(self, k, v, cache_position):
-        if self.k is None:
-            self.k = torch.zeros(k.shape[0], k.shape[1], 64, k.shape[3], dtype=k.dtype)
-            self.v = torch.zeros(v.shape[0], v.shape[1], 64, v.shape[3], dtype=v.dtype)
-        end = cache_position + k.shape[2]
-        self.k[:, :, cache_position:end], self.v[:, :, cache_position:end] = k, v
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def run(model, ids, **kwargs):
@@ -227,7 +211,7 @@ def test_decoding_with_a_cache_gives_the_full_sequence_outputs(name, changes):
                     ids[:, start:end], attention_mask=mask[:, :end], kv_caches=caches, cache_position=start
                 ).logits
 
-        caches = [Cache() for _ in range(model.config.decoder_layers)]
+        caches = [TestCache() for _ in range(model.config.n_decoder_layers)]
         pieces = [step(start, end, caches) for start, end in ((0, 5), (5, 6), (6, 9))]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5
 

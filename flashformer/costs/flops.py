@@ -121,8 +121,8 @@ class Shapes:
             config.d_model,
             config.d_ff,
             config.n_heads,
-            config.kv_heads,
-            config.dim_per_head,
+            config.n_kv_heads,
+            config.head_dim,
             config.vocab_size,
             config.gated_ffn,
         )
@@ -222,8 +222,8 @@ def attention_calls(config: ModelConfig, p: Pass) -> list[tuple[str, int, int, i
     if config.arch == "decoder":
         calls.append(("decoder", config.n_layers, p.seq_len, p.cache_len + p.seq_len, True))
     if config.arch == "encoder-decoder":
-        calls.append(("decoder", config.decoder_layers, p.dec_len, p.cache_len + p.dec_len, True))
-        calls.append(("cross", config.decoder_layers, p.dec_len, p.seq_len, False))
+        calls.append(("decoder", config.n_decoder_layers, p.dec_len, p.cache_len + p.dec_len, True))
+        calls.append(("cross", config.n_decoder_layers, p.dec_len, p.seq_len, False))
     return calls
 
 
@@ -242,7 +242,7 @@ def forward_flops(config: ModelConfig, p: Pass) -> tuple[dict[str, dict[str, int
         layer["decoder"] = decoder_layer_flops(
             s, p.batch, p.dec_len, p.cache_len, p.convention, memory_len=p.seq_len
         )
-        stacks.append(("decoder", config.decoder_layers))
+        stacks.append(("decoder", config.n_decoder_layers))
 
     flops: dict[str, int] = {"embeddings": 0}  # a table lookup: no FLOPs
     for kind, depth in stacks:
@@ -303,7 +303,7 @@ def decode_step_flops(config: ModelConfig, batch: int, cache_len: int, memory_le
     s = Shapes.of(config)
     memory = memory_len if config.arch == "encoder-decoder" else None
     layer = decoder_layer_flops(s, batch, 1, cache_len, "exact", memory, project_memory=False)
-    depth = config.decoder_layers if config.arch == "encoder-decoder" else config.n_layers
+    depth = config.n_decoder_layers if config.arch == "encoder-decoder" else config.n_layers
     flops = {"embeddings": 0, **{name: depth * value for name, value in layer.items()}}
     flops.update(head_flops(config, s, batch, 1))
     return flops

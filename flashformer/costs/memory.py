@@ -82,7 +82,7 @@ def parameter_count(config: ModelConfig) -> int:
         total += stack_parameters(config, config.n_layers, False)
     else:
         total += stack_parameters(config, config.n_layers, False)
-        total += stack_parameters(config, config.decoder_layers, True)
+        total += stack_parameters(config, config.n_decoder_layers, True)
     return total + (0 if config.tie_word_embeddings else vocab * d)
 
 
@@ -99,8 +99,8 @@ def kv_cache_bytes(config: ModelConfig, batch: int, cache_len: int, memory_len: 
     """
     if config.arch == "encoder" or cache_len == 0:
         return 0, 0
-    layers = config.decoder_layers if config.arch == "encoder-decoder" else config.n_layers
-    per_position = 2 * layers * config.kv_heads * config.dim_per_head * element * batch
+    layers = config.n_decoder_layers if config.arch == "encoder-decoder" else config.n_layers
+    per_position = 2 * layers * config.n_kv_heads * config.head_dim * element * batch
     cross = per_position * memory_len if config.arch == "encoder-decoder" else 0
     return per_position * cache_len, cross
 
@@ -213,7 +213,7 @@ def activation_bytes(
     if config.arch == "decoder":
         stacks.append(("decoder", config.n_layers, p.seq_len, p.cache_len + p.seq_len))
     if config.arch == "encoder-decoder":
-        stacks.append(("decoder", config.decoder_layers, p.dec_len, p.cache_len + p.dec_len))
+        stacks.append(("decoder", config.n_decoder_layers, p.dec_len, p.cache_len + p.dec_len))
 
     embeddings = layers = attention = head = 0
     for kind, depth, q_len, k_len in stacks:

@@ -44,11 +44,11 @@ COMPONENT_NAMES = {
 
 def describe(est: Estimate) -> str:
     c = est.config
-    kv = f", h_kv={c.kv_heads}" if c.kv_heads != c.n_heads else ""
+    kv = f", h_kv={c.n_kv_heads}" if c.n_kv_heads != c.n_heads else ""
     ffn = "gated " if c.gated_ffn else ""
-    layers = f"L={c.n_layers}" + (f"+{c.decoder_layers}" if c.arch == "encoder-decoder" else "")
+    layers = f"L={c.n_layers}" + (f"+{c.n_decoder_layers}" if c.arch == "encoder-decoder" else "")
     return (
-        f"{c.arch}: d={c.d_model}, {layers}, h={c.n_heads}{kv}, d_k={c.dim_per_head}, "
+        f"{c.arch}: d={c.d_model}, {layers}, h={c.n_heads}{kv}, d_k={c.head_dim}, "
         f"{ffn}d_ff={c.d_ff}, V={c.vocab_size}"
     )
 

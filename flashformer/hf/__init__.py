@@ -202,8 +202,8 @@ def save_pretrained(model: torch.nn.Module, folder: str | Path) -> None:
 
 def _their_shapes(layout: Family, config: ModelConfig) -> dict[str, int]:
     """Rows of each fused part, to split our fused projections back."""
-    q_rows = config.n_heads * config.dim_per_head
-    kv_rows = config.kv_heads * config.dim_per_head
+    q_rows = config.n_heads * config.head_dim
+    kv_rows = config.n_kv_heads * config.head_dim
     sizes = {}
     for rule in layout.rules(config):
         if rule.kind != "cat":

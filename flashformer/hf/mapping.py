@@ -137,11 +137,11 @@ def require(config: ModelConfig, family: str, **expected) -> None:
 
 
 def standard_heads(config: ModelConfig, family: str) -> None:
-    if config.kv_heads != config.n_heads:
+    if config.n_kv_heads != config.n_heads:
         raise ValueError(
             f"ModelConfig.n_kv_heads={config.n_kv_heads} cannot be saved as a {family} model (MHA only)"
         )
-    if config.dim_per_head * config.n_heads != config.d_model:
+    if config.head_dim * config.n_heads != config.d_model:
         raise ValueError(f"ModelConfig.head_dim={config.head_dim} cannot be saved as a {family} model")
 
 

@@ -106,7 +106,7 @@ class T5(Family):
             attention_scale=1.0,
             type_vocab_size=0,
         )
-        if config.kv_heads != config.n_heads:
+        if config.n_kv_heads != config.n_heads:
             raise ValueError(f"ModelConfig.n_kv_heads={config.n_kv_heads} cannot be saved as a t5 model")
         if config.gated_ffn:
             projection = "gated-gelu" if config.activation == "gelu_tanh" else f"gated-{config.activation}"
@@ -117,10 +117,10 @@ class T5(Family):
             "model_type": "t5",
             "vocab_size": config.vocab_size,
             "d_model": config.d_model,
-            "d_kv": config.dim_per_head,
+            "d_kv": config.head_dim,
             "d_ff": config.d_ff,
             "num_layers": config.n_layers,
-            "num_decoder_layers": config.decoder_layers,
+            "num_decoder_layers": config.n_decoder_layers,
             "num_heads": config.n_heads,
             "relative_attention_num_buckets": config.relative_buckets,
             "relative_attention_max_distance": config.relative_max_distance,
@@ -138,7 +138,7 @@ class T5(Family):
 
     def rules(self, config):
         rules = [Rule("embeddings.tokens.weight", ("shared.weight",))]
-        for stack, n_layers in (("encoder", config.n_layers), ("decoder", config.decoder_layers)):
+        for stack, n_layers in (("encoder", config.n_layers), ("decoder", config.n_decoder_layers)):
             table = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
             rules.append(Rule(f"{stack}.positions.table.weight", (table,)))
             for i in range(n_layers):
