@@ -14,7 +14,7 @@ alignment at the bottom right: L new queries after cache_position cached keys.
 
 An encoder-decoder's cross-attention reads the encoder's output, which does
 not change while the decoder generates: its keys and values are projected on
-the first step and kept in `memory_kv` (see models.Decoder).
+the first step and kept in `memory_kv` (see stacks.Decoder).
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from torch import Tensor
 
 from flashformer.attention.masks import ScoreRules, dropout_head_keys, dropout_keep
 
-# Tile sizes measured on the CPU (2-core AMD EPYC, fp32, B=1, H=8, D=64, causal,
-# n = 4096, forward + backward; see benchmarks/attention.py): 256 x 256 was the
-# fastest of 64..1024. A 256 x 256 fp32 tile over 8 heads is 2 MiB, which
-# stays in cache between the matmul and the elementwise softmax work.
+# Tile sizes: 256 x 256 was the fastest of 64..1024 on the CPU (fp32, B=1, H=8,
+# D=64, causal, n = 4096, forward + backward, timed with flashformer/bench/attention.py).
+# A 256 x 256 fp32 tile over 8 heads is 2 MiB, which stays in cache between the
+# matmul and the elementwise softmax work.
 BLOCK_Q = 256
 BLOCK_K = 256
 

@@ -55,7 +55,7 @@ def narrow(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def mix32(x):
-    """lowbias32 on uint32: the same bits as masks.mix32 computes in int64."""
+    """lowbias32 on uint32: the same bits as masks.mix32 computes on int32 words."""
     x ^= x >> 16
     x *= 0x7FEB352D
     x ^= x >> 15
