@@ -20,7 +20,6 @@ show how much of the difference it makes. Writes model.json and model.png.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 import flashformer
 from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
 from flashformer.files import write_json
+from flashformer.kernels import cpu
 
 BATCH, LENGTH = 8, 256
 MODELS = ["gpt2", "bert"]
@@ -36,7 +36,6 @@ DTYPES = ["float32", "bfloat16"]
 FULL = {"models": MODELS, "dtypes": DTYPES, "layers": None, "rounds": 3}
 QUICK = {"models": MODELS, "dtypes": DTYPES, "layers": 2, "rounds": 2}
 MODULE = "flashformer.bench.model"
-NATIVE_SWITCH = "FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL"
 
 
 def hf_model(name: str, layers: int | None, dropout: float):
@@ -68,11 +67,12 @@ def _works(name: str, model, inputs: dict, dtype: str, native_matmul: bool = Fal
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     autocast = dtype == "bfloat16"
 
-    def switch(on: bool) -> None:
-        if on:
-            os.environ[NATIVE_SWITCH] = "1"
-        else:
-            os.environ.pop(NATIVE_SWITCH, None)
+    decided = cpu.EMULATED_LOW_PRECISION  # what this CPU's features chose
+
+    def switch(native: bool) -> None:
+        """The native bf16 kernels for this work only (FLASHFORMER_NATIVE_LOW_PRECISION_MATMUL
+        is read once, at import, so the setting it makes is switched directly)."""
+        cpu.EMULATED_LOW_PRECISION = frozenset() if native else decided
 
     def forward():
         model.eval()
