@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flashformer import data
-from flashformer.tasks import datasets, stdlib_tasks
+from flashformer.tasks import datasets, python_source, stdlib_tasks
 from flashformer.tasks.datasets import PairExample, TaggedExample, TextExample
 
 # ---- readers ----
@@ -205,7 +205,7 @@ def squeezed(): "doc on the def line"; return 2
 
 
 def test_functions_in_gives_exact_code_without_the_docstring(tmp_path):
-    functions = {f.name: f for f in stdlib_tasks.functions_in(SOURCE, "m.py")}
+    functions = {f.name: f for f in python_source.functions_in(SOURCE, "m.py")}
     assert list(functions) == [
         "plain",
         "Box.method",
@@ -224,7 +224,7 @@ def test_functions_in_gives_exact_code_without_the_docstring(tmp_path):
     assert functions["Box.fetch"].code == "async def fetch(self):\n    await self.ready()"
     assert functions["Box.placeholder"].body_lines == 0
     assert functions["outer.<locals>.inner"].code == 'def inner():\n    return "é"'
-    assert stdlib_tasks.functions_in("def broken(:\n") == []
+    assert python_source.functions_in("def broken(:\n") == []
 
 
 @pytest.mark.parametrize("name", ["json/decoder.py", "email/utils.py", "asyncio/locks.py"])
@@ -238,7 +238,7 @@ def test_functions_in_agrees_with_ast_on_stdlib_files(name):
         for node in ast.walk(ast.parse(text))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     }
-    functions = stdlib_tasks.functions_in(text, name)
+    functions = python_source.functions_in(text, name)
     assert len(functions) == len(nodes) > 5
     for function in functions:
         node = nodes[function.line]
@@ -285,7 +285,7 @@ else:
 
 
 def test_tagged_lines_are_tokenize_and_keyword_verbatim():
-    lines = stdlib_tasks.tagged_lines(TOKENS_SOURCE)
+    lines = python_source.tagged_lines(TOKENS_SOURCE)
     got = [(line.line, list(zip(line.tokens, line.tags))) for line in lines]
     assert got == [
         (
@@ -334,9 +334,9 @@ def test_tagged_lines_are_tokenize_and_keyword_verbatim():
 
 def test_tagged_lines_drop_lines_with_error_tokens_and_untokenizable_text():
     if sys.version_info < (3, 12):  # from 3.12 tokenize calls "$" an OP
-        lines = stdlib_tasks.tagged_lines("a = 1\nb = $\nc = 2\n")
+        lines = python_source.tagged_lines("a = 1\nb = $\nc = 2\n")
         assert [line.line for line in lines] == [1, 3]
-    assert stdlib_tasks.tagged_lines('s = """never closed\n') == []
+    assert python_source.tagged_lines('s = """never closed\n') == []
 
 
 @pytest.mark.parametrize("name", ["json/decoder.py", "email/_header_value_parser.py"])
@@ -356,16 +356,16 @@ def test_tagged_lines_hold_every_word_token_of_a_stdlib_file(name):
     ]
     got = [
         (line.line, token, tag)
-        for line in stdlib_tasks.tagged_lines(text)
+        for line in python_source.tagged_lines(text)
         for token, tag in zip(line.tokens, line.tags)
     ]
-    assert got == expected and {tag for _, _, tag in got} == set(stdlib_tasks.TOKEN_TAGS)
+    assert got == expected and {tag for _, _, tag in got} == set(python_source.TOKEN_TAGS)
 
 
 def test_line_windows_respect_every_limit():
-    lines = [stdlib_tasks.TaggedLine(i, ["t"] * (i % 5 + 1), ["NAME"] * (i % 5 + 1)) for i in range(1, 40)]
-    lines.append(stdlib_tasks.TaggedLine(40, ["x" * 500], ["STRING"]))
-    windows = stdlib_tasks.line_windows(lines, max_lines=3, max_tokens=8, max_chars=7)
+    lines = [python_source.TaggedLine(i, ["t"] * (i % 5 + 1), ["NAME"] * (i % 5 + 1)) for i in range(1, 40)]
+    lines.append(python_source.TaggedLine(40, ["x" * 500], ["STRING"]))
+    windows = python_source.line_windows(lines, max_lines=3, max_tokens=8, max_chars=7)
     assert all(len(w) <= 3 and sum(len(line.tokens) for line in w) <= 7 for w in windows)
     kept = [line.line for w in windows for line in w]
     assert kept == list(range(1, 40))  # every line that fits, in order; the 500-character one left out
@@ -490,7 +490,7 @@ def test_default_classification_is_the_functions_source(default_tasks):
 
 def test_default_tagging_labels_are_tokenize_verbatim(default_tasks):
     task = default_tasks["tagging"]
-    assert task.labels == list(stdlib_tasks.TOKEN_TAGS) and task.tag_scheme == "plain"
+    assert task.labels == list(python_source.TOKEN_TAGS) and task.tag_scheme == "plain"
     assert len(task.train) == 2000 and len(task.validation) == len(task.test) == 400
     assert all(task.label_counts(split)[tag] > 0 for split in task.splits for tag in task.labels)
     corpus = {d.name: d for d in data.stdlib_corpus()}
@@ -523,7 +523,11 @@ DIGEST_SCRIPT = """
 import hashlib, json
 from flashformer.tasks import stdlib_tasks
 small = {"max_train": 90, "max_validation": 27, "max_test": 27}
-tasks = [build(**small) for build in stdlib_tasks.DEFAULT_TASKS.values()]
+tasks = [
+    stdlib_tasks.stdlib_classification(**small, packages=("http", "logging", "urllib")),
+    stdlib_tasks.stdlib_tagging(**small),
+    stdlib_tasks.stdlib_retrieval(**small),
+]
 records = [[task.labels] + [[repr(e), e.source] for split in task.splits.values() for e in split] for task in tasks]
 print(hashlib.sha256(json.dumps(records).encode()).hexdigest())
 """
