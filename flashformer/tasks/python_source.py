@@ -197,9 +197,10 @@ def tagged_lines(text: str) -> list[TaggedLine]:
 def line_windows(
     lines: list[TaggedLine], max_lines: int, max_tokens: int, max_chars: int
 ) -> list[list[TaggedLine]]:
-    """Consecutive tagged lines grouped greedily into windows of at most max_lines lines,
-    max_tokens tokens and max_chars characters of token text. A line over a limit by
-    itself (mostly a long docstring) is left out and ends the window before it."""
+    """Tagged lines, in order, grouped greedily into windows of at most max_lines lines,
+    max_tokens tokens and max_chars characters of token text (blank lines hold no tokens,
+    so a window runs across them). A line over a limit by itself (mostly a long docstring)
+    is left out and ends the window before it."""
     windows: list[list[TaggedLine]] = []
     current: list[TaggedLine] = []
     tokens = chars = 0

@@ -164,7 +164,9 @@ def _fill_split(
     seen: set,
 ) -> list:
     """Up to `limit` examples, at most per_document from each document (evenly spread through
-    it), skipping any whose key is in `seen` (an earlier split's, or a copy in this one)."""
+    it), skipping any whose key is in `seen` (an earlier split's, or a copy in this one).
+    Every candidate of a document read joins `seen`, taken or not: a copy elsewhere of an
+    evaluation file's example is left out of training even if the cap left out the example."""
     examples = []
     for document in documents:
         if len(examples) >= limit:
@@ -207,8 +209,8 @@ def stdlib_classification(
     """Sequence classification: the stdlib package (asyncio, email, ...) a function comes from.
 
     The input is the function's code without its docstring, capped to its first max_lines
-    lines and max_chars characters (12 and 480: about 150 WordPiece tokens, inside a small
-    encoder's 256). The docstring goes because it is prose that often names its package
+    lines and max_chars characters (12 and 480: at most about 210 WordPiece pieces of an
+    uncased BERT vocabulary, median 61, inside a small encoder's 256). The docstring goes because it is prose that often names its package
     ("Return the email message ...") or a sibling module; without it the class must be read
     from the code, and the cap keeps more code. Functions whose body is only pass or ...
     are left out.
@@ -276,7 +278,7 @@ def stdlib_tagging(
     max_test: int = 400,
     max_lines: int = 3,
     max_tokens: int = 48,
-    max_chars: int = 200,
+    max_chars: int = 160,
     windows_per_file: int = 12,
     validation_fraction: float = 0.1,
     test_fraction: float = 0.1,
@@ -287,8 +289,9 @@ def stdlib_tagging(
     NUMBER, STRING or COMMENT, exactly as tokenize (and keyword.iskeyword) says.
 
     Tokens are tokenize's exact strings (layout tokens dropped, see tagged_lines); a window
-    is up to max_lines consecutive lines, max_tokens tokens and max_chars characters, so it
-    fits 128 subword tokens. Tags are plain, one per token: every tokenize token is a whole
+    is up to max_lines consecutive lines that hold tokens, max_tokens tokens and max_chars
+    characters (3, 48, 160: at most 109 WordPiece pieces of an uncased BERT vocabulary with
+    [CLS] and [SEP], median 35), so it fits 128. Tags are plain, one per token: every tokenize token is a whole
     entity, so BIO would write B- before every tag and never I-, and the per-tag token F1
     (metrics.token_scores) is the entity F1. Up to windows_per_file windows are taken from
     each file, spread through it; identical windows are kept once.
@@ -368,7 +371,8 @@ def stdlib_retrieval(
             pairs.append(PairExample(query, code, f"{function.file}:{function.line}"))
         return pairs
 
-    # one key per pair for both texts: a pair is a copy when its query OR its document was seen
+    # A pair is a copy when its query or its document was seen (in this split or an earlier
+    # one): two functions sharing a summary would each be the other's "wrong" answer.
     seen_queries: set[str] = set()
     seen_documents: set[str] = set()
 
