@@ -55,7 +55,8 @@ class TaskData:
     kind: "classification" (one label per text), "multilabel" (a set per text), "tagging"
     (one tag per token) or "retrieval" (query/document pairs; no labels).
     tag_scheme, for tagging: "bio" (B-TYPE / I-TYPE / O: entities are spans; score them
-    with metrics.entity_scores) or "plain" (one tag per token; score with token_scores).
+    with metrics.entity_scores) or "plain" (one tag per token; score with
+    metrics.token_scores, or entity_scores(scheme="io") where a run of one tag is one entity).
     """
 
     name: str
