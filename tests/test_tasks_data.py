@@ -429,6 +429,59 @@ def test_classification_on_a_small_corpus(tmp_path):
         stdlib_tasks.stdlib_classification(packages=("alpha", "gamma"), documents=docs)
 
 
+def small_corpus(tmp_path, count: int = 6) -> list[data.Document]:
+    docs = []
+    for i in range(count):
+        path = tmp_path / f"m{i}.py"
+        path.write_text(
+            f"def add_{i}(a, b):\n"
+            f'    """Add two numbers\n    together, {i} times.\n\n    Returns their sum.\n    """\n'
+            f"    total = a + b  # sum\n"
+            f"    return total * {i}\n"
+        )
+        docs.append(data.Document(path, path.name))
+    return docs
+
+
+def test_tagging_and_retrieval_on_small_files(tmp_path):
+    docs = small_corpus(tmp_path)
+    tagging = stdlib_tasks.stdlib_tagging(documents=docs)
+    windows = {e.source: e for split in tagging.splits.values() for e in split}
+    assert len(windows) == 6 * 2 and all(split for split in tagging.splits.values())
+    assert list(zip(windows["m3.py:1"].tokens, windows["m3.py:1"].tags)) == [
+        ("def", "KEYWORD"),
+        ("add_3", "NAME"),
+        ("(", "OP"),
+        ("a", "NAME"),
+        (",", "OP"),
+        ("b", "NAME"),
+        (")", "OP"),
+        (":", "OP"),
+        ('"""Add two numbers\n    together, 3 times.\n\n    Returns their sum.\n    """', "STRING"),
+        ("total", "NAME"),
+        ("=", "OP"),
+        ("a", "NAME"),
+        ("+", "OP"),
+        ("b", "NAME"),
+        ("# sum", "COMMENT"),
+    ]  # the 3-line window (def, docstring, total) ends; "return total * 3" starts the next
+    assert windows["m3.py:8"].tags == ["KEYWORD", "NAME", "OP", "NUMBER"]
+    retrieval = stdlib_tasks.stdlib_retrieval(documents=docs)
+    pairs = {p.source: p for split in retrieval.splits.values() for p in split}
+    assert len(pairs) == 6 and all(split for split in retrieval.splits.values())
+    assert pairs["m3.py:1"] == PairExample(
+        "Add two numbers together, 3 times.",
+        "def add_3(a, b):\n    total = a + b  # sum\n    return total * 3",
+    )
+    # a summary too short, or one that repeats another, is not a query
+    assert not any(stdlib_tasks.stdlib_retrieval(documents=docs, min_query_words=7).splits.values())
+    copies = [data.Document(doc.path, f"copy/{doc.name}") for doc in docs]
+    with_copies = stdlib_tasks.stdlib_retrieval(documents=docs + copies)
+    assert sorted(p.query for split in with_copies.splits.values() for p in split) == sorted(
+        p.query for p in pairs.values()
+    )
+
+
 # ---- the default tasks, built from the standard library ----
 
 
