@@ -113,8 +113,8 @@ class Tokenizer:
     """A `tokenizers` backend plus what transformers keeps beside it: the named special tokens,
     whether BOS/EOS are added, the chat template(s) and the tokens that end a turn.
 
-    add_bos_token / add_eos_token: None when the backend's own post-processor decides (an HF
-    folder that does not say); True/False when they were set from the file.
+    add_bos_token / add_eos_token: what a GGUF file asked for (the backend's post-processor adds
+    them); None for an HF folder, whose tokenizer.json post-processor decides on its own.
     Satisfies flashformer.data's tokenizer interface (kind, encode, encode_many, decode,
     token_id, save, vocab_size).
     """
@@ -231,11 +231,8 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         special = {name: _token_text(config.get(name, special_map.get(name))) for name in SPECIAL_NAMES}
-        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
-        if add_bos is not None or add_eos is not None:  # transformers rebuilds the template only then
-            add_bos, add_eos = bool(add_bos), bool(add_eos)
-            backend.post_processor = _bos_eos_template(backend, special, add_bos, add_eos, str(folder))
-
+        # tokenizer.json's post-processor decides whether BOS/EOS are added: transformers (5.x) drops
+        # tokenizer_config.json's add_bos_token/add_eos_token when a tokenizer.json is present
         templates = {}
         if (folder / "chat_template.jinja").is_file():
             templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
@@ -249,7 +246,7 @@ class Tokenizer:
         if isinstance(templates, dict) and list(templates) == ["default"]:
             templates = templates["default"]
 
-        tokenizer = cls(backend, special, add_bos, add_eos, templates or None)
+        tokenizer = cls(backend, special, None, None, templates or None)
         generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
         stops = [tokenizer.eos_token_id]
         stops += generation_eos if isinstance(generation_eos, list) else [generation_eos]
