@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from flashformer.chat_template import render_chat_template
+from flashformer.gguf.reader import read_file
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -156,8 +157,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        from flashformer.gguf import read_file
-
+        """From a GGUF file's metadata (its tensors are not read)."""
         return cls.from_gguf_metadata(read_file(path).metadata, source=str(path))
 
     @classmethod

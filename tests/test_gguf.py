@@ -261,6 +261,15 @@ def test_truncated_data_names_the_cut_tensor(parts, tmp_path):
         read_gguf(path)
 
 
+def test_truncated_smollm2_names_the_embedding(tmp_path):
+    path = tmp_path / "SmolLM2-cut.gguf"
+    path.write_bytes(smollm2_path().read_bytes()[:2_000_000])  # inside token_embd, the first tensor
+    with pytest.raises(
+        GGUFError, match=r"SmolLM2-cut\.gguf is truncated: the data of tensor 'token_embd\.weight'"
+    ):
+        read_gguf(path)
+
+
 def test_truncated_header_says_so(parts, tmp_path):
     path = _write(tmp_path, *parts)
     path.write_bytes(path.read_bytes()[:300])

@@ -182,8 +182,9 @@ class _BadTensor(Exception):
 class _CheckedReader(gguf.GGUFReader):
     """gguf.GGUFReader, with each read checked against the end of the file.
 
-    On a short file the stock reader fails inside numpy (an IndexError on an empty slice, or a
-    ValueError from reshape) with no word of what was being read. Checking every read here, and
+    On a short file the stock reader fails inside numpy with no word of what was being read: an
+    IndexError on an empty slice (cut in the header), a ValueError from reshape or from a dtype
+    view (cut in the tensor data). Checking every read here, and
     building the tensors one at a time, lets the error name the tensor whose data is missing.
     These two methods are the reader's internals (gguf 0.19); the parsing itself stays gguf's.
     """
