@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 from transformers import AutoTokenizer
 
+from flashformer import data
 from flashformer.gguf import smollm2_path
 from flashformer.tokenizer import Tokenizer, byte_alphabet
 
@@ -262,3 +263,17 @@ def test_hf_folder_with_config_special_tokens_and_templates(ours, tmp_path):
     for kwargs in ({}, {"tools": tools}, {"chat_template": "tool_use", "tools": tools}):
         expected = theirs.apply_chat_template(messages, tokenize=False, **kwargs)
         assert tokenizer.apply_chat_template(messages, tokenize=False, **kwargs) == expected, kwargs
+
+
+def test_serves_flashformer_data_as_its_tokenizers_do(ours, tmp_path):
+    """The data pipeline's interface: a token file written with this tokenizer holds each
+    document's ids followed by <|endoftext|>."""
+    texts = ["def f():\n    return 1\n", "café 日本 🎉"]
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    documents = data.resolve_corpus([str(tmp_path / "*.txt")])
+    tokens = data.open_token_file(
+        data.write_token_file(documents, ours, tmp_path / "tokens.bin", show_progress=False)
+    )
+    eos = ours.token_id(data.EOS)
+    assert tokens.tolist() == ours.encode(texts[0]) + [eos] + ours.encode(texts[1]) + [eos]
