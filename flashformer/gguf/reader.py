@@ -1,0 +1,211 @@
+"""A GGUF file opened with the `gguf` library: its metadata as Python values, and its tensors
+as float32 or as the raw quantized blocks, with errors that name the file and the tensor.
+
+The parsing is gguf's (`gguf.GGUFReader`); the dequantization is gguf's (`gguf.quants.dequantize`),
+so our float weights are bit for bit the ones transformers' GGUF loader produces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import Tensor
+
+# Tensor types read here: plain floats, the legacy block types and the K-quants. The others that
+# gguf knows (IQ*, TQ*, MXFP4, integers) are refused by name rather than half-supported.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot become the model it describes (damaged, or something unsupported)."""
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One weight as GGUF stores it: rows of quantized blocks, never re-rounded.
+
+    A block covers `block_size` consecutive inputs of one output row (Q4_1: 32 weights as 4-bit
+    codes with one scale and one minimum), so a weight of logical shape (out, in) is held as
+    blocks (out, in // block_size * block_bytes) uint8, row r holding output row r. Reordering
+    output rows therefore moves whole rows of blocks and never touches a block.
+
+    shape is always (out, in), the nn.Linear orientation, even where transformers' tensor under
+    the same name is (in, out) (GPT-2's Conv1D: hf_transposed=True).
+    row_permutation: the q/k rows llama.cpp interleaved for its RoPE, already put back here:
+    blocks[i] is the file's row row_permutation[i]. None when the rows are in the file's order.
+    """
+
+    ggml_type: str
+    shape: tuple[int, ...]
+    blocks: Tensor
+    row_permutation: Tensor | None = None
+    hf_transposed: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return gguf.GGML_QUANT_SIZES[GGMLQuantizationType[self.ggml_type]][0]
+
+    @property
+    def block_bytes(self) -> int:
+        return gguf.GGML_QUANT_SIZES[GGMLQuantizationType[self.ggml_type]][1]
+
+    def dequantize(self) -> Tensor:
+        """float32 (out, in), exactly gguf's dequantization, rows in transformers' order."""
+        values = gguf.quants.dequantize(self.blocks.numpy(), GGMLQuantizationType[self.ggml_type])
+        return torch.from_numpy(values)  # (out, in)
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor of the file: its logical shape in torch order and its bytes (a view of the file)."""
+
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # float types: the values; block types: (*shape[:-1], bytes per row) uint8
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.ggml_type in BLOCK_TYPES
+
+    def to_float(self) -> Tensor:
+        """float32 of the logical shape, as gguf.quants.dequantize gives it."""
+        values = gguf.quants.dequantize(self.data, GGMLQuantizationType[self.ggml_type])
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only file map
+            values = values.copy()
+        return torch.from_numpy(values.reshape(self.shape))
+
+    def to_blocks(self) -> Tensor:
+        """The quantized blocks, copied out of the file: (*shape[:-1], bytes per row) uint8."""
+        return torch.from_numpy(np.array(self.data, dtype=np.uint8))
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """What a GGUF file holds, read once: metadata as Python values and the tensor table."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, RawTensor]
+
+    def value(self, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        """A metadata value of the expected kind; a missing key without a default is an error."""
+        if key not in self.metadata:
+            if default is ...:
+                raise GGUFError(f"{self.path}: the metadata lacks {key!r}, which the model needs")
+            return default
+        value, kinds = self.metadata[key], kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            expected = " or ".join(k.__name__ for k in kinds)
+            raise GGUFError(f"{self.path}: metadata {key!r} is {value!r}; expected a {expected}")
+        return value
+
+
+def read_file(path: str | Path) -> GGUFFile:
+    """Open a GGUF file: its metadata and tensor table (tensor data stays in the file until used).
+
+    Raises FileNotFoundError for a missing file and GGUFError for one that is not GGUF, is
+    truncated (naming the tensor whose data is cut), or holds a tensor of an unsupported type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    size = path.stat().st_size
+    if size < 4:
+        raise GGUFError(f"{path} is {size} bytes long: too short to be a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        reader = _CheckedReader(path)
+    except _ShortRead as short:
+        place = (
+            f"the data of tensor {short.tensor!r}"
+            if short.tensor
+            else "its header (metadata or tensor table)"
+        )
+        raise GGUFError(
+            f"{path} is truncated: {place} needs bytes up to {short.end}, but the file ends at {size} "
+            f"(an interrupted download or copy?)"
+        ) from None
+    except _BadTensor as bad:
+        raise GGUFError(f"{path}: tensor {bad.tensor!r} cannot be read: {bad.reason}") from None
+    except (ValueError, KeyError, IndexError, OverflowError) as error:  # what gguf's parser raises
+        raise GGUFError(f"{path} is not a readable GGUF file: {error}") from None
+
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the header's own counts, not metadata
+            continue
+        try:
+            metadata[key] = field.contents()
+        except UnicodeDecodeError as error:
+            raise GGUFError(f"{path}: metadata {key!r} holds text that is not UTF-8: {error}") from None
+
+    tensors = {}
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{path}: tensor {tensor.name!r} has type {type_name}, which flashformer does not read "
+                f"(supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest dim first
+        tensors[tensor.name] = RawTensor(tensor.name, type_name, shape, tensor.data)
+    return GGUFFile(path, metadata, tensors)
+
+
+# ---- gguf's reader, made to say where a damaged file goes wrong ----
+
+
+class _ShortRead(Exception):
+    def __init__(self, end: int, tensor: str | None = None):
+        super().__init__(end, tensor)
+        self.end, self.tensor = end, tensor
+
+
+class _BadTensor(Exception):
+    def __init__(self, tensor: str, reason: str):
+        super().__init__(tensor, reason)
+        self.tensor, self.reason = tensor, reason
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """gguf.GGUFReader, with each read checked against the end of the file.
+
+    On a short file the stock reader fails inside numpy with no word of what was being read: an
+    IndexError on an empty slice (cut in the header), a ValueError from reshape or from a dtype
+    view (cut in the tensor data). Checking every read here, and
+    building the tensors one at a time, lets the error name the tensor whose data is missing.
+    These two methods are the reader's internals (gguf 0.19); the parsing itself stays gguf's.
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _ShortRead(end)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _build_tensors(self, start_offs, fields):
+        tensors, names = [], set()
+        for field in fields:
+            if field.name in names:
+                raise _BadTensor(field.name, "the file holds two tensors of this name")
+            names.add(field.name)
+            try:
+                super()._build_tensors(start_offs, [field])
+            except _ShortRead as short:
+                raise _ShortRead(short.end, field.name) from None
+            except (ValueError, KeyError) as error:  # a type id gguf does not know, a bad row size
+                raise _BadTensor(field.name, str(error)) from None
+            tensors += self.tensors
+        self.tensors = tensors
