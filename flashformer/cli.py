@@ -35,9 +35,14 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
     "generate": Command(
         "flashformer.generate_command",
         "continue a prompt with a trained or converted model, printing text as it comes",
-        "CHECKPOINT: a run folder of `flashformer train` (its newest checkpoint), one checkpoint folder, "
-        "or a Hugging Face folder with tokenizer.json. Samples with temperature 0.8 and top-k 50 unless "
-        "--greedy or --num-beams is given.",
+        "MODEL: a GGUF file, a Hugging Face folder with tokenizer.json, a run folder of `flashformer train` "
+        "(its newest checkpoint) or one checkpoint folder. Samples with temperature 0.8 and top-k 50 unless "
+        "--greedy or --num-beams is given; --chat answers the prompt through the model's chat template.",
+    ),
+    "chat": Command(
+        "flashformer.chat_command",
+        "talk with a model in the terminal, through its chat template",
+        "MODEL as for generate. Answers stream as they come; Ctrl-C stops an answer, Ctrl-D ends the chat.",
     ),
     "bench": (
         "run a benchmark (JSON + PNG)",
@@ -54,6 +59,17 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
             ),
             "train": Command(
                 "flashformer.bench.train", "training tokens/s and MFU against transformers (gpt2-small shape)"
+            ),
+        },
+    ),
+    "eval": (
+        "evaluate a model",
+        {
+            "perplexity": Command(
+                "flashformer.eval_command",
+                "perplexity and bits per byte of a causal LM on text files (sliding windows)",
+                "transformers' sliding-window convention: windows of --context tokens, --stride apart; each "
+                "token scored once, with the window's earlier tokens as its context.",
             ),
         },
     ),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from flashformer.files import atomic_writer, write_atomic, write_json
+from flashformer.tokenizer import Tokenizer
 
 EOS = "<|endoftext|>"
 MASK = "<mask>"
@@ -135,72 +136,36 @@ class ByteTokenizer:
         )
 
 
-class BPETokenizer:
-    """Byte-level BPE (GPT-2's scheme) from the HF `tokenizers` library."""
+def train_bpe(documents: list[Document], vocab_size: int, show_progress: bool = True) -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2's scheme) trained on the documents, with SPECIAL_TOKENS."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    kind = "bpe"
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    @classmethod
-    def train(cls, documents: list[Document], vocab_size: int, show_progress: bool = True) -> BPETokenizer:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(
-                f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens); got {vocab_size}"
-            )
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIAL_TOKENS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=show_progress,
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens); got {vocab_size}"
         )
-        tokenizer.train_from_iterator((read_text(d.path) for d in documents), trainer, length=len(documents))
-        return cls(tokenizer)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        """Several texts at once: the Rust tokenizer spreads them over the cores."""
-        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts)]
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def token_id(self, token: str) -> int:
-        index = self.tokenizer.token_to_id(token)
-        if index is None:
-            raise KeyError(f"token {token!r} is not in the tokenizer's vocabulary")
-        return index
-
-    def save(self, folder: Path) -> None:
-        write_atomic(Path(folder) / "tokenizer.json", self.tokenizer.to_str())
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    backend.train_from_iterator((read_text(d.path) for d in documents), trainer, length=len(documents))
+    return Tokenizer(backend)
 
 
-def load_tokenizer(folder: str | Path) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer saved beside a checkpoint (tokenizer.json)."""
+def load_tokenizer(folder: str | Path) -> ByteTokenizer | Tokenizer:
+    """The tokenizer saved beside a checkpoint or in a Hugging Face folder (tokenizer.json)."""
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {folder}")
-    text = path.read_text()
-    if "flashformer_byte_tokenizer" in json.loads(text):
+    if "flashformer_byte_tokenizer" in json.loads(path.read_text()):
         return ByteTokenizer()
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(text)
-    tokenizer.no_padding()  # a Hugging Face tokenizer.json may pad or cut every text to a fixed length
-    tokenizer.no_truncation()
-    return BPETokenizer(tokenizer)
+    return Tokenizer.from_folder(folder)
 
 
 # ---- token files ----

@@ -32,13 +32,33 @@ class DecoderSession:
     and sliced, and every row counts positions from its first real token, as
     transformers does (position = number of real tokens before it). Without
     padding neither exists and attention runs unmasked.
+
+    caches, cached_len: continue in caches that already hold the first
+    cached_len tokens of input_ids (a chat's earlier turns): the prefill
+    computes only the rest. Without padding only.
     """
 
-    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None, s: GenerationSettings):
+    def __init__(
+        self,
+        model,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        s: GenerationSettings,
+        caches: list | None = None,
+        cached_len: int = 0,
+    ):
         batch, prompt_len = input_ids.shape
         max_len = prompt_len + s.max_new_tokens
         self.model, self.input_ids, self.chunk_size = model, input_ids, s.prefill_chunk_size or prompt_len
-        self.caches = make_caches(model, batch, max_len, input_ids.device)
+        if caches is None:
+            caches = make_caches(model, batch, max_len, input_ids.device)
+        elif caches[0].max_len < max_len or not 0 <= cached_len < prompt_len or attention_mask is not None:
+            raise ValueError(
+                f"continuing in given caches needs room for the prompt and the new tokens ({max_len} <= "
+                f"{caches[0].max_len}), 0 <= cached_len={cached_len} < the prompt's {prompt_len} tokens, and "
+                f"no attention_mask"
+            )
+        self.caches, self.cached_len = caches, cached_len
         if s.compile:
             let_sizes_vary(self.caches)
         self.length = 0  # tokens in the cache
@@ -54,7 +74,7 @@ class DecoderSession:
     def prefill(self) -> Tensor:
         """Run the prompt through the model (chunk by chunk); the last token's logits (B, vocab) float32."""
         prompt_len = self.input_ids.shape[1]
-        for start in range(0, prompt_len, self.chunk_size):
+        for start in range(self.cached_len, prompt_len, self.chunk_size):
             end = min(start + self.chunk_size, prompt_len)
             logits = self.model(
                 self.input_ids[:, start:end],

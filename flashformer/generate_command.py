@@ -1,5 +1,5 @@
-"""`flashformer generate CHECKPOINT --prompt TEXT`: continue a prompt with a
-trained or converted model, printing the text as it is generated."""
+"""`flashformer generate MODEL --prompt TEXT`: continue a prompt, or with
+--chat answer it as a chat message, printing the text as it is generated."""
 
 from __future__ import annotations
 
@@ -7,42 +7,72 @@ import argparse
 
 import torch
 
+from flashformer.chat import Chat
 from flashformer.data import EOS
 from flashformer.loading import load
+from flashformer.tokenizer import stream_text
+
+MODEL_HELP = (
+    "a GGUF file, a Hugging Face folder, a run folder of `flashformer train` or one of its checkpoints"
+)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="run folder, checkpoint folder or Hugging Face folder")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The generation flags `generate` and `chat` share (transformers' names and defaults, but
+    sampling with temperature 0.8 and top-k 50 unless --greedy)."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
-    parser.add_argument("--num-beams", type=int, default=1, help="beam search (prints the result at the end)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+
+
+def sampling_settings(args) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=not args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        compile=args.compile,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--prompt", required=True, help="the text to continue (with --chat: the message)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="answer --prompt as a chat message, through the model's chat template",
+    )
+    parser.add_argument("--system", help="with --chat: a system message")
+    add_sampling_arguments(parser, max_new_tokens=200)
+    parser.add_argument("--num-beams", type=int, default=1, help="beam search (prints the result at the end)")
 
 
 def main_from_args(args) -> None:
     """Load, encode the prompt, and print the continuation as it is generated."""
     model, tokenizer = load(args.checkpoint)
+    settings = dict(sampling_settings(args), eos_token_id=stop_ids(model, tokenizer))
+    if args.chat:
+        if args.num_beams != 1:
+            raise ValueError("--chat streams its answer: it does not take --num-beams")
+        chat = Chat(model, tokenizer, system=args.system, seed=args.seed, **settings)
+        for piece in chat.send(args.prompt):
+            print(piece, end="", flush=True)
+        print(flush=True)
+        return
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give some text")
     input_ids = torch.tensor([ids])
-    settings = dict(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=not args.greedy and args.num_beams == 1,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        num_beams=args.num_beams,
-        seed=args.seed,
-        compile=args.compile,
-        eos_token_id=_eos_ids(model, tokenizer, EOS),
+    settings.update(
+        num_beams=args.num_beams, seed=args.seed, do_sample=settings["do_sample"] and args.num_beams == 1
     )
     decoder = model.config.arch == "decoder"
     if decoder:
@@ -52,26 +82,26 @@ def main_from_args(args) -> None:
         new = out[len(ids) :] if decoder else out[1:]
         print(tokenizer.decode(new.tolist()), flush=True)
         return
-    new, shown = [], ""
-    for tokens in model.stream(input_ids, **settings):
-        new.append(int(tokens[0]))
-        text = tokenizer.decode(new)
-        if not text.endswith("\ufffd"):  # hold back a character whose UTF-8 bytes are still coming
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
-    print(tokenizer.decode(new)[len(shown) :], flush=True)
+    for piece in stream_text(tokenizer, (int(t[0]) for t in model.stream(input_ids, **settings))):
+        print(piece, end="", flush=True)
+    print(flush=True)
 
 
-def _eos_ids(model, tokenizer, eos_token: str) -> list[int]:
-    """The model's eos ids if its config has usable ones, else the tokenizer's
-    end-of-text token (what `flashformer train` puts between documents), else none."""
+def stop_ids(model, tokenizer) -> list[int]:
+    """The tokens that end generation: a real model's tokenizer names them (its eos and its
+    chat format's end of turn); else the model's configured eos ids, else the end-of-text
+    token `flashformer train` puts between documents, else none."""
+    vocab = model.config.vocab_size
+    named = [i for i in getattr(tokenizer, "stop_token_ids", []) if 0 <= i < vocab]
+    if named:
+        return named
     configured = model.config.eos_token_id
     configured = [configured] if isinstance(configured, int) else list(configured or [])
-    usable = [i for i in configured if 0 <= i < model.config.vocab_size]
+    usable = [i for i in configured if 0 <= i < vocab]
     if usable:
         return usable
     try:
-        eos = tokenizer.token_id(eos_token)
+        eos = tokenizer.token_id(EOS)
     except KeyError:
         return []
-    return [eos] if 0 <= eos < model.config.vocab_size else []
+    return [eos] if 0 <= eos < vocab else []

@@ -3,7 +3,9 @@
 - a run folder of `flashformer train` (its newest complete checkpoint),
 - one checkpoint folder `step-*` (verified against its manifest first),
 - a Hugging Face folder: config.json with a "model_type", the weights, and
-  (for `load`) tokenizer.json.
+  (for `load`) tokenizer.json,
+- a GGUF file (llama.cpp's format): the model, its tokenizer and its chat
+  template in one file (flashformer.gguf).
 
     model = flashformer.from_pretrained(path)            # the model, in eval mode
     model, tokenizer = flashformer.load(path)            # and the tokenizer it was trained with
@@ -27,14 +29,21 @@ from flashformer.checkpoint import CheckpointError
 from flashformer.config import ModelConfig
 from flashformer.data import load_tokenizer
 from flashformer.files import publish_folder
+from flashformer.gguf import GGUFCheckpoint, read_gguf
 from flashformer.models import PreTrainedModel, build, build_with_weights
+from flashformer.tokenizer import Tokenizer
 
 
 def locate(path: str | Path) -> tuple[str, Path]:
-    """("hf" | "checkpoint", the folder to read) for a run, checkpoint or Hugging Face folder."""
+    """("gguf" | "hf" | "checkpoint", the file or folder to read) for a GGUF file or a run,
+    checkpoint or Hugging Face folder."""
     folder = Path(path)
+    if folder.is_file() and _starts_like_gguf(folder):
+        return "gguf", folder
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} does not exist or is not a folder")
+        raise CheckpointError(
+            f"{folder} does not exist or is neither a GGUF file nor a folder (run, checkpoint or Hugging Face)"
+        )
     if (folder / ckpt.MANIFEST).is_file():
         return "checkpoint", folder
     if "model_type" in _read_config(folder):
@@ -55,11 +64,13 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> PreTr
     folder's problems raise ValueError naming the tensor or option at fault;
     a damaged checkpoint raises CheckpointError naming the file.
     """
-    kind, folder = locate(path)
-    if kind == "hf":
-        model = build_with_weights(*hf.read_pretrained(folder))
+    kind, where = locate(path)
+    if kind == "gguf":
+        model = _model_from_gguf(read_gguf(where, show_progress=False))
+    elif kind == "hf":
+        model = build_with_weights(*hf.read_pretrained(where))
     else:
-        model = _load_checkpoint(folder)
+        model = _load_checkpoint(where)
     return (model if dtype is None else model.to(dtype)).eval()
 
 
@@ -70,6 +81,11 @@ def load(path: str | Path, dtype: torch.dtype | None = None):
     folder and what is missing or damaged.
     """
     kind, folder = locate(path)
+    if kind == "gguf":  # one read of the file serves the model and the tokenizer
+        checkpoint = read_gguf(folder, show_progress=False)
+        model = _model_from_gguf(checkpoint)
+        model = (model if dtype is None else model.to(dtype)).eval()
+        return model, Tokenizer.from_gguf_metadata(checkpoint.metadata, source=str(folder))
     try:
         model = from_pretrained(folder, dtype)
     except (ValueError, OSError, SafetensorError) as error:
@@ -99,6 +115,17 @@ def export_hf(path: str | Path, folder: str | Path) -> Path:
     tokenizer.save(tmp)
     publish_folder(tmp, folder)
     return folder
+
+
+def _starts_like_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _model_from_gguf(checkpoint: GGUFCheckpoint) -> PreTrainedModel:
+    """The float32 model of a GGUF file: the file's weights as gguf's dequantizer gives them,
+    under transformers' names, turned into ours by the same family rules as a folder's."""
+    return build_with_weights(*hf.state_from_hf(checkpoint.config, checkpoint.tensors, str(checkpoint.path)))
 
 
 def _read_config(folder: Path) -> dict:

@@ -64,7 +64,7 @@ def prepare_data(config, data_dir: Path, is_main: bool, show_progress: bool) -> 
                     f"on {len(train_docs)} files",
                     flush=True,
                 )
-                tokenizer = data.BPETokenizer.train(train_docs, config.vocab_size, show_progress)
+                tokenizer = data.train_bpe(train_docs, config.vocab_size, show_progress)
             else:
                 tokenizer = data.ByteTokenizer()
             tokenizer.save(data_dir)

@@ -17,13 +17,14 @@ byte fallback ("llama") are built.
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from flashformer.chat_template import render_chat_template
+from flashformer.files import write_atomic
 from flashformer.gguf.reader import read_file
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -228,6 +229,8 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder}")
         backend = Backend.from_file(str(folder / "tokenizer.json"))
+        backend.no_padding()  # a tokenizer.json may pad or cut every text to a fixed length: never here
+        backend.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         special = {name: _token_text(config.get(name, special_map.get(name))) for name in SPECIAL_NAMES}
@@ -254,7 +257,7 @@ class Tokenizer:
         tokenizer.stop_token_ids = _unique(stops)
         return tokenizer
 
-    # ---- the data.BPETokenizer interface ----
+    # ---- what the trainer and the data pipeline use (flashformer.data) ----
 
     @property
     def kind(self) -> str:
@@ -373,8 +376,8 @@ class Tokenizer:
         config.update({name: token for name, token in self.special_tokens.items() if token is not None})
         if self.add_bos_token is not None:
             config.update(add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token)
-        _write_atomic(folder / "tokenizer.json", self.backend.to_str())
-        _write_atomic(
+        write_atomic(folder / "tokenizer.json", self.backend.to_str())
+        write_atomic(
             folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         )
         templates = self.chat_template
@@ -382,7 +385,7 @@ class Tokenizer:
             templates = {"default": templates}
         for name, template in (templates or {}).items():
             path = "chat_template.jinja" if name == "default" else f"additional_chat_templates/{name}.jinja"
-            _write_atomic(folder / path, template)
+            write_atomic(folder / path, template)
 
 
 # ---- builders from GGUF metadata ----
@@ -504,12 +507,22 @@ def _unique(ids) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Written beside its place and renamed over it: an interrupted save leaves the old file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def stream_text(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
+    """The text of a stream of new tokens, piece by piece, as it becomes certain.
+
+    A token can end in the middle of a character's UTF-8 bytes (byte-level
+    vocabularies split emoji and CJK that way): such a piece decodes to
+    U+FFFD, so it is held back until the next token completes it. The pieces
+    join to tokenizer.decode(all tokens).
+    """
+    ids: list[int] = []
+    shown = ""
+    for token in tokens:
+        ids.append(int(token))
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd") and len(text) > len(shown):
+            yield text[len(shown) :]
+            shown = text
+    rest = tokenizer.decode(ids)[len(shown) :]
+    if rest:
+        yield rest

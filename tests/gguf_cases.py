@@ -24,6 +24,14 @@ def smollm2_checkpoint():
 
 
 @functools.cache
+def smollm2_model():
+    """flashformer's model of the file, through the public loader."""
+    import flashformer
+
+    return flashformer.from_pretrained(smollm2_path())
+
+
+@functools.cache
 def smollm2_tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf_metadata(smollm2_checkpoint().metadata, source=str(smollm2_path()))
 

@@ -41,7 +41,7 @@ def test_tokenizers_round_trip_and_save(tmp_path):
     text = "def g(y):\n    return y * 2  # é\n"
     byte = data.ByteTokenizer()
     assert byte.decode(byte.encode(text)) == text
-    bpe = data.BPETokenizer.train(docs, vocab_size=400, show_progress=False)
+    bpe = data.train_bpe(docs, vocab_size=400, show_progress=False)
     assert bpe.decode(bpe.encode(text)) == text
     assert len(bpe.encode("def f(x):\n    return x + 1\n")) < len(
         byte.encode("def f(x):\n    return x + 1\n")

@@ -22,6 +22,7 @@ from gguf_cases import (
     llama_metadata,
     llama_tensors,
     smollm2_checkpoint,
+    smollm2_model,
     smollm2_tokenizer,
     tiny_gpt2,
     tiny_llama,
@@ -110,10 +111,10 @@ def test_smollm2_file_rows_are_permuted_whole():
     assert not torch.equal(record.blocks, file_blocks)
 
 
-def test_smollm2_end_to_end_logits_and_greedy_answer(tmp_path):
-    """Our model from the HF-style output equals transformers' GGUF model, and answers the question."""
-    checkpoint, tokenizer = smollm2_checkpoint(), smollm2_tokenizer()
-    ours = flashformer.from_pretrained(checkpoint.save_pretrained(tmp_path / "hf"))
+def test_smollm2_end_to_end_logits_and_greedy_answer():
+    """flashformer.from_pretrained on the file equals transformers' GGUF model, and answers the question."""
+    tokenizer = smollm2_tokenizer()
+    ours = smollm2_model()
     theirs = transformers_smollm2_model()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True)])  # (1, P)
@@ -179,7 +180,7 @@ def test_synthetic_tensors_equal_transformers(case, name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_synthetic_logits_equal_transformers(case, name, tmp_path):
     path, checkpoint, theirs = case(name)
-    ours = flashformer.from_pretrained(checkpoint.save_pretrained(tmp_path))
+    ours = flashformer.from_pretrained(path)
     input_ids = torch.randint(
         0, checkpoint.config["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(0)
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from flashformer.bench import generate_model
 from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
@@ -63,6 +64,8 @@ def build_models(dtype: torch.dtype):
 
 def timing_worker(point: dict) -> dict:
     """Median seconds per generate call of each contender, in turns, in this process."""
+    if "model" in point:
+        return generate_model.timing_worker(point)
     if point.get("threads"):
         torch.set_num_threads(point["threads"])
     dtype = getattr(torch, point["dtype"])
@@ -196,9 +199,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="timed calls per contender")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds allowed per point")
+    parser.add_argument(
+        "--model",
+        help="a real model (GGUF file, HF folder, run) answering a chat message, instead of GPT-2-small "
+        "with random weights: batch 1, --new-tokens (default 256), against transformers on the same weights",
+    )
+    parser.add_argument("--question", default=generate_model.QUESTION, help="with --model: the chat message")
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
+    if args.model is not None:
+        config = {"question": args.question, "new_tokens": args.new_tokens or 256, "rounds": args.rounds or 3}
+        print(
+            f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message, greedy"
+        )
+        payload = generate_model.run(args.model, config, args.out, args.threads, args.timeout)
+        print(generate_model.table(payload))
+        print(f"\nwrote {args.out / 'generate-model.json'} and {args.out / 'generate-model.png'}")
+        return payload
     config = dict(QUICK if args.quick else FULL)
     for key in ("batches", "dtypes", "new_tokens", "rounds"):
         if getattr(args, key) is not None:

@@ -36,7 +36,7 @@ class TextEncoder:
         self.tokenizer = tokenizer
 
     def __call__(self, text: str) -> Tokenized:
-        rust = getattr(self.tokenizer, "tokenizer", None)  # the `tokenizers` object of a BPE / HF tokenizer
+        rust = getattr(self.tokenizer, "backend", None)  # the `tokenizers` object (not the byte tokenizer)
         if rust is not None:
             encoding = rust.encode(text)
             return Tokenized(encoding.ids, [_readable(t) for t in encoding.tokens], encoding.type_ids)
