@@ -58,18 +58,6 @@ def test_macro_f1_matches_a_separate_computation_on_random_labels():
         )
 
 
-def test_macro_f1_matches_sklearn_when_installed():
-    sklearn_metrics = pytest.importorskip("sklearn.metrics")
-    rng = random.Random(1)
-    for _ in range(50):
-        gold = [rng.randrange(5) for _ in range(40)]
-        predicted = [rng.randrange(5) for _ in range(40)]
-        expected = sklearn_metrics.f1_score(
-            gold, predicted, average="macro", labels=list(range(7)), zero_division=0
-        )
-        assert metrics.macro_f1(gold, predicted, list(range(7))) == pytest.approx(expected)
-
-
 def test_majority_baseline():
     assert metrics.majority_label(["b", "a", "b", "a", "c"]) == "a"  # a tie goes to the label sorting first
     baseline = metrics.majority_baseline(["x", "y", "y"], gold=["y", "x", "z", "y"])
