@@ -370,9 +370,11 @@ def decode(q, k_cache, v_cache, cache_seqlens, plan: Plan, num_splits: int | Non
     return out, lse
 
 
-# The key range of one split of a paged cache: fixed, so that how a sequence's
-# keys are cut never depends on the batch (see decode.combine_in_order). On a
-# GPU, 256 keys (4 key tiles at D <= 128) is ...; in the interpreter 64 keys
+# The keys of one split of a paged cache: a fixed number, so that how a
+# sequence's keys are cut never depends on the batch (see decode.combine_in_order).
+# On a GPU 256 keys (4 key tiles at D <= 128; vLLM's paged kernel likewise fixes
+# its partitions, at 512): not yet chosen by timing, no GPU was at hand
+# (scripts/bench_paged_attention.py times 64 to 512). In the interpreter 64 keys
 # (2 key tiles), so that small test sequences cross split and tile edges.
 PAGED_SPLIT_LEN = 256
 PAGED_SPLIT_LEN_INTERPRETED = 64
