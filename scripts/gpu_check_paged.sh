@@ -6,6 +6,11 @@
 # machine's CPU. Sized for about 5 minutes on an H100/H200.
 #
 #     bash scripts/gpu_check_paged.sh      # results in $OUT if set, else gpu-results/
+#
+# Like scripts/gpu_check.sh it uses the machine's own python3. Where that lacks
+# the (pure Python) gguf package that `import flashformer` needs, put a copy of
+# it on PYTHONPATH first (e.g. the venv's site-packages/gguf folder, copied into
+# an ignored folder that travels with the tree).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-gpu-results}"

@@ -28,7 +28,7 @@ Backends:
   copy of exactly its keys) and attention() runs on them with that backend.
 - "auto": triton on CUDA where it supports the request; otherwise each
   sequence goes to attention(backend="auto") (on the CPU that is SDPA for a
-  plain decode step, 2-5x faster than flash there: docs/benchmarks.md).
+  plain decode step, 1.5-3x faster than flash there: docs/benchmarks.md).
 
 Batch invariance: the output for sequence b is bitwise the same whether it is
 computed alone or in any batch. The per-sequence backends get it by
@@ -36,8 +36,9 @@ construction: sequence b's computation sees a fresh copy of its own keys and
 queries and the same shapes whatever the batch. The Triton kernel gets it from
 its fixed splits and in-order combine (no tile size, split or reduction order
 depends on the other rows). A batched CPU formulation (one padded call for the
-whole batch) is faster but not invariant: its reductions' length and blocking
-follow the longest sequence (docs/benchmarks.md, "Paged attention").
+whole batch) is faster only when all lengths are equal, and not invariant: its
+reductions' length and blocking follow the longest sequence (docs/benchmarks.md,
+"Paged attention on the CPU").
 """
 
 from __future__ import annotations
