@@ -32,13 +32,13 @@ from flashformer.attention.triton.backward import (  # noqa: E402
     attention_backward_dkdv,
     attention_backward_dq,
 )
-from flashformer.attention.triton.decode import decode_combine, decode_split  # noqa: E402
+from flashformer.attention.triton.decode import combine_in_order, decode_combine, decode_split  # noqa: E402
 from flashformer.attention.triton.forward import attention_forward  # noqa: E402
 
 POINTERS = {
     "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dlse_ptr": "*fp32", "dbias_ptr": "*fp32", "slopes_ptr": "*fp32",
     "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "mask_ptr": "*u8", "pad_ptr": "*u8",
-    "head_keys_ptr": "*i64", "cu_q": "*i32", "cu_k": "*i32", "seqlens_ptr": "*i32",
+    "head_keys_ptr": "*i64", "cu_q": "*i32", "cu_k": "*i32", "seqlens_ptr": "*i32", "table_ptr": "*i32",
 }  # fmt: skip
 FLOATS = {"scale", "softcap", "dropout_scale"}
 NO_FEATURES = dict(
@@ -111,8 +111,11 @@ def variants(quick: bool):
             constants = {
                 **blocks, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": precision,
                 "HAS_SOFTCAP": True, "HAS_ALIBI": True, "HAS_LEFT": True, "HAS_RIGHT": True,
+                "PAGED": False, "PAGE_SIZE": 1,
             }  # fmt: skip
             yield f"decode D={dim} {dtype} all features", decode_split, constants, warps, stages, dtype
+            paged = constants | {"PAGED": True, "PAGE_SIZE": 16}
+            yield f"paged decode D={dim} {dtype} all features", decode_split, paged, warps, stages, dtype
     yield (
         "decode combine",
         decode_combine,
@@ -121,6 +124,7 @@ def variants(quick: bool):
         1,
         "bf16",
     )
+    yield "combine in order", combine_in_order, {"BLOCK_DV": 128, "PRECISION": "tf32"}, 4, 1, "bf16"
     delta_constants = {"BLOCK_M": 64, "BLOCK_DV": 128, "HAS_DLSE": True, "VARLEN": False}
     yield "delta", attention_backward_delta, delta_constants, 4, 1, "bf16"
 

@@ -3,7 +3,9 @@
 `flashformer.attention(..., backend="triton")` runs here, and so do the two
 inference entry points of this module, `varlen_attention` (packed batches of
 sequences of different lengths, as flash-attn's `flash_attn_varlen_func`) and
-`decode_attention` (a few new queries per sequence against a KV cache).
+`decode_attention` (a few new queries per sequence against a KV cache), and
+`paged_attention(..., backend="triton")` (attention/paged.py) through
+`triton_paged_attention`.
 
 Triton is an optional dependency (`pip install flashformer[triton]`) and is
 imported only when one of these kernels runs, so `import flashformer` works
@@ -286,6 +288,43 @@ def decode_attention(
     return (out, lse) if return_lse else out
 
 
+def triton_paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    rules: ScoreRules,
+    scale: float,
+    split_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The backend of paged_attention(): (out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32).
+
+    Arguments are already checked by paged_attention(); rules gives causal,
+    window, ALiBi and softcap (its k_len is unused: each sequence has its own).
+    The split kernel of decode_attention reads the keys through the block
+    table, in splits of a fixed split_len keys (launch.PAGED_SPLIT_LEN by
+    default). Inference only (no gradient).
+    """
+    _refuse(q, k_pool, v_pool, rules)
+    from flashformer.attention.triton.launch import Plan, paged_decode
+
+    plan = Plan(
+        batch=q.shape[0],
+        q_heads=q.shape[1],
+        kv_heads=k_pool.shape[0],
+        max_q_len=q.shape[2],
+        max_k_len=block_tables.shape[1] * k_pool.shape[2],
+        scale=scale,
+        softcap=rules.softcap,
+        window_left=rules.window_left,
+        right_limit=rules.right_limit,
+        alibi_slopes=None if rules.alibi_slopes is None else rules.alibi_slopes.float(),
+    )
+    with torch.no_grad():
+        return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, plan, split_len)
+
+
 def _shape(t) -> str:
     return f"shape {tuple(t.shape)} ({t.dtype})" if isinstance(t, Tensor) else type(t).__name__
 
@@ -309,4 +348,11 @@ def _check_cu_seqlens(cu: Tensor, name: str, total: int, max_len: int, max_name:
     return len(offsets) - 1
 
 
-__all__ = ["decode_attention", "is_available", "triton_attention", "unsupported", "varlen_attention"]
+__all__ = [
+    "decode_attention",
+    "is_available",
+    "triton_attention",
+    "triton_paged_attention",
+    "unsupported",
+    "varlen_attention",
+]

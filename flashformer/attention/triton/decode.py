@@ -11,6 +11,14 @@ the online softmax does, once per split instead of once per tile.
 
 Each sequence's cache holds cache_seqlens[b] valid keys; the Lq new queries
 are its last Lq positions (bottom-right alignment, as everywhere).
+
+The same split kernel reads a paged cache (PAGED, see attention/paged.py):
+key position p of sequence b then lives in block block_table[b, p // PAGE_SIZE]
+of the pool, at offset p % PAGE_SIZE; each key tile's rows are found through
+the table, and nothing is gathered. For the paged cache the splits have a fixed
+length and `combine_in_order` adds a row's partials one split after the other,
+up to that row's own last split: a sequence's result then depends on its own
+keys only, never on the batch it was computed in (batch invariance).
 """
 
 from __future__ import annotations
@@ -28,13 +36,18 @@ def decode_split(
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     slopes_ptr, s_ab, s_ah,
+    table_ptr, s_tb, s_tn, s_kp, s_vp,
     LQ, H, G, D, DV, NUM_SPLITS, SPLIT_LEN,
     scale, softcap, window_left, right_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """Partial results: part_out (B, Hq, Lq, S, Dv) float32 and part_lse (B, Hq, Lq, S)."""
+    """Partial results: part_out (B, Hq, Lq, S, Dv) float32 and part_lse (B, Hq, Lq, S).
+
+    PAGED: k_ptr/v_ptr are pools (Hk, num_blocks, PAGE_SIZE, D) with strides
+    (s_kh, s_kp, s_kn, s_kd) (s_kb = 0), table_ptr the (B, max_blocks) block
+    table with strides (s_tb, s_tn)."""
     split = tl.program_id(0)
     bhk = tl.program_id(1)
     tile_r = tl.program_id(2)
@@ -76,13 +89,21 @@ def decode_split(
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)
         col_ok = cols < k_hi
+        if PAGED:  # each key's block from the table (cols >= 0: // and % agree on GPU and interpreter)
+            page = tl.load(table_ptr + b64 * s_tb + (cols // PAGE_SIZE) * s_tn, mask=col_ok, other=0)
+            page = page.to(tl.int64)  # (N,)
+            k_rows = page * s_kp + (cols % PAGE_SIZE) * s_kn
+            v_rows = page * s_vp + (cols % PAGE_SIZE) * s_vn
+        else:
+            k_rows = cols.to(tl.int64) * s_kn
+            v_rows = cols.to(tl.int64) * s_vn
         k = tl.load(
-            k_base + cols.to(tl.int64)[:, None] * s_kn + dims[None, :] * s_kd,
+            k_base + k_rows[:, None] + dims[None, :] * s_kd,
             mask=col_ok[:, None] & (dims[None, :] < D),
             other=0.0,
         )  # (N, D)
         v = tl.load(
-            v_base + cols.to(tl.int64)[:, None] * s_vn + dims_v[None, :] * s_vd,
+            v_base + v_rows[:, None] + dims_v[None, :] * s_vd,
             mask=col_ok[:, None] & (dims_v[None, :] < DV),
             other=0.0,
         )  # (N, Dv)
@@ -141,6 +162,48 @@ def decode_combine(
     lse = tl.where(total == 0.0, float("-inf"), safe_top + tl.log(tl.where(total == 0.0, 1.0, total)))
     b = bh // H
     h = bh % H
+    tl.store(
+        out_ptr + b * s_ob + h * s_oh + i * s_om + dims_v * s_od,
+        narrow(out, out_ptr.dtype.element_ty, PRECISION),
+        mask=dims_v < DV,
+    )
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def combine_in_order(
+    part_out_ptr, part_lse_ptr, seqlens_ptr, out_ptr, lse_ptr,
+    s_ob, s_oh, s_om, s_od,
+    H, LQ, DV, NUM_SPLITS, SPLIT_LEN,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """decode_combine for fixed-length splits, batch-invariant: row (b, h, i)
+    reads only the cdiv(seqlens[b], SPLIT_LEN) splits that hold its keys, and
+    sums them one after the other (a vector sum over all NUM_SPLITS would let
+    the reduction tree depend on the longest sequence of the batch)."""
+    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * Lq + i
+    i = row % LQ
+    bh = row // LQ
+    b = bh // H
+    h = bh % H
+    k_len = tl.load(seqlens_ptr + b).to(tl.int32)
+    splits = (k_len + SPLIT_LEN - 1) // SPLIT_LEN
+    dims_v = tl.arange(0, BLOCK_DV)
+    top = tl.full([], float("-inf"), tl.float32)
+    for split in range(0, splits):
+        top = tl.maximum(top, tl.load(part_lse_ptr + row * NUM_SPLITS + split))
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for split in range(0, splits):
+        weight = tl.exp(
+            tl.load(part_lse_ptr + row * NUM_SPLITS + split) - safe_top
+        )  # 0 for a split with no key
+        part = tl.load(part_out_ptr + (row * NUM_SPLITS + split) * DV + dims_v, mask=dims_v < DV, other=0.0)
+        total += weight
+        acc += weight * part
+    out = acc / tl.where(total == 0.0, 1.0, total)  # (Dv,)
+    lse = tl.where(total == 0.0, float("-inf"), safe_top + tl.log(tl.where(total == 0.0, 1.0, total)))
     tl.store(
         out_ptr + b * s_ob + h * s_oh + i * s_om + dims_v * s_od,
         narrow(out, out_ptr.dtype.element_ty, PRECISION),

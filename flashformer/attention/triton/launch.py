@@ -19,7 +19,7 @@ from flashformer.attention.triton.backward import (
     attention_backward_dkdv,
     attention_backward_dq,
 )
-from flashformer.attention.triton.decode import decode_combine, decode_split
+from flashformer.attention.triton.decode import combine_in_order, decode_combine, decode_split
 from flashformer.attention.triton.forward import attention_forward
 
 try:  # where Triton keeps it has moved between releases
@@ -354,28 +354,13 @@ def decode_splits(batch: int, kv_heads: int, row_tiles: int, max_k_len: int, dev
 
 def decode(q, k_cache, v_cache, cache_seqlens, plan: Plan, num_splits: int | None) -> tuple[Tensor, Tensor]:
     """out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) float32."""
-    batch, q_heads, q_len, dim = q.shape
+    batch, q_heads, q_len, _ = q.shape
     kv_heads, max_k_len, dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    group = q_heads // kv_heads
-    block_m, block_n, warps, stages = _tiles("decode", max(dim, dim_v))
-    block_m = max(16, min(64 if not interpreting() else 16, triton.next_power_of_2(group * q_len)))
-    row_tiles = triton.cdiv(group * q_len, block_m)
-    splits = num_splits or decode_splits(batch, kv_heads, row_tiles, max_k_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(max_k_len, splits), block_n) * block_n
-    part_out = torch.empty(batch, q_heads, q_len, splits, dim_v, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, q_heads, q_len, splits, dtype=torch.float32, device=q.device)
-    slopes = plan.alibi_slopes
-    decode_split[(splits, batch * kv_heads, row_tiles)](
-        q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        q if slopes is None else slopes, *((0, 0) if slopes is None else _broadcast_strides(slopes)[:2]),
-        q_len, q_heads, group, dim, dim_v, splits, split_len,
-        plan.scale, plan.softcap or 1.0, plan.window_left or 0, plan.right_limit or 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(dim), BLOCK_DV=_block(dim_v),
-        HAS_SOFTCAP=plan.softcap is not None, HAS_ALIBI=slopes is not None,
-        HAS_LEFT=plan.window_left is not None, HAS_RIGHT=plan.right_limit is not None,
-        PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    tiles = _decode_tiles(q, kv_heads, dim_v)
+    splits = num_splits or decode_splits(batch, kv_heads, tiles[-1], max_k_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_k_len, splits), tiles[1]) * tiles[1]
+    cache_layout = (k_cache, tuple(k_cache.stride()), 0, v_cache, tuple(v_cache.stride()), 0)
+    part_out, part_lse = _decode_split(q, cache_layout, cache_seqlens, None, plan, tiles, splits, split_len)
     out = q.new_empty(batch, q_heads, q_len, dim_v)
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
     decode_combine[(batch * q_heads * q_len,)](
@@ -383,3 +368,88 @@ def decode(q, k_cache, v_cache, cache_seqlens, plan: Plan, num_splits: int | Non
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=_block(dim_v), PRECISION=_precision(q.dtype),
     )  # fmt: skip
     return out, lse
+
+
+# The keys of one split of a paged cache: a fixed number, so that how a
+# sequence's keys are cut never depends on the batch (see decode.combine_in_order).
+# On a GPU 256 keys (4 key tiles at D <= 128; vLLM's paged kernel likewise fixes
+# its partitions, at 512): not yet chosen by timing, no GPU was at hand
+# (scripts/bench_paged_attention.py times 64 to 512). In the interpreter 64 keys
+# (2 key tiles), so that small test sequences cross split and tile edges.
+PAGED_SPLIT_LEN = 256
+PAGED_SPLIT_LEN_INTERPRETED = 64
+
+
+def paged_decode(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor, plan: Plan,
+    split_len: int | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) float32, from pools
+    (Hk, num_blocks, block_size, D) read through block_tables (B, max_blocks).
+
+    split_len: keys per split (rounded up to a whole number of key tiles);
+    default PAGED_SPLIT_LEN. The grid covers the table's capacity, so no
+    sequence length is read on the host; splits past a sequence's end do nothing."""
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, block_size, dim_v = k_pool.shape[0], k_pool.shape[2], v_pool.shape[3]
+    tiles = _decode_tiles(q, kv_heads, dim_v)
+    block_n = tiles[1]
+    split_len = split_len or (PAGED_SPLIT_LEN_INTERPRETED if interpreting() else PAGED_SPLIT_LEN)
+    split_len = triton.cdiv(split_len, block_n) * block_n
+    splits = triton.cdiv(block_tables.shape[1] * block_size, split_len)
+
+    def pool_strides(pool: Tensor) -> tuple[tuple[int, int, int, int], int]:
+        heads, blocks, offsets, dims = pool.stride()
+        return (0, heads, offsets, dims), blocks  # (batch, head, position, dim) strides; block stride
+
+    pool_layout = (k_pool, *pool_strides(k_pool), v_pool, *pool_strides(v_pool))
+    paging = (block_tables, block_size)
+    part_out, part_lse = _decode_split(q, pool_layout, seq_lens, paging, plan, tiles, splits, split_len)
+    out = q.new_empty(batch, q_heads, q_len, dim_v)
+    lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device)
+    combine_in_order[(batch * q_heads * q_len,)](
+        part_out, part_lse, seq_lens, out, lse, *out.stride(), q_heads, q_len, dim_v, splits, split_len,
+        BLOCK_DV=_block(dim_v), PRECISION=_precision(q.dtype),
+    )  # fmt: skip
+    return out, lse
+
+
+def _decode_tiles(q: Tensor, kv_heads: int, dim_v: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, row tiles) of the split kernel:
+    the G query heads x Lq queries of a KV head are the rows of its tiles."""
+    q_len, dim = q.shape[2], q.shape[3]
+    rows = (q.shape[1] // kv_heads) * q_len
+    _, block_n, warps, stages = _tiles("decode", max(dim, dim_v))
+    block_m = max(16, min(64 if not interpreting() else 16, triton.next_power_of_2(rows)))
+    return block_m, block_n, warps, stages, triton.cdiv(rows, block_m)
+
+
+def _decode_split(q, layout, seqlens, paging, plan: Plan, tiles, splits: int, split_len: int):
+    """Launch decode_split; returns part_out (B, Hq, Lq, S, Dv) and part_lse (B, Hq, Lq, S), float32.
+
+    layout: (k, k strides (batch, head, position, dim), k block stride, the same for v);
+    paging: (block_tables, block_size), or None for a dense cache."""
+    batch, q_heads, q_len, dim = q.shape
+    k, k_strides, k_block_stride, v, v_strides, v_block_stride = layout
+    dim_v = v.shape[3]
+    kv_heads = k.shape[0] if paging is not None else k.shape[1]
+    block_m, block_n, warps, stages, row_tiles = tiles
+    table, block_size = paging if paging is not None else (q, 1)
+    table_strides = tuple(table.stride()) if paging is not None else (0, 0)
+    part_out = torch.empty(batch, q_heads, q_len, splits, dim_v, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, q_heads, q_len, splits, dtype=torch.float32, device=q.device)
+    slopes = plan.alibi_slopes
+    decode_split[(splits, batch * kv_heads, row_tiles)](
+        q, k, v, seqlens, part_out, part_lse,
+        *q.stride(), *k_strides, *v_strides,
+        q if slopes is None else slopes, *((0, 0) if slopes is None else _broadcast_strides(slopes)[:2]),
+        table, *table_strides, k_block_stride, v_block_stride,
+        q_len, q_heads, q_heads // kv_heads, dim, dim_v, splits, split_len,
+        plan.scale, plan.softcap or 1.0, plan.window_left or 0, plan.right_limit or 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(dim), BLOCK_DV=_block(dim_v),
+        HAS_SOFTCAP=plan.softcap is not None, HAS_ALIBI=slopes is not None,
+        HAS_LEFT=plan.window_left is not None, HAS_RIGHT=plan.right_limit is not None,
+        PRECISION=_precision(q.dtype), PAGED=paging is not None, PAGE_SIZE=block_size,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return part_out, part_lse
