@@ -62,6 +62,12 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
             ),
         },
     ),
+    "serve": Command(
+        "flashformer.serve_command",
+        "serve a model over OpenAI's API (continuous batching, paged KV cache)",
+        "MODEL as for generate. POST /v1/chat/completions and /v1/completions (streamed or not), GET "
+        "/v1/models, /health and /metrics.",
+    ),
     "eval": (
         "evaluate a model",
         {

@@ -6,7 +6,8 @@ residual rule of a block); forward methods only compute. Every attention
 score is computed by `flashformer.attention`.
 
 A KV cache plugs into `MultiHeadAttention.forward(x, kv_cache=..., cache_position=...)`:
-any object with
+a paged one (serve.paged_cache: `paged = True`) takes the new keys and values
+and the queries in `attend(q, k, v, scale)`; any other object with
 
     update(k, v, cache_position) -> (k_all, v_all)
 
@@ -224,6 +225,9 @@ class MultiHeadAttention(nn.Module):
         v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
+            out = kv_cache.attend(q, k, v, scale=self.scale)  # (B, Hq, L, D)
+            return self.out(out.transpose(1, 2).reshape(batch, length, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, cache_position)  # (B, Hk, cache_position + L, D)
         out = attend(

@@ -1,0 +1,472 @@
+"""Continuous batching: one loop owns the model and serves every request.
+
+Each step the loop
+1. drops the sequences whose clients went away and frees their blocks;
+2. admits waiting sequences while the batch has room and the pool has the
+   blocks their prompt needs;
+3. runs prefill chunks (a prompt is computed in fixed chunks of
+   `prefill_chunk` tokens, at most `prefill_budget` tokens per step, so a
+   long prompt never stalls everyone's next token for long);
+4. runs one decode step for every sequence past its prompt, together;
+5. samples each sequence's next token, streams its text to its client, and
+   frees a finished sequence's blocks at once.
+
+When a sequence needs a block and the pool has none, the newest sequence is
+preempted: its blocks are freed and it waits at the front of the queue; when
+readmitted it computes its prompt again and then replays the tokens it had
+generated, one decode step each, so its cache is rebuilt by the very same
+operations as before and it continues with the same tokens.
+
+Batch invariance: a request gets the same tokens alone or among others.
+Its prompt is always computed alone (a batch of one) in the same chunks;
+every decode step runs with the batch padded to max_batch rows, so the
+matmuls see the same shapes whoever else is running; attention reads each
+sequence's own blocks only (attention.paged); sampling draws from the
+sequence's own generator, seeded from the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from flashformer.attention.paged import kv_slots
+from flashformer.sampling import filter_top_p
+from flashformer.serve.paged_cache import BlockPool, make_paged_caches
+
+
+class Busy(RuntimeError):
+    """The waiting queue is full (the server answers 503)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # strings that end the text, never returned
+    logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the top k
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top_logprobs alternatives, best first
+
+
+@dataclass
+class Event:
+    """What a client receives. kind "delta": new text (and its tokens' log-probabilities) of
+    choice `index`; "finish": choice `index` ended with `finish_reason`; "done": every choice
+    ended (usage holds the token counts); "error": the request failed (message)."""
+
+    kind: str
+    index: int = 0
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    message: str = ""
+
+
+class Request:
+    """A prompt and its settings, `n` sequences (choices), and where their events go.
+
+    emit: called from the engine's thread with each Event (the server hands it to its
+    event loop). cancel() may be called from any thread: within one step the request's
+    sequences stop and their blocks are freed.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, n: int, emit: Callable[[Event], None]):
+        self.id = next(Request._ids)
+        self.prompt_ids, self.params, self.emit = list(prompt_ids), params, emit
+        self.cancelled = threading.Event()
+        self.sequences = [Sequence(self, index) for index in range(n)]
+        self.completion_tokens = 0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class Sequence:
+    """One choice of a request: its tokens (prompt + generated), the blocks holding their keys
+    and values, how many of them are computed, and the text sent so far."""
+
+    _order = itertools.count()
+
+    def __init__(self, request: Request, index: int):
+        self.request, self.index = request, index
+        self.tokens = list(request.prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.blocks: list[int] = []
+        self.computed = 0  # tokens whose keys and values are in the blocks
+        self.sent = 0  # characters of the generated text already streamed
+        self.finish_reason: str | None = None
+        self.arrival = next(Sequence._order)
+        seed = request.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        # choices of one request differ, and each is reproducible from (seed, index)
+        self.generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < self.prompt_len
+
+
+class Engine:
+    """The model, its paged cache and the scheduler loop; see the module docstring.
+
+    max_batch: sequences decoded together (and the fixed batch of every decode step);
+    num_blocks, block_size: the KV pool; context: the most tokens a sequence may hold;
+    max_waiting: sequences that may wait before submit() raises Busy.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch: int = 16,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        context: int | None = None,
+        prefill_chunk: int = 128,
+        prefill_budget: int = 256,
+        max_waiting: int = 256,
+    ):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_batch, self.prefill_chunk, self.prefill_budget = max_batch, prefill_chunk, prefill_budget
+        self.max_waiting = max_waiting
+        self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
+        self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
+        self.caches, self.batch = make_paged_caches(model, self.pool)
+        self.max_blocks = self.pool.blocks_for(self.context)
+        self.device = next(model.parameters()).device
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._waiting_count = 0  # sequences submitted and not yet running (read from other threads)
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "preemptions": 0}
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last steps
+
+    # ---- the other threads' side ----
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (thread-safe). Raises Busy past max_waiting and ValueError for a
+        prompt that can never fit (the context, or the whole pool)."""
+        length = len(request.prompt_ids)
+        if length < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        if length >= self.context:
+            raise ValueError(
+                f"the prompt is {length} tokens; this model's context is {self.context} tokens "
+                f"(prompt and completion together)"
+            )
+        if self.pool.blocks_for(length + 1) > self.pool.capacity:
+            raise ValueError(
+                f"the prompt is {length} tokens; the KV pool holds {self.pool.capacity * self.pool.block_size}"
+            )
+        with self._count_lock:
+            if self._waiting_count + len(request.sequences) > self.max_waiting:
+                raise Busy(
+                    f"{self._waiting_count} sequences are waiting (max {self.max_waiting}); try again later"
+                )
+            self._waiting_count += len(request.sequences)
+        self._inbox.put(request)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="flashformer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _count_waiting(self, change: int) -> None:
+        with self._count_lock:
+            self._waiting_count += change
+
+    def metrics(self) -> dict:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= 10.0]
+        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        return {
+            "requests_running": len({id(s.request) for s in list(self.running)}),
+            "sequences_running": len(self.running),
+            "sequences_waiting": self._waiting_count,
+            "kv_blocks_in_use": self.pool.in_use,
+            "kv_blocks_total": self.pool.capacity,
+            "tokens_per_second": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
+            **self.stats,
+        }
+
+    # ---- the loop ----
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.running and not self.waiting
+            try:
+                request = self._inbox.get(timeout=None if idle else 0.0)
+            except queue.Empty:
+                request = None
+            while request is not None:
+                self.waiting.extend(request.sequences)
+                try:
+                    request = self._inbox.get_nowait()
+                except queue.Empty:
+                    request = None
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception as error:  # a failing step must not leave clients waiting forever
+                for sequence in self.running + list(self.waiting):
+                    self._fail(sequence, f"the engine failed: {error!r}")
+                self.running, self.waiting = [], deque()
+                self._count_waiting(-self._waiting_count)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One scheduler iteration (see the module docstring)."""
+        self._drop_cancelled()
+        self._admit()
+        budget = self.prefill_budget
+        for sequence in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(sequence)
+        decoding = [s for s in self.running if not s.in_prefill and s.finish_reason is None]
+        decoding = self._make_room(decoding)
+        if decoding:
+            self._decode(decoding)
+        self.stats["steps"] += 1
+
+    def _drop_cancelled(self) -> None:
+        for sequence in [s for s in self.waiting if s.request.cancelled.is_set()]:
+            self.waiting.remove(sequence)
+            self._count_waiting(-1)
+            sequence.finish_reason = sequence.finish_reason or "cancelled"
+        for sequence in [s for s in self.running if s.request.cancelled.is_set()]:
+            sequence.finish_reason = sequence.finish_reason or "cancelled"
+            self._retire(sequence)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            sequence = self.waiting[0]
+            if sequence.finish_reason is not None:
+                self.waiting.popleft()
+                self._count_waiting(-1)
+                continue
+            blocks = self.pool.allocate(self.pool.blocks_for(len(sequence.tokens) + 1))
+            if blocks is None:
+                return
+            self.waiting.popleft()
+            self._count_waiting(-1)
+            sequence.blocks, sequence.computed = blocks, 0
+            self.running.append(sequence)
+
+    def _prefill_chunk(self, sequence: Sequence) -> int:
+        """Compute the next chunk of the prompt (a batch of one); after the last chunk of a
+        fresh sequence, sample its first token. Returns the tokens computed."""
+        start = sequence.computed
+        end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
+        tokens = torch.tensor([sequence.tokens[start:end]], device=self.device)  # (1, C)
+        positions = torch.arange(start, end, device=self.device)[None]  # (1, C)
+        self._set_batch([sequence], [end], [list(range(start, end))])
+        logits = self.model(tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1).logits
+        sequence.computed = end
+        self.stats["prompt_tokens"] += end - start
+        if end == sequence.prompt_len and len(sequence.tokens) == sequence.prompt_len:
+            self._sample(sequence, logits[0, -1])
+        return end - start
+
+    def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
+        """Give every decoding sequence a slot for its next token, preempting the newest
+        sequences while the pool has no free block."""
+        ready = []
+        for sequence in sorted(decoding, key=lambda s: s.arrival):
+            if sequence.finish_reason is not None or sequence not in self.running:
+                continue
+            while self.pool.blocks_for(sequence.computed + 1) > len(sequence.blocks):
+                block = self.pool.allocate(1)
+                if block is not None:
+                    sequence.blocks += block
+                    continue
+                victim = max(self.running, key=lambda s: s.arrival)
+                if victim is sequence and len(self.running) == 1:
+                    sequence.finish_reason = "length"  # alone, it fills the whole pool
+                    self._retire(sequence)
+                    break
+                self._preempt(victim)
+                if victim is sequence:
+                    break
+            if sequence in self.running and sequence.finish_reason is None:
+                ready.append(sequence)
+        return [s for s in ready if s in self.running]
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.pool.release(sequence.blocks)
+        sequence.blocks, sequence.computed = [], 0
+        self.running.remove(sequence)
+        self.waiting.appendleft(sequence)
+        self._count_waiting(1)
+        self.stats["preemptions"] += 1
+
+    def _decode(self, sequences: list[Sequence]) -> None:
+        """One decode step for the sequences, the batch padded to max_batch rows: row r feeds
+        token `computed` of its sequence (a replayed one after a preemption, or the newest)."""
+        rows = self.max_batch
+        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        for r, sequence in enumerate(sequences):
+            tokens[r, 0] = sequence.tokens[sequence.computed]
+            positions[r, 0] = sequence.computed
+        self._set_batch(
+            sequences, [s.computed + 1 for s in sequences], [[s.computed] for s in sequences], rows
+        )
+        logits = self.model(tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1).logits
+        for r, sequence in enumerate(sequences):
+            sequence.computed += 1
+            if sequence.computed == len(sequence.tokens):  # caught up: a new token
+                self._sample(sequence, logits[r, -1])
+
+    def _set_batch(self, sequences, seq_lens, positions, rows: int | None = None) -> None:
+        """The block tables, lengths and write slots of one forward, checked once here (the
+        layers then skip their checks); rows past the sequences (padding) read and write a
+        scratch slot of their own."""
+        rows = rows or len(sequences)
+        tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32)
+        lengths = torch.ones(rows, dtype=torch.int32)
+        where = torch.zeros((rows, len(positions[0])), dtype=torch.int64)
+        for r, (sequence, length, at) in enumerate(zip(sequences, seq_lens, positions)):
+            tables[r, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+            lengths[r] = length
+            where[r] = torch.tensor(at)
+        slots = kv_slots(tables, where, self.pool.block_size)  # (rows, L)
+        for r in range(len(sequences), rows):
+            block, slot = self.pool.scratch_slot(r)
+            tables[r, 0], slots[r] = block, slot
+        self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device))
+
+    # ---- tokens out ----
+
+    def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
+        """Pick the next token from one row's logits (V,), then stream and check for the end."""
+        params = sequence.request.params
+        logits = logits.float()
+        if params.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            scores = logits / params.temperature
+            if params.top_p < 1.0:
+                scores = filter_top_p(scores[None], params.top_p)[0]
+            token = int(torch.multinomial(scores.softmax(-1), 1, generator=sequence.generator))
+        sequence.tokens.append(token)
+        self.stats["generated_tokens"] += 1
+        self._recent.append((time.monotonic(), 1))
+        while len(self._recent) > 4096:
+            self._recent.popleft()
+        logprobs = []
+        if params.logprobs is not None:
+            log_probs = F.log_softmax(logits, dim=-1)
+            top = torch.topk(log_probs, params.logprobs) if params.logprobs > 0 else None
+            alternatives = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+            logprobs = [TokenLogprob(token, float(log_probs[token]), alternatives)]
+        self._stream(sequence, logprobs)
+
+    def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob]) -> None:
+        params = sequence.request.params
+        generated = sequence.generated
+        end = generated[-1] in params.stop_token_ids
+        text = self.tokenizer.decode(generated[:-1] if end else generated)
+        reason = "stop" if end else None
+        cut = _first_stop(text, params.stop)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        if reason is None and len(generated) >= params.max_tokens:
+            reason = "length"
+        if reason is None and len(sequence.tokens) >= self.context:
+            reason = "length"
+        held = 0 if reason else _held_back(text, params.stop)
+        delta = text[sequence.sent : len(text) - held]
+        if delta or logprobs:
+            sequence.request.emit(Event("delta", sequence.index, delta, logprobs))
+            sequence.sent += len(delta)
+        if reason is not None:
+            sequence.finish_reason = reason
+            sequence.request.completion_tokens += len(generated)
+            self._retire(sequence)
+
+    def _retire(self, sequence: Sequence) -> None:
+        """Free a finished sequence's blocks; tell its client; when its request is done, say so."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+            self.pool.release(sequence.blocks)
+            sequence.blocks = []
+        request = sequence.request
+        if sequence.finish_reason != "cancelled":
+            request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason))
+        if request.finished and not request.cancelled.is_set():
+            prompt = len(request.prompt_ids)
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": request.completion_tokens,
+                "total_tokens": prompt + request.completion_tokens,
+            }
+            request.emit(Event("done", usage=usage))
+
+    def _fail(self, sequence: Sequence, message: str) -> None:
+        if sequence.blocks:
+            self.pool.release(sequence.blocks)
+            sequence.blocks = []
+        if sequence.finish_reason is None:
+            sequence.finish_reason = "error"
+            sequence.request.emit(Event("error", sequence.index, message=message))
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` not to send yet: the longest tail that could be the
+    start of a stop string (the next token may complete it), or a character whose UTF-8
+    bytes are still coming."""
+    if text.endswith("\ufffd"):
+        return 1
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
