@@ -373,7 +373,7 @@ class Engine:
         for r in range(len(sequences), rows):
             block, slot = self.pool.scratch_slot(r)
             tables[r, 0], slots[r] = block, slot
-        self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device))
+        self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device), len(sequences))
 
     # ---- tokens out ----
 

@@ -81,9 +81,13 @@ class PagedBatch:
 
     def __init__(self):
         self.block_tables = self.seq_lens = self.slots = None
+        self.real_rows = 0
 
-    def set(self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor) -> None:
+    def set(self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor, real_rows: int | None = None) -> None:
+        """real_rows: the rows that are sequences; the rest only pad the batch (their
+        attention output is left zero: nothing reads it)."""
         self.block_tables, self.seq_lens, self.slots = block_tables, seq_lens, slots
+        self.real_rows = block_tables.shape[0] if real_rows is None else real_rows
 
 
 class PagedKVCache:
@@ -104,8 +108,12 @@ class PagedKVCache:
         """q (B, Hq, L, D), k and v (B, Hk, L, D) the new tokens -> (B, Hq, L, D).
         (The batch's tables and slots were checked once, when set, not per layer.)"""
         write_kv(self.k, self.v, k, v, self.batch.slots, validate=False)
-        tables, lengths = self.batch.block_tables, self.batch.seq_lens
-        return paged_attention(q, self.k, self.v, tables, lengths, scale=scale, validate=False)
+        real = self.batch.real_rows
+        tables, lengths = self.batch.block_tables[:real], self.batch.seq_lens[:real]
+        out = paged_attention(q[:real], self.k, self.v, tables, lengths, scale=scale, validate=False)
+        if real == q.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros(q.shape[0] - real, *out.shape[1:])])  # (B, Hq, L, D)
 
 
 def make_paged_caches(model, pool: BlockPool) -> tuple[list[PagedKVCache], PagedBatch]:
