@@ -14,6 +14,7 @@ small shapes; on a GPU the same tests run on CUDA tensors.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -432,7 +433,7 @@ def test_triton_refuses_float64_naming_it():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="auto picks triton for CUDA tensors")
 def test_auto_runs_the_triton_kernel_on_cuda(monkeypatch):
-    import flashformer.attention.triton as triton_module
+    triton_module = importlib.import_module("flashformer.attention.triton")
 
     calls = []
     original = triton_module.triton_paged_attention
