@@ -60,6 +60,10 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
             "train": Command(
                 "flashformer.bench.train", "training tokens/s and MFU against transformers (gpt2-small shape)"
             ),
+            "serve": Command(
+                "flashformer.bench.serve",
+                "a server under load (openai client): tokens/s, time to first token, inter-token latency",
+            ),
         },
     ),
     "serve": Command(

@@ -358,3 +358,88 @@ def test_a_prompt_beyond_the_context_is_refused(local):
     engine = Engine(model, tokenizer, max_batch=2, num_blocks=16, context=32)
     with pytest.raises(ValueError, match="context is 32 tokens"):
         engine.submit(Request(list(range(40)), SamplingParams(max_tokens=2), 1, lambda e: None))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmRSS")
+
+
+def test_a_storm_of_requests_disconnects_and_bad_requests(tiny_chat_model):
+    """Valid requests complete with their solo answers however many clients go away or send
+    garbage beside them; the KV pool empties; a second storm does not grow the server's memory."""
+    from openai import AsyncOpenAI
+
+    process, url = start_server(
+        tiny_chat_model, "--max-batch", "8", "--kv-blocks", "64", "--max-waiting", "512"
+    )
+    name = tiny_chat_model.name
+    valid = [(QUESTIONS[i % 4], 4 + i % 7) for i in range(12)]
+
+    async def storm(round_seed: int) -> list[str]:
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        rng = __import__("random").Random(round_seed)
+
+        async def valid_request(question, n):
+            reply = await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": question}], max_tokens=n, temperature=0
+            )
+            return reply.choices[0].message.content
+
+        async def disconnecting():
+            stream = await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=100, stream=True
+            )
+            async for _ in stream:
+                if rng.random() < 0.3:
+                    break
+            await stream.close()
+
+        async def bad():
+            try:
+                await client.chat.completions.create(
+                    model="nope", messages=[{"role": "user", "content": "x"}]
+                )
+            except Exception as error:  # the client raises the 404 as an exception
+                return type(error).__name__
+            return "accepted"
+
+        tasks = (
+            [valid_request(q, n) for q, n in valid]
+            + [disconnecting() for _ in range(12)]
+            + [bad() for _ in range(6)]
+        )
+        rng.shuffle(tasks)
+        results = await asyncio.gather(*tasks)
+        await client.close()
+        return results
+
+    try:
+        expected = [chat_answer(url, name, q, n) for q, n in valid]
+        first = asyncio.run(storm(1))
+        memory = rss_bytes(process.pid)
+        second = asyncio.run(storm(2))
+        for results in (first, second):
+            answers = [r for r in results if isinstance(r, str) and r not in ("NotFoundError", "accepted")]
+            assert sorted(answers) == sorted(expected)
+            assert results.count("NotFoundError") == 6
+        deadline = time.monotonic() + 10
+        while metrics(url)["flashformer_kv_blocks_in_use"] > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metrics(url)["flashformer_kv_blocks_in_use"] == 0
+        assert metrics(url)["flashformer_sequences_waiting"] == 0
+        assert rss_bytes(process.pid) < memory * 1.1, "the server's memory grew over the second storm"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def chat_answer(url: str, name: str, question: str, max_tokens: int) -> str:
+    from openai import OpenAI
+
+    reply = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+        model=name, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
+    )
+    return reply.choices[0].message.content

@@ -83,7 +83,9 @@ class PagedBatch:
         self.block_tables = self.seq_lens = self.slots = None
         self.real_rows = 0
 
-    def set(self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor, real_rows: int | None = None) -> None:
+    def set(
+        self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor, real_rows: int | None = None
+    ) -> None:
         """real_rows: the rows that are sequences; the rest only pad the batch (their
         attention output is left zero: nothing reads it)."""
         self.block_tables, self.seq_lens, self.slots = block_tables, seq_lens, slots
