@@ -91,6 +91,8 @@ MEASURED = {
         "flashformer bench generate --dtypes bfloat16 --new-tokens 64 --rounds 2",
         "generate",
     ),
+    "generate-smollm2": ('flashformer bench generate --model "$SMOLLM2"', "generate_model"),
+    "serve-smollm2": ('flashformer bench serve "$SMOLLM2"', "serve"),
 }
 
 
