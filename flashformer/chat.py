@@ -33,6 +33,7 @@ class Chat:
 
     context: the tokens the cache holds; when a turn would not fit, the oldest
     exchanges (after the system message) are dropped from the history.
+    chat_template: a Jinja template to use instead of the tokenizer's own.
     """
 
     def __init__(
@@ -43,13 +44,21 @@ class Chat:
         system: str | None = None,
         context: int | None = None,
         seed: int | None = None,
+        chat_template: str | None = None,
         **settings,
     ):
         if model.config.arch != "decoder":
             raise ValueError(f"a chat needs a decoder model (GPT-2, LLaMA); got arch {model.config.arch!r}")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template: use `generate` without --chat")
-        self.model, self.tokenizer = model, tokenizer
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template: give one (--chat-template FILE), or use "
+                "`generate` without --chat"
+            )
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise ValueError(
+                "a chat needs a tokenizer with special tokens and templates, not a byte tokenizer"
+            )
+        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         limit = model.config.max_seq_len
         self.context = min(limit, context or 4096)
@@ -67,7 +76,9 @@ class Chat:
 
     def prompt_ids(self) -> list[int]:
         """The conversation so far, rendered by the template, ending with the assistant's turn."""
-        return self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            self.messages, add_generation_prompt=True, chat_template=self.chat_template
+        )
 
     def send(self, text: str) -> Iterator[str]:
         """Add a user message; yield the answer's text as it is generated. The answer (whole, or

@@ -12,13 +12,20 @@ import argparse
 import sys
 
 from flashformer.chat import Chat
-from flashformer.generate_command import MODEL_HELP, add_sampling_arguments, sampling_settings, stop_ids
+from flashformer.generate_command import (
+    MODEL_HELP,
+    add_chat_arguments,
+    add_sampling_arguments,
+    chat_template,
+    sampling_settings,
+    stop_ids,
+)
 from flashformer.loading import load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument("--system", help="a system message that opens the conversation")
+    add_chat_arguments(parser)
     parser.add_argument("--context", type=int, default=4096, help="tokens of conversation the KV cache holds")
     add_sampling_arguments(parser, max_new_tokens=512)
 
@@ -31,6 +38,7 @@ def main_from_args(args, input_line=input) -> None:
         system=args.system,
         context=args.context,
         seed=args.seed,
+        chat_template=chat_template(args),
         eos_token_id=stop_ids(model, tokenizer),
         **sampling_settings(args),
     )

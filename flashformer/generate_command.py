@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -30,6 +31,23 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
 
 
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", help="a system message that opens the conversation")
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a Jinja chat template file, instead of the model's own (or for a model without one)",
+    )
+
+
+def chat_template(args) -> str | None:
+    if args.chat_template is None:
+        return None
+    if not args.chat_template.is_file():
+        raise FileNotFoundError(f"--chat-template {args.chat_template} is not a file")
+    return args.chat_template.read_text(encoding="utf-8")
+
+
 def sampling_settings(args) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens,
@@ -50,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="answer --prompt as a chat message, through the model's chat template",
     )
-    parser.add_argument("--system", help="with --chat: a system message")
+    add_chat_arguments(parser)
     add_sampling_arguments(parser, max_new_tokens=200)
     parser.add_argument("--num-beams", type=int, default=1, help="beam search (prints the result at the end)")
 
@@ -62,7 +80,14 @@ def main_from_args(args) -> None:
     if args.chat:
         if args.num_beams != 1:
             raise ValueError("--chat streams its answer: it does not take --num-beams")
-        chat = Chat(model, tokenizer, system=args.system, seed=args.seed, **settings)
+        chat = Chat(
+            model,
+            tokenizer,
+            system=args.system,
+            seed=args.seed,
+            chat_template=chat_template(args),
+            **settings,
+        )
         for piece in chat.send(args.prompt):
             print(piece, end="", flush=True)
         print(flush=True)

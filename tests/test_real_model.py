@@ -191,3 +191,18 @@ def test_eval_perplexity_prints_and_writes_json(tmp_path, capsys):
     expected = perplexity(smollm2_model(), smollm2_tokenizer(), texts, context=64, stride=32)
     assert result["perplexity"] == pytest.approx(expected.perplexity, rel=1e-12)
     assert result["tokens"] == expected.tokens
+
+
+def test_a_chat_template_can_be_given_for_a_model_without_one(tmp_path, capsys):
+    import copy
+
+    tokenizer = copy.copy(smollm2_tokenizer())
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    with pytest.raises(ValueError, match="--chat-template"):
+        Chat(smollm2_model(), tokenizer)
+    chat = Chat(smollm2_model(), tokenizer, chat_template=template, do_sample=False)
+    assert "".join(chat.send("What is the capital of France?")) == "The capital of France is Paris."
+    (tmp_path / "chatml.jinja").write_text(template)
+    argv = ["generate", str(smollm2_path()), "--chat", "--prompt", "What is the capital of France?", "--greedy"]
+    cli.main([*argv, "--chat-template", str(tmp_path / "chatml.jinja"), "--system", "Be brief."])
+    assert "Paris" in capsys.readouterr().out
