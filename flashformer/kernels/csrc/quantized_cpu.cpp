@@ -1,0 +1,681 @@
+// Weight-only quantized matrix products on the CPU, for decoding: out = x @ W^T (+ bias),
+// x float32 (M, K) with M small, W stored as 4-bit or 8-bit integers in blocks of 32 along K.
+//
+// The CPU implementations of the operators that flashformer/kernels/quantized.py defines
+// (schemas, shape checks, fake tensors and the PyTorch fallback live there):
+//
+//   flashformer::int4_linear(x, qweight, scales, bias, out_features, int8_activations)
+//       qweight uint8 (G, nb, 4, 16): for each group of 4 output rows and each block of 32 inputs,
+//       the 4 rows' 16 bytes of GGUF Q4_1 nibbles (byte j: q[j] low, q[j + 16] high);
+//       scales float16 (G, nb, 2, 4): the 4 rows' d, then their m. Weight = d * q + m.
+//   flashformer::int8_linear(x, qweight, scales, bias, out_features, int8_activations)
+//       qweight int8 (G, nb, 4, 32); scales float16 (G, nb, 4) per block (GGUF Q8_0: weight = d * q)
+//       or float32 (G * 4,) per output row.
+//   flashformer::quantized_kernel_isa(request) -> int: 1 = AVX2 kernels in use, 0 = scalar ones;
+//       request 0 or 1 switches (tests compare the two), -1 only asks.
+//
+// Why this shape of kernel (the design of llama.cpp's ggml-cpu AVX2 path, written anew):
+// - A decode step reads every weight once per token, so its time is the time to stream the
+//   weights. 4-bit blocks are 0.625 bytes per weight instead of 4: the kernel must widen them in
+//   registers and never write a float copy of W.
+// - int8_activations: x is quantized per block of 32 to int8 once per call (scale d = amax / 127),
+//   and each weight block's dot product is an exact integer sum (maddubs + madd: 32 products in
+//   two instructions), then one float multiply-add with the two blocks' scales. Otherwise x stays
+//   float32 and the weights are widened to float for FMAs: exact with respect to the dequantized
+//   weights, more instructions per weight.
+// - Output rows are interleaved by 4 so one pass over a block serves 4 rows; the 4 integer sums
+//   are reduced to one 4-lane vector per block (hadd), keeping few accumulators in registers.
+// - Batch invariance: every (x row, output row) pair goes through the same operations in the
+//   same order whatever M, the tile of x rows it falls in, or the thread that computes it; the
+//   float accumulation is over blocks in order. So a row's result does not depend on its batch.
+// - The scalar kernels perform the same float operations in the same order as the AVX2 ones
+//   (std::fma where AVX2 has an FMA), so both give the same bits; tests check that here.
+// - Threads: at::parallel_for over groups of output rows; a row is computed by one thread.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FF_X86 1
+#define FF_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define FF_X86 0
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // values per quantization block along K (GGUF's QK4_1, QK8_0)
+constexpr int64_t kGroupRows = 4;  // output rows interleaved in the packed layout
+constexpr int64_t kInt8Tile = 4;   // x rows per pass over a group (their accumulators stay in registers)
+constexpr int64_t kFloatTile = 2;  // the same for float activations: 4 accumulators per x row
+
+bool cpu_has_avx2() {
+#if FF_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool>& use_avx2() {
+  static std::atomic<bool> flag{cpu_has_avx2()};
+  return flag;
+}
+
+inline float half_to_float(uint16_t bits) {
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// x (M, K) quantized per block of 32: x[m, 32 b + j] ~ d[m, b] * q[m, b, j], q in [-127, 127].
+struct Int8Rows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;  // (M, blocks, 32)
+  std::vector<float> d;   // (M, blocks)
+  std::vector<float> s;   // (M, blocks): d * sum_j q[j], what an int4 block's minimum multiplies
+};
+
+// ---- scalar kernels (any CPU; the reference order of operations) ----
+
+void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float scale = amax / 127.f;
+  const float inverse = amax != 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const int v = static_cast<int>(std::nearbyint(x[j] * inverse));  // half to even, as AVX2's round
+    q[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = scale;
+  *s = scale * static_cast<float>(sum);
+}
+
+// The 8-lane horizontal sum in the order of hsum8 below.
+inline float hsum8_scalar(const float* a) {
+  const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+  return (s0 + s2) + (s1 + s3);
+}
+
+inline void store_rows(const float* acc, float* out, int64_t nrows, const float* bias) {
+  for (int64_t r = 0; r < nrows; ++r) out[r] = bias ? acc[r] + bias[r] : acc[r];
+}
+
+void int4_int8act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa,
+                         int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+  for (int t = 0; t < tile; ++t) {
+    float acc[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t xb = (m0 + t) * nb + b;
+      const int8_t* xq = xa.q.data() + xb * kBlock;
+      for (int r = 0; r < kGroupRows; ++r) {
+        const uint8_t* w = qw + (b * kGroupRows + r) * 16;
+        int isum = 0;
+        for (int j = 0; j < 16; ++j) isum += (w[j] & 15) * xq[j] + (w[j] >> 4) * xq[j + 16];
+        const float d = half_to_float(sc[b * 8 + r]), m = half_to_float(sc[b * 8 + 4 + r]);
+        acc[r] = std::fma(d * xa.d[xb], static_cast<float>(isum), acc[r]);
+        acc[r] = std::fma(m, xa.s[xb], acc[r]);
+      }
+    }
+    store_rows(acc, out + t * ldo, nrows, bias);
+  }
+}
+
+template <bool kPerBlock>
+void int8_int8act_scalar(int tile, const int8_t* qw, const void* scales, int64_t nb, const Int8Rows& xa,
+                         int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+  for (int t = 0; t < tile; ++t) {
+    float acc[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t xb = (m0 + t) * nb + b;
+      const int8_t* xq = xa.q.data() + xb * kBlock;
+      for (int r = 0; r < kGroupRows; ++r) {
+        const int8_t* w = qw + (b * kGroupRows + r) * kBlock;
+        int isum = 0;
+        for (int j = 0; j < kBlock; ++j) isum += w[j] * xq[j];
+        const float scale = kPerBlock
+            ? half_to_float(static_cast<const uint16_t*>(scales)[b * kGroupRows + r]) * xa.d[xb]
+            : xa.d[xb];
+        acc[r] = std::fma(scale, static_cast<float>(isum), acc[r]);
+      }
+    }
+    if (!kPerBlock) {
+      for (int r = 0; r < kGroupRows; ++r) acc[r] *= static_cast<const float*>(scales)[r];
+    }
+    store_rows(acc, out + t * ldo, nrows, bias);
+  }
+}
+
+// The float-activation kernels: per block and row, 8 lanes of x[j] * w[j] chained with FMAs over
+// the block's 4 slices of 8, scaled into 8 lane accumulators; an int4 row's minimums multiply the
+// block's float sum of x, accumulated apart and added after the lanes' sum.
+void int4_f32act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t nb, const float* x,
+                        int64_t ldx, const float* xsum, int64_t m0, float* out, int64_t ldo, int64_t nrows,
+                        const float* bias) {
+  for (int t = 0; t < tile; ++t) {
+    const float* xr = x + (m0 + t) * ldx;
+    float acc[kGroupRows][8] = {};
+    float acc_min[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < kGroupRows; ++r) {
+        acc_min[r] = std::fma(half_to_float(sc[b * 8 + 4 + r]), xsum[(m0 + t) * nb + b], acc_min[r]);
+      }
+      for (int r = 0; r < kGroupRows; ++r) {
+        const uint8_t* w = qw + (b * kGroupRows + r) * 16;
+        float q[kBlock];
+        for (int j = 0; j < 16; ++j) q[j] = static_cast<float>(w[j] & 15), q[j + 16] = static_cast<float>(w[j] >> 4);
+        const float d = half_to_float(sc[b * 8 + r]);
+        const float* xb = xr + b * kBlock;
+        for (int l = 0; l < 8; ++l) {
+          float p = xb[l] * q[l];
+          p = std::fma(xb[8 + l], q[8 + l], p);
+          p = std::fma(xb[16 + l], q[16 + l], p);
+          p = std::fma(xb[24 + l], q[24 + l], p);
+          acc[r][l] = std::fma(d, p, acc[r][l]);
+        }
+      }
+    }
+    float res[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) res[r] = hsum8_scalar(acc[r]) + acc_min[r];
+    store_rows(res, out + t * ldo, nrows, bias);
+  }
+}
+
+template <bool kPerBlock>
+void int8_f32act_scalar(int tile, const int8_t* qw, const void* scales, int64_t nb, const float* x, int64_t ldx,
+                        int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+  for (int t = 0; t < tile; ++t) {
+    const float* xr = x + (m0 + t) * ldx;
+    float acc[kGroupRows][8] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < kGroupRows; ++r) {
+        const int8_t* w = qw + (b * kGroupRows + r) * kBlock;
+        const float* xb = xr + b * kBlock;
+        const float d = kPerBlock ? half_to_float(static_cast<const uint16_t*>(scales)[b * kGroupRows + r]) : 1.f;
+        for (int l = 0; l < 8; ++l) {
+          float p = xb[l] * static_cast<float>(w[l]);
+          p = std::fma(xb[8 + l], static_cast<float>(w[8 + l]), p);
+          p = std::fma(xb[16 + l], static_cast<float>(w[16 + l]), p);
+          p = std::fma(xb[24 + l], static_cast<float>(w[24 + l]), p);
+          acc[r][l] = kPerBlock ? std::fma(d, p, acc[r][l]) : acc[r][l] + p;
+        }
+      }
+    }
+    float res[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) {
+      res[r] = hsum8_scalar(acc[r]);
+      if (!kPerBlock) res[r] *= static_cast<const float*>(scales)[r];
+    }
+    store_rows(res, out + t * ldo, nrows, bias);
+  }
+}
+
+// ---- AVX2 kernels (same operations, 8 or 4 lanes at a time) ----
+#if FF_X86
+
+FF_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // a0+a4 .. a3+a7
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // s0+s2, s1+s3
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+FF_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax8 = _mm256_andnot_ps(sign, v[0]);
+  for (int k = 1; k < 4; ++k) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[k]));
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
+  const float amax = _mm_cvtss_f32(amax4);
+  const float scale = amax / 127.f;
+  const __m256 inverse = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(v[k], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    i[k] = _mm256_cvtps_epi32(rounded);
+  }
+  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  sum4 = _mm_add_epi32(sum4, _mm_unpackhi_epi64(sum4, sum4));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 1));
+  // 32 int32 -> 32 int8; the packs work per 128-bit lane, so the 4-byte pieces come out as
+  // [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31] and one permute restores the order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *d = scale;
+  *s = scale * static_cast<float>(_mm_cvtsi128_si32(sum4));
+}
+
+// int4 weights x int8 activations. Rows (0, 1) and (2, 3) of a group sit side by side in one
+// 32-byte load, so one AND (low nibbles: q[0..15]) and one shift + AND (high: q[16..31]) widen
+// two rows; each half multiplies the same 16 activations, broadcast to both 128-bit lanes.
+template <int kTile>
+FF_AVX2 void int4_int8act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa, int64_t m0,
+                               float* out, int64_t ldo, int64_t nrows, const float* bias) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m128 acc[kTile];
+  for (int t = 0; t < kTile; ++t) acc[t] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * 64));
+    const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * 64 + 32));
+    const __m256i lo01 = _mm256_and_si256(w01, low4), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low4);
+    const __m256i lo23 = _mm256_and_si256(w23, low4), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low4);
+    const __m128i dm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 8));  // d0..d3, m0..m3
+    const __m128 d4 = _mm_cvtph_ps(dm);
+    const __m128 m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(dm, dm));
+    for (int t = 0; t < kTile; ++t) {
+      const int64_t xb = (m0 + t) * nb + b;
+      const int8_t* xq = xa.q.data() + xb * kBlock;
+      const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+      const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+      // |pair sums| <= 2 * 15 * 127, so adding the two halves' int16 sums cannot saturate.
+      const __m256i s01 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo01, xlo), _mm256_maddubs_epi16(hi01, xhi)), ones);
+      const __m256i s23 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo23, xlo), _mm256_maddubs_epi16(hi23, xhi)), ones);
+      __m256i h = _mm256_hadd_epi32(s01, s23);  // [r0 r0 r2 r2 | r1 r1 r3 r3] partial sums
+      h = _mm256_hadd_epi32(h, h);              // [r0 r2 r0 r2 | r1 r3 r1 r3]
+      const __m128i isum = _mm_unpacklo_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      acc[t] = _mm_fmadd_ps(_mm_mul_ps(d4, _mm_set1_ps(xa.d[xb])), _mm_cvtepi32_ps(isum), acc[t]);
+      acc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xa.s[xb]), acc[t]);
+    }
+  }
+  for (int t = 0; t < kTile; ++t) {
+    float res[kGroupRows];
+    _mm_storeu_ps(res, acc[t]);
+    store_rows(res, out + t * ldo, nrows, bias);
+  }
+}
+
+// int8 weights x int8 activations: maddubs multiplies unsigned by signed bytes, so the weight's
+// sign moves onto the activation (|w| * sign(w) x). Activations are never -128, so negating them
+// cannot overflow; |w| = 128 (a -128 in a file) still fits as unsigned, and pair sums stay
+// <= 2 * 128 * 127 < 32767.
+template <int kTile, bool kPerBlock>
+FF_AVX2 void int8_int8act_avx2(const int8_t* qw, const void* scales, int64_t nb, const Int8Rows& xa, int64_t m0,
+                               float* out, int64_t ldo, int64_t nrows, const float* bias) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m128 acc[kTile];
+  for (int t = 0; t < kTile; ++t) acc[t] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[kGroupRows], w_abs[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) {
+      w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + (b * kGroupRows + r) * kBlock));
+      w_abs[r] = _mm256_sign_epi8(w[r], w[r]);
+    }
+    __m128 d4 = _mm_setzero_ps();
+    if (kPerBlock) {
+      d4 = _mm_cvtph_ps(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + b * kGroupRows)));
+    }
+    for (int t = 0; t < kTile; ++t) {
+      const int64_t xb = (m0 + t) * nb + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.q.data() + xb * kBlock));
+      __m256i p[kGroupRows];
+      for (int r = 0; r < kGroupRows; ++r) {
+        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[r], _mm256_sign_epi8(xq, w[r])), ones);
+      }
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      const __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      const __m128 scale = kPerBlock ? _mm_mul_ps(d4, _mm_set1_ps(xa.d[xb])) : _mm_set1_ps(xa.d[xb]);
+      acc[t] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(isum), acc[t]);
+    }
+  }
+  for (int t = 0; t < kTile; ++t) {
+    if (!kPerBlock) acc[t] = _mm_mul_ps(acc[t], _mm_loadu_ps(static_cast<const float*>(scales)));
+    float res[kGroupRows];
+    _mm_storeu_ps(res, acc[t]);
+    store_rows(res, out + t * ldo, nrows, bias);
+  }
+}
+
+FF_AVX2 inline __m256 dot_block8(const float* x, __m256 w0, __m256 w1, __m256 w2, __m256 w3) {
+  __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x), w0);
+  p = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, p);
+  p = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w2, p);
+  return _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w3, p);
+}
+
+template <int kTile>
+FF_AVX2 void int4_f32act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                              const float* xsum, int64_t m0, float* out, int64_t ldo, int64_t nrows,
+                              const float* bias) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m256 acc[kTile][kGroupRows];
+  __m128 acc_min[kTile];
+  for (int t = 0; t < kTile; ++t) {
+    acc_min[t] = _mm_setzero_ps();
+    for (int r = 0; r < kGroupRows; ++r) acc[t][r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i dm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 8));
+    alignas(16) float d[kGroupRows];
+    _mm_store_ps(d, _mm_cvtph_ps(dm));
+    const __m128 m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(dm, dm));
+    for (int t = 0; t < kTile; ++t) acc_min[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xsum[(m0 + t) * nb + b]), acc_min[t]);
+    for (int r = 0; r < kGroupRows; ++r) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qw + (b * kGroupRows + r) * 16));
+      const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      const __m256 dr = _mm256_set1_ps(d[r]);
+      for (int t = 0; t < kTile; ++t) {
+        const __m256 p = dot_block8(x + (m0 + t) * ldx + b * kBlock, w0, w1, w2, w3);
+        acc[t][r] = _mm256_fmadd_ps(dr, p, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < kTile; ++t) {
+    float mins[kGroupRows], res[kGroupRows];
+    _mm_storeu_ps(mins, acc_min[t]);
+    for (int r = 0; r < kGroupRows; ++r) res[r] = hsum8(acc[t][r]) + mins[r];
+    store_rows(res, out + t * ldo, nrows, bias);
+  }
+}
+
+template <int kTile, bool kPerBlock>
+FF_AVX2 void int8_f32act_avx2(const int8_t* qw, const void* scales, int64_t nb, const float* x, int64_t ldx,
+                              int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+  __m256 acc[kTile][kGroupRows];
+  for (int t = 0; t < kTile; ++t) {
+    for (int r = 0; r < kGroupRows; ++r) acc[t][r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(16) float d[kGroupRows] = {1.f, 1.f, 1.f, 1.f};
+    if (kPerBlock) {
+      _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64(
+                          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + b * kGroupRows))));
+    }
+    for (int r = 0; r < kGroupRows; ++r) {
+      const int8_t* wp = qw + (b * kGroupRows + r) * kBlock;
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+      const __m256 dr = _mm256_set1_ps(d[r]);
+      for (int t = 0; t < kTile; ++t) {
+        const __m256 p = dot_block8(x + (m0 + t) * ldx + b * kBlock, w0, w1, w2, w3);
+        acc[t][r] = kPerBlock ? _mm256_fmadd_ps(dr, p, acc[t][r]) : _mm256_add_ps(acc[t][r], p);
+      }
+    }
+  }
+  for (int t = 0; t < kTile; ++t) {
+    float res[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) {
+      res[r] = hsum8(acc[t][r]);
+      if (!kPerBlock) res[r] *= static_cast<const float*>(scales)[r];
+    }
+    store_rows(res, out + t * ldo, nrows, bias);
+  }
+}
+
+#endif  // FF_X86
+
+// ---- drivers ----
+
+// x (M, K) float32 -> int8 blocks; rows in parallel when there are many (prefill).
+Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  Int8Rows xa;
+  xa.blocks = k / kBlock;
+  const int64_t n = rows * xa.blocks;
+  xa.q.resize(n * kBlock);
+  xa.d.resize(n);
+  xa.s.resize(n);
+  const bool avx2 = use_avx2().load();
+  at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+#if FF_X86
+      if (avx2) {
+        quantize_block_avx2(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i]);
+        continue;
+      }
+#endif
+      quantize_block_scalar(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i]);
+    }
+  });
+  (void)avx2;
+  return xa;
+}
+
+// The float sum of each block of x, added in index order (the same on every ISA).
+std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / kBlock;
+  std::vector<float> sums(rows * nb);
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < kBlock; ++j) s += x[i * kBlock + j];
+    sums[i] = s;
+  }
+  return sums;
+}
+
+// Groups of output rows per task: enough work per task that a small matrix is not split finer
+// than it is worth (a fork/join costs a few microseconds).
+int64_t group_grain(int64_t nb, int64_t rows) {
+  return std::max<int64_t>(1, 2048 / std::max<int64_t>(1, nb * rows));
+}
+
+void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
+                  int64_t out_features, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x: expected a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == k, "x: expected ", k, " columns (the packed weight's in_features), got ", x.sizes());
+  TORCH_CHECK(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
+  const int64_t groups = qweight.size(0);
+  TORCH_CHECK(out_features > (groups - 1) * kGroupRows && out_features <= groups * kGroupRows,
+              "out_features: ", out_features, " does not fit ", groups, " groups of ", kGroupRows, " rows");
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "bias: expected a contiguous float32 tensor of shape (", out_features, "), got ", bias->sizes());
+  }
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kGroupRows && qweight.size(3) == 16 &&
+                  qweight.scalar_type() == at::kByte,
+              "qweight: expected uint8 (groups, blocks, 4, 16), got ", qweight.sizes(), " ", qweight.scalar_type());
+  const int64_t groups = qweight.size(0), nb = qweight.size(1);
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == 2 &&
+                  scales.size(3) == kGroupRows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "scales: expected contiguous float16 (", groups, ", ", nb, ", 2, 4), got ", scales.sizes());
+  check_common(x_in, qweight, bias, out_features, nb * kBlock);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = out_features;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const bool avx2 = use_avx2().load();
+  (void)avx2;
+  if (int8_activations) {
+    const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
+    at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* gw = qw + g * nb * 64;
+        const uint16_t* gs = sc + g * nb * 8;
+        const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+        for (int64_t m0 = 0; m0 < rows; m0 += kInt8Tile) {
+          const int tile = static_cast<int>(std::min(kInt8Tile, rows - m0));
+          float* o = op + m0 * n + g * kGroupRows;
+          const float* bg = bp ? bp + g * kGroupRows : nullptr;
+#if FF_X86
+          if (avx2) {
+            switch (tile) {
+              case 4: int4_int8act_avx2<4>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+              case 3: int4_int8act_avx2<3>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+              case 2: int4_int8act_avx2<2>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+              default: int4_int8act_avx2<1>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+            }
+            continue;
+          }
+#endif
+          int4_int8act_scalar(tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
+        }
+      }
+    });
+    return out;
+  }
+  const std::vector<float> xsum = block_sums(xp, rows, nb * kBlock);
+  at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gw = qw + g * nb * 64;
+      const uint16_t* gs = sc + g * nb * 8;
+      const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+      for (int64_t m0 = 0; m0 < rows; m0 += kFloatTile) {
+        const int tile = static_cast<int>(std::min(kFloatTile, rows - m0));
+        float* o = op + m0 * n + g * kGroupRows;
+        const float* bg = bp ? bp + g * kGroupRows : nullptr;
+        const int64_t k = nb * kBlock;
+#if FF_X86
+        if (avx2) {
+          if (tile == 2) {
+            int4_f32act_avx2<2>(gw, gs, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+          } else {
+            int4_f32act_avx2<1>(gw, gs, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+          }
+          continue;
+        }
+#endif
+        int4_f32act_scalar(tile, gw, gs, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+      }
+    }
+  });
+  return out;
+}
+
+template <bool kPerBlock>
+void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const void* scales, int64_t groups, int64_t nb,
+                      float* op, int64_t n, const float* bp, bool int8_activations) {
+  const bool avx2 = use_avx2().load();
+  (void)avx2;
+  // The scales of group g: per block (nb, 4) halves, or per row (4,) floats.
+  auto group_scales = [&](int64_t g) -> const void* {
+    return kPerBlock ? static_cast<const void*>(static_cast<const uint16_t*>(scales) + g * nb * kGroupRows)
+                     : static_cast<const void*>(static_cast<const float*>(scales) + g * kGroupRows);
+  };
+  if (int8_activations) {
+    const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
+    at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
+        const void* gs = group_scales(g);
+        const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+        for (int64_t m0 = 0; m0 < rows; m0 += kInt8Tile) {
+          const int tile = static_cast<int>(std::min(kInt8Tile, rows - m0));
+          float* o = op + m0 * n + g * kGroupRows;
+          const float* bg = bp ? bp + g * kGroupRows : nullptr;
+#if FF_X86
+          if (avx2) {
+            switch (tile) {
+              case 4: int8_int8act_avx2<4, kPerBlock>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+              case 3: int8_int8act_avx2<3, kPerBlock>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+              case 2: int8_int8act_avx2<2, kPerBlock>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+              default: int8_int8act_avx2<1, kPerBlock>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
+            }
+            continue;
+          }
+#endif
+          int8_int8act_scalar<kPerBlock>(tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
+      const void* gs = group_scales(g);
+      const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+      for (int64_t m0 = 0; m0 < rows; m0 += kFloatTile) {
+        const int tile = static_cast<int>(std::min(kFloatTile, rows - m0));
+        float* o = op + m0 * n + g * kGroupRows;
+        const float* bg = bp ? bp + g * kGroupRows : nullptr;
+        const int64_t k = nb * kBlock;
+#if FF_X86
+        if (avx2) {
+          if (tile == 2) {
+            int8_f32act_avx2<2, kPerBlock>(gw, gs, nb, xp, k, m0, o, n, nrows, bg);
+          } else {
+            int8_f32act_avx2<1, kPerBlock>(gw, gs, nb, xp, k, m0, o, n, nrows, bg);
+          }
+          continue;
+        }
+#endif
+        int8_f32act_scalar<kPerBlock>(tile, gw, gs, nb, xp, k, m0, o, n, nrows, bg);
+      }
+    }
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kGroupRows && qweight.size(3) == kBlock &&
+                  qweight.scalar_type() == at::kChar,
+              "qweight: expected int8 (groups, blocks, 4, 32), got ", qweight.sizes(), " ", qweight.scalar_type());
+  const int64_t groups = qweight.size(0), nb = qweight.size(1);
+  const bool per_block = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.is_contiguous(), "scales: expected a contiguous tensor");
+  if (per_block) {
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == kGroupRows,
+                "scales: expected float16 (", groups, ", ", nb, ", 4) per block, got ", scales.sizes());
+  } else {
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == groups * kGroupRows && scales.scalar_type() == at::kFloat,
+                "scales: expected float32 (", groups * kGroupRows, ",) per row, got ", scales.sizes(), " ",
+                scales.scalar_type());
+  }
+  check_common(x_in, qweight, bias, out_features, nb * kBlock);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = out_features;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  if (per_block) {
+    int8_linear_impl<true>(x.data_ptr<float>(), rows, qweight.data_ptr<int8_t>(),
+                           scales.data_ptr<at::Half>(), groups, nb, out.data_ptr<float>(), n, bp, int8_activations);
+  } else {
+    int8_linear_impl<false>(x.data_ptr<float>(), rows, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), groups,
+                            nb, out.data_ptr<float>(), n, bp, int8_activations);
+  }
+  return out;
+}
+
+int64_t quantized_kernel_isa(int64_t request) {
+  if (request == 0) use_avx2().store(false);
+  if (request == 1) use_avx2().store(cpu_has_avx2());
+  return use_avx2().load() ? 1 : 0;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+}
+
+// An operator without tensor arguments dispatches to CompositeExplicitAutograd's kernel.
+TORCH_LIBRARY_IMPL(flashformer, CompositeExplicitAutograd, m) {
+  m.impl("quantized_kernel_isa", &quantized_kernel_isa);
+}

