@@ -13,10 +13,12 @@ Prints one JSON object. Parts (all by default):
   not from the 32 MB L3, as in a decode step; contenders run in turns, medians of the rounds.
   GB/s counts the weight bytes each one reads (its own format's).
 - decode_step: the real file's 30 layers x 7 matrices + the tied Q8_0 head, one after the other
-  (the matrix products of one decode step, nothing else), at 1 and 8 rows.
+  (the matrix products of one decode step, nothing else), at 1 and 8 rows; also with q|k|v and
+  gate|up fused (121 calls), eager and compiled as the decode step is.
 - prefill: the same 211 matrices at 512 rows: tokens/s of the matrix products of a prompt.
 - llama_cpp (if llama_cpp imports): llama.cpp on the same file, 2 threads: decode tokens/s for 256
-  greedy tokens after a short chat prompt, and prompt tokens/s for a 512-token prompt.
+  greedy tokens after a short chat prompt, and prompt tokens/s for a 512-token prompt; in turns
+  with 256 of our fused, compiled matrix-product steps.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.kernels.quantized import QuantizedLinear, kernel_isa, load_kernels
+
+# flashformer.generation.CPU_DECODE_STEP_OPTIONS: how the CPU decode step is compiled
+CPU_DECODE_STEP_OPTIONS = {"realize_opcount_threshold": 1, "cpp_wrapper": True}
 
 try:  # the CPU GEMM paths are moving to flashformer.kernels.cpu
     from flashformer.kernels.cpu import _few_rows_linear
@@ -145,18 +150,39 @@ def load_model_matrices(path: Path) -> tuple[list[tuple[str, object, tuple[int, 
     return out, (layers, len(out))
 
 
-def step_contenders(matrices, rows_list) -> tuple[dict, int]:
-    """Per rows: our kernels (int8 and float32 activations) and the float32 few-rows path over the
-    dequantized weights, each a function running all matrices once."""
+def fused_step(matrices, activations: str) -> list[QuantizedLinear]:
+    """Per layer q|k|v and gate|up stacked into one layer each (QuantizedLinear.cat), as a model
+    would call them: 4 products per layer + the head, 121 calls instead of 211."""
+    mods = [QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=activations) for t, raw, shape in matrices]
+    fused = []
+    for layer in range(0, len(mods) - 1, len(MATRICES)):
+        q, k, v, o, gate, up, down = mods[layer : layer + len(MATRICES)]
+        fused += [QuantizedLinear.cat([q, k, v]), o, QuantizedLinear.cat([gate, up]), down]
+    return fused + [mods[-1]]
+
+
+def run_all(mods, xs):
+    return [m(xs[m.in_features]) for m in mods]
+
+
+def step_contenders(matrices, rows_list, compile_step: bool) -> tuple[dict, int]:
+    """Per rows: our kernels (int8 and float32 activations; one call per matrix, or fused, or fused
+    and compiled as a decode step is) and the float32 few-rows path over the dequantized weights,
+    each a function running all matrices once."""
     quantized = {acts: [QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=acts)
                         for t, raw, shape in matrices] for acts in ("int8", "float32")}
+    fused = fused_step(matrices, "int8")
     floats = [lin.dequantize() for lin in quantized["int8"]]
     nbytes = sum(raw.nbytes for _, raw, _ in matrices)
     contenders = {}
     for rows in rows_list:
         xs = {k: torch.randn(rows, k) for k in {shape[1] for _, _, shape in matrices}}
         for acts, mods in quantized.items():
-            contenders[(rows, f"ours_{acts}_act")] = lambda i, mods=mods, xs=xs: [m(xs[m.in_features]) for m in mods]
+            contenders[(rows, f"ours_{acts}_act")] = lambda i, mods=mods, xs=xs: run_all(mods, xs)
+        contenders[(rows, "ours_int8_act_fused")] = lambda i, xs=xs: run_all(fused, xs)
+        if compile_step:
+            step = torch.compile(run_all, fullgraph=True, dynamic=False, options=CPU_DECODE_STEP_OPTIONS)
+            contenders[(rows, "ours_int8_act_fused_compiled")] = lambda i, xs=xs, step=step: step(fused, xs)
         if rows <= 128:
             contenders[(rows, "float32_few_rows")] = lambda i, xs=xs: [
                 _few_rows_linear(xs[w.shape[1]], w, None) for w in floats]
@@ -165,13 +191,13 @@ def step_contenders(matrices, rows_list) -> tuple[dict, int]:
     return contenders, nbytes
 
 
-def measure_model(path: Path, rounds: int, rows_list, rounds_per_call: int = 1) -> dict:
+def measure_model(path: Path, rounds: int, rows_list, calls: int = 1, compile_step: bool = False) -> dict:
     matrices, (layers, count) = load_model_matrices(path)
-    contenders, nbytes = step_contenders(matrices, rows_list)
+    contenders, nbytes = step_contenders(matrices, rows_list, compile_step)
     results = {"layers": layers, "matrices": count, "weight_MB": round(nbytes / 1e6, 1), "rows": {}}
     for rows in rows_list:
         subset = {name: fn for (r, name), fn in contenders.items() if r == rows}
-        t = time_rounds(subset, rounds, rounds_per_call)
+        t = time_rounds(subset, rounds, calls)
         results["rows"][rows] = {
             name: {"ms": round(s * 1e3, 2), "tokens_per_s": round(rows / s, 1),
                    **({"GBps": round(nbytes / s / 1e9, 2)} if name.startswith("ours") else {})}
@@ -181,7 +207,9 @@ def measure_model(path: Path, rounds: int, rows_list, rounds_per_call: int = 1) 
     return results
 
 
-def measure_llama_cpp(path: Path, new_tokens: int = 256) -> dict:
+def measure_llama_cpp(path: Path, rounds: int, new_tokens: int = 256) -> dict:
+    """llama.cpp's decode and prompt speeds, in turns with our fused, compiled step's matrix
+    products at 1 row (nothing else of a step: a lower bound of our step's time)."""
     try:
         import llama_cpp
     except ImportError as error:
@@ -195,20 +223,27 @@ def measure_llama_cpp(path: Path, new_tokens: int = 256) -> dict:
         "<|im_start|>assistant\n"
     )
     prompt = llm.tokenize(text.encode(), add_bos=False, special=True)
-    decode = []
-    for _ in range(3):
+    long_prompt = (prompt * (512 // len(prompt) + 1))[:512]
+    matrices, _ = load_model_matrices(path)
+    fused = fused_step(matrices, "int8")
+    xs = {k: torch.randn(1, k) for k in (576, 1536)}
+    step = torch.compile(run_all, fullgraph=True, dynamic=False, options=CPU_DECODE_STEP_OPTIONS)
+    step(fused, xs)
+    decode, prefill, ours = [], [], []
+    for _ in range(rounds):
         llm.reset()
-        start, first, n = time.perf_counter(), None, 0
+        first, n = None, 0
         for _token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             n += 1
-            if first is None:
+            if first is None:  # the prompt is processed before the first token comes
                 first = time.perf_counter()
             if n == new_tokens:
                 break
         decode.append((n - 1) / (time.perf_counter() - first))
-    long_prompt = (prompt * (512 // len(prompt) + 1))[:512]
-    prefill = []
-    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            step(fused, xs)
+        ours.append(new_tokens / (time.perf_counter() - start))
         llm.reset()
         start = time.perf_counter()
         llm.eval(long_prompt)
@@ -218,6 +253,8 @@ def measure_llama_cpp(path: Path, new_tokens: int = 256) -> dict:
         "decode_tokens_per_s": round(statistics.median(decode), 1),
         "decode_tokens_per_s_runs": [round(v, 1) for v in decode],
         "prompt_512_tokens_per_s": round(statistics.median(prefill), 1),
+        "ours_matmuls_only_steps_per_s": round(statistics.median(ours), 1),
+        "ours_matmuls_only_steps_per_s_runs": [round(v, 1) for v in ours],
     }
 
 
@@ -237,11 +274,11 @@ def main() -> None:
     if "shapes" in args.parts:
         report["shapes"] = measure_shapes(args.rounds)
     if "decode_step" in args.parts:
-        report["decode_step"] = measure_model(args.gguf, args.rounds, (1, 8), rounds_per_call=3)
+        report["decode_step"] = measure_model(args.gguf, args.rounds, (1, 8), calls=3, compile_step=True)
     if "prefill" in args.parts:
         report["prefill"] = measure_model(args.gguf, max(2, args.rounds // 2), (512,))
     if "llama_cpp" in args.parts:
-        report["llama_cpp"] = measure_llama_cpp(args.gguf)
+        report["llama_cpp"] = measure_llama_cpp(args.gguf, args.rounds)
     print(json.dumps(report, indent=1))
 
 

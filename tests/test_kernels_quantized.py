@@ -300,3 +300,29 @@ def test_modules_describe_themselves():
     assert (lin.in_features, lin.out_features, lin.fmt) == (64, 10, "int4")
     assert "activations=int8" in repr(lin) and lin.bias is not None
     assert set(lin.state_dict()) == {"qweight", "scales", "bias"}
+
+
+def test_cat_stacks_rows():
+    torch.manual_seed(8)
+    parts = [QuantizedLinear.from_float(nn.Linear(64, n, bias=n != 8), "int4") for n in (16, 8, 6)]
+    fused = QuantizedLinear.cat(parts)
+    x = torch.randn(3, 64)
+    assert fused.out_features == 30
+    for y, lin in zip(torch.split(fused(x), [16, 8, 6], dim=-1), parts):
+        assert torch.equal(y, lin(x))
+    with pytest.raises(ValueError, match=r"linears\[0\]: out_features=6 is not a multiple of 4"):
+        QuantizedLinear.cat(parts[::-1])
+    with pytest.raises(ValueError, match=r"linears\[1\]: .*fmt=int8.* does not match"):
+        QuantizedLinear.cat([parts[0], QuantizedLinear.from_float(torch.randn(8, 64), "int8")])
+
+
+def test_dtype_casts_leave_the_packed_buffers_alone():
+    torch.manual_seed(9)
+    model = nn.Sequential(QuantizedLinear.from_float(nn.Linear(64, 8), "int4"),
+                          QuantizedLinear.from_float(nn.Linear(8, 8), "int8"))
+    x = torch.randn(2, 64)
+    before = model(x)
+    dtypes = [b.dtype for b in model.buffers()]
+    model.half().float().to(torch.bfloat16)
+    assert [b.dtype for b in model.buffers()] == dtypes
+    assert torch.equal(model(x), before)

@@ -31,10 +31,16 @@
 // - The scalar kernels perform the same float operations in the same order as the AVX2 ones
 //   (std::fma where AVX2 has an FMA), so both give the same bits; tests check that here.
 // - Threads: at::parallel_for over groups of output rows; a row is computed by one thread.
+// - No backward: the Autograd kernel below gives an output that needs a gradient an Error node,
+//   which raises when backward reaches it. It is C++ because a Python autograd kernel
+//   (torch.library.register_autograd) costs about 5 us per call even under no_grad, as much as
+//   a whole 576 x 576 product.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -111,23 +117,42 @@ inline void store_rows(const float* acc, float* out, int64_t nrows, const float*
   for (int64_t r = 0; r < nrows; ++r) out[r] = bias ? acc[r] + bias[r] : acc[r];
 }
 
+// The int8-activation kernels. For an x row and an output row, block b's integer dot product is
+// taken as 4 partial sums P[k] (int4: inputs 4k..4k+3 and 16+4k..16+4k+3; int8: inputs 8k..8k+7,
+// the lanes AVX2 leaves them in); 4 float accumulators take acc[k] = fma(d_w * d_x, P[k], acc[k])
+// over the blocks in order (d_x alone for per-row int8 scales); the row's result is
+// (acc[0] + acc[1]) + (acc[2] + acc[3]), plus an int4 row's sum over blocks of m * s_x (a fifth
+// accumulator), times a per-row int8 scale.
+inline float sum_partials(const float* acc) {
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
 void int4_int8act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa,
                          int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
   for (int t = 0; t < tile; ++t) {
-    float acc[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
+    float acc[kGroupRows][4] = {};
+    float acc_min[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t xb = (m0 + t) * nb + b;
       const int8_t* xq = xa.q.data() + xb * kBlock;
       for (int r = 0; r < kGroupRows; ++r) {
         const uint8_t* w = qw + (b * kGroupRows + r) * 16;
-        int isum = 0;
-        for (int j = 0; j < 16; ++j) isum += (w[j] & 15) * xq[j] + (w[j] >> 4) * xq[j + 16];
-        const float d = half_to_float(sc[b * 8 + r]), m = half_to_float(sc[b * 8 + 4 + r]);
-        acc[r] = std::fma(d * xa.d[xb], static_cast<float>(isum), acc[r]);
-        acc[r] = std::fma(m, xa.s[xb], acc[r]);
+        const float scale = half_to_float(sc[b * 8 + r]) * xa.d[xb];
+        for (int k = 0; k < 4; ++k) {
+          int partial = 0;
+          for (int j = 4 * k; j < 4 * k + 4; ++j) partial += (w[j] & 15) * xq[j] + (w[j] >> 4) * xq[j + 16];
+          acc[r][k] = std::fma(scale, static_cast<float>(partial), acc[r][k]);
+        }
       }
     }
-    store_rows(acc, out + t * ldo, nrows, bias);
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < kGroupRows; ++r) {
+        acc_min[r] = std::fma(half_to_float(sc[b * 8 + 4 + r]), xa.s[(m0 + t) * nb + b], acc_min[r]);
+      }
+    }
+    float res[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) res[r] = sum_partials(acc[r]) + acc_min[r];
+    store_rows(res, out + t * ldo, nrows, bias);
   }
 }
 
@@ -135,24 +160,28 @@ template <bool kPerBlock>
 void int8_int8act_scalar(int tile, const int8_t* qw, const void* scales, int64_t nb, const Int8Rows& xa,
                          int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
   for (int t = 0; t < tile; ++t) {
-    float acc[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
+    float acc[kGroupRows][4] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t xb = (m0 + t) * nb + b;
       const int8_t* xq = xa.q.data() + xb * kBlock;
       for (int r = 0; r < kGroupRows; ++r) {
         const int8_t* w = qw + (b * kGroupRows + r) * kBlock;
-        int isum = 0;
-        for (int j = 0; j < kBlock; ++j) isum += w[j] * xq[j];
         const float scale = kPerBlock
             ? half_to_float(static_cast<const uint16_t*>(scales)[b * kGroupRows + r]) * xa.d[xb]
             : xa.d[xb];
-        acc[r] = std::fma(scale, static_cast<float>(isum), acc[r]);
+        for (int k = 0; k < 4; ++k) {
+          int partial = 0;
+          for (int j = 8 * k; j < 8 * k + 8; ++j) partial += w[j] * xq[j];
+          acc[r][k] = std::fma(scale, static_cast<float>(partial), acc[r][k]);
+        }
       }
     }
-    if (!kPerBlock) {
-      for (int r = 0; r < kGroupRows; ++r) acc[r] *= static_cast<const float*>(scales)[r];
+    float res[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) {
+      res[r] = sum_partials(acc[r]);
+      if (!kPerBlock) res[r] *= static_cast<const float*>(scales)[r];
     }
-    store_rows(acc, out + t * ldo, nrows, bias);
+    store_rows(res, out + t * ldo, nrows, bias);
   }
 }
 
@@ -259,44 +288,62 @@ FF_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, float* s) 
   *s = scale * static_cast<float>(_mm_cvtsi128_si32(sum4));
 }
 
+// The sum over blocks of an int4 group's minimums times the activation blocks' sums: acc_min[t]
+// for the tile's x rows, one 4-lane FMA per block (a pass of its own keeps the main loop's
+// accumulators in registers).
+template <int kTile>
+FF_AVX2 void int4_minimums_avx2(const uint16_t* sc, int64_t nb, const Int8Rows& xa, int64_t m0, __m128* acc_min) {
+  for (int t = 0; t < kTile; ++t) acc_min[t] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128 m4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 8 + 4)));
+    for (int t = 0; t < kTile; ++t) acc_min[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xa.s[(m0 + t) * nb + b]), acc_min[t]);
+  }
+}
+
 // int4 weights x int8 activations. Rows (0, 1) and (2, 3) of a group sit side by side in one
 // 32-byte load, so one AND (low nibbles: q[0..15]) and one shift + AND (high: q[16..31]) widen
-// two rows; each half multiplies the same 16 activations, broadcast to both 128-bit lanes.
+// two rows; each half multiplies the same 16 activations, broadcast to both 128-bit lanes. The
+// products' 4 partial sums per row stay in their lanes ([row 0: P0..P3 | row 1: P0..P3]) and are
+// scaled by [d0 x4 | d1 x4] * d_x: no horizontal sum inside the loop.
 template <int kTile>
 FF_AVX2 void int4_int8act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa, int64_t m0,
                                float* out, int64_t ldo, int64_t nrows, const float* bias) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m128 acc[kTile];
-  for (int t = 0; t < kTile; ++t) acc[t] = _mm_setzero_ps();
+  const __m256i rows01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), rows23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256 acc01[kTile], acc23[kTile];
+  for (int t = 0; t < kTile; ++t) acc01[t] = acc23[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * 64));
     const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * 64 + 32));
     const __m256i lo01 = _mm256_and_si256(w01, low4), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low4);
     const __m256i lo23 = _mm256_and_si256(w23, low4), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low4);
-    const __m128i dm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 8));  // d0..d3, m0..m3
-    const __m128 d4 = _mm_cvtph_ps(dm);
-    const __m128 m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(dm, dm));
+    const __m256 d4 = _mm256_castps128_ps256(
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 8))));  // d0..d3
+    const __m256 d01 = _mm256_permutevar8x32_ps(d4, rows01), d23 = _mm256_permutevar8x32_ps(d4, rows23);
     for (int t = 0; t < kTile; ++t) {
       const int64_t xb = (m0 + t) * nb + b;
       const int8_t* xq = xa.q.data() + xb * kBlock;
       const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
       const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
       // |pair sums| <= 2 * 15 * 127, so adding the two halves' int16 sums cannot saturate.
-      const __m256i s01 = _mm256_madd_epi16(
+      const __m256i p01 = _mm256_madd_epi16(
           _mm256_add_epi16(_mm256_maddubs_epi16(lo01, xlo), _mm256_maddubs_epi16(hi01, xhi)), ones);
-      const __m256i s23 = _mm256_madd_epi16(
+      const __m256i p23 = _mm256_madd_epi16(
           _mm256_add_epi16(_mm256_maddubs_epi16(lo23, xlo), _mm256_maddubs_epi16(hi23, xhi)), ones);
-      __m256i h = _mm256_hadd_epi32(s01, s23);  // [r0 r0 r2 r2 | r1 r1 r3 r3] partial sums
-      h = _mm256_hadd_epi32(h, h);              // [r0 r2 r0 r2 | r1 r3 r1 r3]
-      const __m128i isum = _mm_unpacklo_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-      acc[t] = _mm_fmadd_ps(_mm_mul_ps(d4, _mm_set1_ps(xa.d[xb])), _mm_cvtepi32_ps(isum), acc[t]);
-      acc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xa.s[xb]), acc[t]);
+      const __m256 dx = _mm256_set1_ps(xa.d[xb]);
+      acc01[t] = _mm256_fmadd_ps(_mm256_mul_ps(d01, dx), _mm256_cvtepi32_ps(p01), acc01[t]);
+      acc23[t] = _mm256_fmadd_ps(_mm256_mul_ps(d23, dx), _mm256_cvtepi32_ps(p23), acc23[t]);
     }
   }
+  __m128 acc_min[kTile];
+  int4_minimums_avx2<kTile>(sc, nb, xa, m0, acc_min);
   for (int t = 0; t < kTile; ++t) {
+    __m256 h = _mm256_hadd_ps(acc01[t], acc23[t]);  // [r0 r0 r2 r2 | r1 r1 r3 r3]: P0+P1, P2+P3
+    h = _mm256_hadd_ps(h, h);                       // [r0 r2 r0 r2 | r1 r3 r1 r3]
+    const __m128 rows = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     float res[kGroupRows];
-    _mm_storeu_ps(res, acc[t]);
+    _mm_storeu_ps(res, _mm_add_ps(rows, acc_min[t]));
     store_rows(res, out + t * ldo, nrows, bias);
   }
 }
@@ -304,23 +351,27 @@ FF_AVX2 void int4_int8act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb
 // int8 weights x int8 activations: maddubs multiplies unsigned by signed bytes, so the weight's
 // sign moves onto the activation (|w| * sign(w) x). Activations are never -128, so negating them
 // cannot overflow; |w| = 128 (a -128 in a file) still fits as unsigned, and pair sums stay
-// <= 2 * 128 * 127 < 32767.
+// <= 2 * 128 * 127 < 32767. One hadd puts two rows' 4 partial sums (inputs 8k..8k+7) in one
+// vector: [r0 P0 P1, r1 P0 P1 | r0 P2 P3, r1 P2 P3].
 template <int kTile, bool kPerBlock>
 FF_AVX2 void int8_int8act_avx2(const int8_t* qw, const void* scales, int64_t nb, const Int8Rows& xa, int64_t m0,
                                float* out, int64_t ldo, int64_t nrows, const float* bias) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m128 acc[kTile];
-  for (int t = 0; t < kTile; ++t) acc[t] = _mm_setzero_ps();
+  const __m256i rows01 = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1), rows23 = _mm256_setr_epi32(2, 2, 3, 3, 2, 2, 3, 3);
+  __m256 acc01[kTile], acc23[kTile];
+  for (int t = 0; t < kTile; ++t) acc01[t] = acc23[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[kGroupRows], w_abs[kGroupRows];
     for (int r = 0; r < kGroupRows; ++r) {
       w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + (b * kGroupRows + r) * kBlock));
       w_abs[r] = _mm256_sign_epi8(w[r], w[r]);
     }
-    __m128 d4 = _mm_setzero_ps();
+    __m256 d01 = _mm256_set1_ps(1.f), d23 = d01;
     if (kPerBlock) {
-      d4 = _mm_cvtph_ps(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + b * kGroupRows)));
+      const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + b * kGroupRows))));
+      d01 = _mm256_permutevar8x32_ps(d4, rows01);
+      d23 = _mm256_permutevar8x32_ps(d4, rows23);
     }
     for (int t = 0; t < kTile; ++t) {
       const int64_t xb = (m0 + t) * nb + b;
@@ -329,16 +380,18 @@ FF_AVX2 void int8_int8act_avx2(const int8_t* qw, const void* scales, int64_t nb,
       for (int r = 0; r < kGroupRows; ++r) {
         p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[r], _mm256_sign_epi8(xq, w[r])), ones);
       }
-      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-      const __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-      const __m128 scale = kPerBlock ? _mm_mul_ps(d4, _mm_set1_ps(xa.d[xb])) : _mm_set1_ps(xa.d[xb]);
-      acc[t] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(isum), acc[t]);
+      const __m256 dx = _mm256_set1_ps(xa.d[xb]);
+      const __m256 s01 = kPerBlock ? _mm256_mul_ps(d01, dx) : dx, s23 = kPerBlock ? _mm256_mul_ps(d23, dx) : dx;
+      acc01[t] = _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_hadd_epi32(p[0], p[1])), acc01[t]);
+      acc23[t] = _mm256_fmadd_ps(s23, _mm256_cvtepi32_ps(_mm256_hadd_epi32(p[2], p[3])), acc23[t]);
     }
   }
   for (int t = 0; t < kTile; ++t) {
-    if (!kPerBlock) acc[t] = _mm_mul_ps(acc[t], _mm_loadu_ps(static_cast<const float*>(scales)));
+    const __m256 h = _mm256_hadd_ps(acc01[t], acc23[t]);  // [P0+P1 of r0..r3 | P2+P3 of r0..r3]
+    __m128 rows = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    if (!kPerBlock) rows = _mm_mul_ps(rows, _mm_loadu_ps(static_cast<const float*>(scales)));
     float res[kGroupRows];
-    _mm_storeu_ps(res, acc[t]);
+    _mm_storeu_ps(res, rows);
     store_rows(res, out + t * ldo, nrows, bias);
   }
 }
@@ -668,11 +721,43 @@ int64_t quantized_kernel_isa(int64_t request) {
   return use_avx2().load() ? 1 : 0;
 }
 
+using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, int64_t, bool);
+
+template <const char* kName>
+at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<LinearSignature>();
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = op.call(x, qweight, scales, bias, out_features, int8_activations);
+  }
+  if (torch::autograd::compute_requires_grad(x, bias)) {
+    auto error = c10::make_intrusive<torch::autograd::Error>(
+        std::string(kName) +
+            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
+            "buffers. Train or fine-tune the float model, then quantize it.",
+        torch::autograd::collect_next_edges(x, bias));
+    torch::autograd::set_history(out, error);
+  }
+  return out;
+}
+
+constexpr char kInt4Linear[] = "flashformer::int4_linear";
+constexpr char kInt8Linear[] = "flashformer::int8_linear";
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+}
+
+TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
+  m.impl("int4_linear", &linear_autograd<kInt4Linear>);
+  m.impl("int8_linear", &linear_autograd<kInt8Linear>);
 }
 
 // An operator without tensor arguments dispatches to CompositeExplicitAutograd's kernel.
