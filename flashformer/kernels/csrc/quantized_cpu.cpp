@@ -348,6 +348,47 @@ FF_AVX2 void int4_int8act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb
   }
 }
 
+// One x row against two consecutive groups (8 output rows) with the arithmetic of
+// int4_int8act_avx2<1>: the x block's loads and scale serve 8 rows instead of 4. Decoding one
+// sequence is this case; with more x rows the tiles above share the weights' unpacking instead.
+FF_AVX2 void int4_int8act_1x8_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa, int64_t m,
+                                   float* out, int64_t nrows, const float* bias) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i rows01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), rows23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t xb = m * nb + b;
+    const int8_t* xq = xa.q.data() + xb * kBlock;
+    const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+    const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+    const __m256 dx = _mm256_set1_ps(xa.d[xb]);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* w = qw + h * nb * 64 + b * 64;
+      const __m256 d4 = _mm256_castps128_ps256(
+          _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + h * nb * 8 + b * 8))));
+      for (int pair = 0; pair < 2; ++pair) {
+        const __m256i wp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * pair));
+        const __m256i lo = _mm256_and_si256(wp, low4), hi = _mm256_and_si256(_mm256_srli_epi16(wp, 4), low4);
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+        const __m256 d = _mm256_permutevar8x32_ps(d4, pair == 0 ? rows01 : rows23);
+        acc[2 * h + pair] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(p), acc[2 * h + pair]);
+      }
+    }
+  }
+  for (int h = 0; h < 2 && 4 * h < nrows; ++h) {
+    __m128 acc_min[1];
+    int4_minimums_avx2<1>(sc + h * nb * 8, nb, xa, m, acc_min);
+    __m256 sums = _mm256_hadd_ps(acc[2 * h], acc[2 * h + 1]);
+    sums = _mm256_hadd_ps(sums, sums);
+    const __m128 rows = _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+    float res[kGroupRows];
+    _mm_storeu_ps(res, _mm_add_ps(rows, acc_min[0]));
+    store_rows(res, out + 4 * h, std::min<int64_t>(4, nrows - 4 * h), bias ? bias + 4 * h : nullptr);
+  }
+}
+
 // int8 weights x int8 activations: maddubs multiplies unsigned by signed bytes, so the weight's
 // sign moves onto the activation (|w| * sign(w) x). Activations are never -128, so negating them
 // cannot overflow; |w| = 128 (a -128 in a file) still fits as unsigned, and pair sums stay
@@ -570,6 +611,14 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
         const uint8_t* gw = qw + g * nb * 64;
         const uint16_t* gs = sc + g * nb * 8;
         const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+#if FF_X86
+        if (avx2 && rows == 1 && g + 1 < g1) {  // two groups at once
+          int4_int8act_1x8_avx2(gw, gs, nb, xa, 0, op + g * kGroupRows, std::min<int64_t>(8, n - g * kGroupRows),
+                                bp ? bp + g * kGroupRows : nullptr);
+          ++g;
+          continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < rows; m0 += kInt8Tile) {
           const int tile = static_cast<int>(std::min(kInt8Tile, rows - m0));
           float* o = op + m0 * n + g * kGroupRows;
