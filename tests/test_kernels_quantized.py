@@ -310,7 +310,7 @@ def test_cat_stacks_rows():
     assert fused.out_features == 30
     for y, lin in zip(torch.split(fused(x), [16, 8, 6], dim=-1), parts):
         assert torch.equal(y, lin(x))
-    with pytest.raises(ValueError, match=r"linears\[0\]: out_features=6 is not a multiple of 4"):
+    with pytest.raises(ValueError, match=r"linears\[0\]: out_features=6 is not a multiple of 8"):
         QuantizedLinear.cat(parts[::-1])
     with pytest.raises(ValueError, match=r"linears\[1\]: .*fmt=int8.* does not match"):
         QuantizedLinear.cat([parts[0], QuantizedLinear.from_float(torch.randn(8, 64), "int8")])

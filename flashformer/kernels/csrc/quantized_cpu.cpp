@@ -5,9 +5,9 @@
 // (schemas, shape checks, fake tensors and the PyTorch fallback live there):
 //
 //   flashformer::int4_linear(x, qweight, scales, bias, out_features, int8_activations)
-//       qweight uint8 (G, nb, 4, 16): for each group of 4 output rows and each block of 32 inputs,
-//       the 4 rows' 16 bytes of GGUF Q4_1 nibbles (byte j: q[j] low, q[j + 16] high);
-//       scales float16 (G, nb, 2, 4): the 4 rows' d, then their m. Weight = d * q + m.
+//       qweight uint8 (G, nb, 8, 16): for each group of 8 output rows and each block of 32 inputs,
+//       the 8 rows' 16 bytes of GGUF Q4_1 nibbles (byte j: q[j] low, q[j + 16] high);
+//       scales float16 (G, nb, 2, 8): the 8 rows' d, then their m. Weight = d * q + m.
 //   flashformer::int8_linear(x, qweight, scales, bias, out_features, int8_activations)
 //       qweight int8 (G, nb, 4, 32); scales float16 (G, nb, 4) per block (GGUF Q8_0: weight = d * q)
 //       or float32 (G * 4,) per output row.
@@ -23,8 +23,8 @@
 //   two instructions), then one float multiply-add with the two blocks' scales. Otherwise x stays
 //   float32 and the weights are widened to float for FMAs: exact with respect to the dequantized
 //   weights, more instructions per weight.
-// - Output rows are interleaved by 4 so one pass over a block serves 4 rows; the 4 integer sums
-//   are reduced to one 4-lane vector per block (hadd), keeping few accumulators in registers.
+// - Output rows are interleaved (8 for int4, 4 for int8) so a group is one sequential stream and
+//   one pass over an x block serves several rows.
 // - Batch invariance: every (x row, output row) pair goes through the same operations in the
 //   same order whatever M, the tile of x rows it falls in, or the thread that computes it; the
 //   float accumulation is over blocks in order. So a row's result does not depend on its batch.
@@ -60,7 +60,13 @@
 namespace {
 
 constexpr int64_t kBlock = 32;     // values per quantization block along K (GGUF's QK4_1, QK8_0)
-constexpr int64_t kGroupRows = 4;  // output rows interleaved in the packed layout
+constexpr int64_t kGroupRows = 4;  // int8: output rows interleaved in the packed layout; int4: half a group
+// int4 groups are 8 rows (one sequential stream for the one-row kernel, which reads all 8);
+// per block: 8 rows x 16 bytes of nibbles, and 8 d then 8 m as float16. The 4-row kernels take
+// a half group: pointers offset by 4 rows' bytes (64) and 4 halves, the same block strides.
+constexpr int64_t kInt4Rows = 8;
+constexpr int64_t kInt4BlockBytes = kInt4Rows * 16;
+constexpr int64_t kInt4BlockScales = 2 * kInt4Rows;
 constexpr int64_t kInt8Tile = 4;   // x rows per pass over a group (their accumulators stay in registers)
 constexpr int64_t kFloatTile = 2;  // the same for float activations: 4 accumulators per x row
 
@@ -136,8 +142,8 @@ void int4_int8act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_
       const int64_t xb = (m0 + t) * nb + b;
       const int8_t* xq = xa.q.data() + xb * kBlock;
       for (int r = 0; r < kGroupRows; ++r) {
-        const uint8_t* w = qw + (b * kGroupRows + r) * 16;
-        const float scale = half_to_float(sc[b * 8 + r]) * xa.d[xb];
+        const uint8_t* w = qw + b * kInt4BlockBytes + r * 16;
+        const float scale = half_to_float(sc[b * kInt4BlockScales + r]) * xa.d[xb];
         for (int k = 0; k < 4; ++k) {
           int partial = 0;
           for (int j = 4 * k; j < 4 * k + 4; ++j) partial += (w[j] & 15) * xq[j] + (w[j] >> 4) * xq[j + 16];
@@ -147,7 +153,8 @@ void int4_int8act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_
     }
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < kGroupRows; ++r) {
-        acc_min[r] = std::fma(half_to_float(sc[b * 8 + 4 + r]), xa.s[(m0 + t) * nb + b], acc_min[r]);
+        acc_min[r] = std::fma(half_to_float(sc[b * kInt4BlockScales + kInt4Rows + r]), xa.s[(m0 + t) * nb + b],
+                              acc_min[r]);
       }
     }
     float res[kGroupRows];
@@ -197,13 +204,14 @@ void int4_f32act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t
     float acc_min[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < kGroupRows; ++r) {
-        acc_min[r] = std::fma(half_to_float(sc[b * 8 + 4 + r]), xsum[(m0 + t) * nb + b], acc_min[r]);
+        acc_min[r] = std::fma(half_to_float(sc[b * kInt4BlockScales + kInt4Rows + r]), xsum[(m0 + t) * nb + b],
+                              acc_min[r]);
       }
       for (int r = 0; r < kGroupRows; ++r) {
-        const uint8_t* w = qw + (b * kGroupRows + r) * 16;
+        const uint8_t* w = qw + b * kInt4BlockBytes + r * 16;
         float q[kBlock];
         for (int j = 0; j < 16; ++j) q[j] = static_cast<float>(w[j] & 15), q[j + 16] = static_cast<float>(w[j] >> 4);
-        const float d = half_to_float(sc[b * 8 + r]);
+        const float d = half_to_float(sc[b * kInt4BlockScales + r]);
         const float* xb = xr + b * kBlock;
         for (int l = 0; l < 8; ++l) {
           float p = xb[l] * q[l];
@@ -295,7 +303,8 @@ template <int kTile>
 FF_AVX2 void int4_minimums_avx2(const uint16_t* sc, int64_t nb, const Int8Rows& xa, int64_t m0, __m128* acc_min) {
   for (int t = 0; t < kTile; ++t) acc_min[t] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m128 m4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 8 + 4)));
+    const __m128 m4 = _mm_cvtph_ps(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * kInt4BlockScales + kInt4Rows)));
     for (int t = 0; t < kTile; ++t) acc_min[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xa.s[(m0 + t) * nb + b]), acc_min[t]);
   }
 }
@@ -314,12 +323,12 @@ FF_AVX2 void int4_int8act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb
   __m256 acc01[kTile], acc23[kTile];
   for (int t = 0; t < kTile; ++t) acc01[t] = acc23[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * 64));
-    const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * 64 + 32));
+    const __m256i w01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kInt4BlockBytes));
+    const __m256i w23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kInt4BlockBytes + 32));
     const __m256i lo01 = _mm256_and_si256(w01, low4), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low4);
     const __m256i lo23 = _mm256_and_si256(w23, low4), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low4);
     const __m256 d4 = _mm256_castps128_ps256(
-        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 8))));  // d0..d3
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * kInt4BlockScales))));  // d0..d3
     const __m256 d01 = _mm256_permutevar8x32_ps(d4, rows01), d23 = _mm256_permutevar8x32_ps(d4, rows23);
     for (int t = 0; t < kTile; ++t) {
       const int64_t xb = (m0 + t) * nb + b;
@@ -348,44 +357,46 @@ FF_AVX2 void int4_int8act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb
   }
 }
 
-// One x row against two consecutive groups (8 output rows) with the arithmetic of
-// int4_int8act_avx2<1>: the x block's loads and scale serve 8 rows instead of 4. Decoding one
-// sequence is this case; with more x rows the tiles above share the weights' unpacking instead.
+// One x row against a whole group (8 output rows) with the arithmetic of int4_int8act_avx2<1>:
+// the x block's loads and scale serve 8 rows instead of 4, and the group's 128 bytes per block
+// are one sequential stream. Decoding one sequence is this case; with more x rows the tiles above
+// share the weights' unpacking instead.
 FF_AVX2 void int4_int8act_1x8_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa, int64_t m,
                                    float* out, int64_t nrows, const float* bias) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i rows01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), rows23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256i pair_rows[4];  // lanes of d8 for rows (2p, 2p + 1): [2p x4 | 2p+1 x4]
+  for (int p = 0; p < 4; ++p) pair_rows[p] = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc_min = _mm256_setzero_ps();  // rows 0..7
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t xb = m * nb + b;
     const int8_t* xq = xa.q.data() + xb * kBlock;
     const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
     const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
     const __m256 dx = _mm256_set1_ps(xa.d[xb]);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* w = qw + h * nb * 64 + b * 64;
-      const __m256 d4 = _mm256_castps128_ps256(
-          _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + h * nb * 8 + b * 8))));
-      for (int pair = 0; pair < 2; ++pair) {
-        const __m256i wp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * pair));
-        const __m256i lo = _mm256_and_si256(wp, low4), hi = _mm256_and_si256(_mm256_srli_epi16(wp, 4), low4);
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
-        const __m256 d = _mm256_permutevar8x32_ps(d4, pair == 0 ? rows01 : rows23);
-        acc[2 * h + pair] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(p), acc[2 * h + pair]);
-      }
+    const uint16_t* s = sc + b * kInt4BlockScales;
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kInt4Rows)));
+    for (int p = 0; p < 4; ++p) {
+      const __m256i wp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kInt4BlockBytes + 32 * p));
+      const __m256i lo = _mm256_and_si256(wp, low4), hi = _mm256_and_si256(_mm256_srli_epi16(wp, 4), low4);
+      const __m256i sums = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+      const __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(d8, pair_rows[p]), dx);
+      acc[p] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc[p]);
     }
+    acc_min = _mm256_fmadd_ps(m8, _mm256_set1_ps(xa.s[xb]), acc_min);
   }
-  for (int h = 0; h < 2 && 4 * h < nrows; ++h) {
-    __m128 acc_min[1];
-    int4_minimums_avx2<1>(sc + h * nb * 8, nb, xa, m, acc_min);
+  for (int h = 0; h < 2 && kGroupRows * h < nrows; ++h) {
     __m256 sums = _mm256_hadd_ps(acc[2 * h], acc[2 * h + 1]);
     sums = _mm256_hadd_ps(sums, sums);
     const __m128 rows = _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+    const __m128 mins = h == 0 ? _mm256_castps256_ps128(acc_min) : _mm256_extractf128_ps(acc_min, 1);
     float res[kGroupRows];
-    _mm_storeu_ps(res, _mm_add_ps(rows, acc_min[0]));
-    store_rows(res, out + 4 * h, std::min<int64_t>(4, nrows - 4 * h), bias ? bias + 4 * h : nullptr);
+    _mm_storeu_ps(res, _mm_add_ps(rows, mins));
+    store_rows(res, out + kGroupRows * h, std::min(kGroupRows, nrows - kGroupRows * h),
+               bias ? bias + kGroupRows * h : nullptr);
   }
 }
 
@@ -456,13 +467,13 @@ FF_AVX2 void int4_f32act_avx2(const uint8_t* qw, const uint16_t* sc, int64_t nb,
     for (int r = 0; r < kGroupRows; ++r) acc[t][r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
-    const __m128i dm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 8));
     alignas(16) float d[kGroupRows];
-    _mm_store_ps(d, _mm_cvtph_ps(dm));
-    const __m128 m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(dm, dm));
+    _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * kInt4BlockScales))));
+    const __m128 m4 = _mm_cvtph_ps(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * kInt4BlockScales + kInt4Rows)));
     for (int t = 0; t < kTile; ++t) acc_min[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xsum[(m0 + t) * nb + b]), acc_min[t]);
     for (int r = 0; r < kGroupRows; ++r) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qw + (b * kGroupRows + r) * 16));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qw + b * kInt4BlockBytes + r * 16));
       const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
       const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
       const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
@@ -568,14 +579,14 @@ int64_t group_grain(int64_t nb, int64_t rows) {
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t k) {
+                  int64_t out_features, int64_t k, int64_t group_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x: expected a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(x.size(1) == k, "x: expected ", k, " columns (the packed weight's in_features), got ", x.sizes());
   TORCH_CHECK(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
   const int64_t groups = qweight.size(0);
-  TORCH_CHECK(out_features > (groups - 1) * kGroupRows && out_features <= groups * kGroupRows,
-              "out_features: ", out_features, " does not fit ", groups, " groups of ", kGroupRows, " rows");
+  TORCH_CHECK(out_features > (groups - 1) * group_rows && out_features <= groups * group_rows,
+              "out_features: ", out_features, " does not fit ", groups, " groups of ", group_rows, " rows");
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous(),
@@ -585,16 +596,16 @@ void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::opt
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kGroupRows && qweight.size(3) == 16 &&
+  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kInt4Rows && qweight.size(3) == 16 &&
                   qweight.scalar_type() == at::kByte,
-              "qweight: expected uint8 (groups, blocks, 4, 16), got ", qweight.sizes(), " ", qweight.scalar_type());
+              "qweight: expected uint8 (groups, blocks, 8, 16), got ", qweight.sizes(), " ", qweight.scalar_type());
   const int64_t groups = qweight.size(0), nb = qweight.size(1);
   TORCH_CHECK(scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == 2 &&
-                  scales.size(3) == kGroupRows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              "scales: expected contiguous float16 (", groups, ", ", nb, ", 2, 4), got ", scales.sizes());
-  check_common(x_in, qweight, bias, out_features, nb * kBlock);
+                  scales.size(3) == kInt4Rows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "scales: expected contiguous float16 (", groups, ", ", nb, ", 2, 8), got ", scales.sizes());
+  check_common(x_in, qweight, bias, out_features, nb * kBlock, kInt4Rows);
   const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = out_features;
+  const int64_t rows = x.size(0), n = out_features, k = nb * kBlock;
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const float* xp = x.data_ptr<float>();
@@ -604,64 +615,59 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const bool avx2 = use_avx2().load();
   (void)avx2;
+  Int8Rows xa;
+  std::vector<float> xsum;
   if (int8_activations) {
-    const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
-    at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* gw = qw + g * nb * 64;
-        const uint16_t* gs = sc + g * nb * 8;
-        const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
-#if FF_X86
-        if (avx2 && rows == 1 && g + 1 < g1) {  // two groups at once
-          int4_int8act_1x8_avx2(gw, gs, nb, xa, 0, op + g * kGroupRows, std::min<int64_t>(8, n - g * kGroupRows),
-                                bp ? bp + g * kGroupRows : nullptr);
-          ++g;
-          continue;
-        }
-#endif
-        for (int64_t m0 = 0; m0 < rows; m0 += kInt8Tile) {
-          const int tile = static_cast<int>(std::min(kInt8Tile, rows - m0));
-          float* o = op + m0 * n + g * kGroupRows;
-          const float* bg = bp ? bp + g * kGroupRows : nullptr;
-#if FF_X86
-          if (avx2) {
-            switch (tile) {
-              case 4: int4_int8act_avx2<4>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
-              case 3: int4_int8act_avx2<3>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
-              case 2: int4_int8act_avx2<2>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
-              default: int4_int8act_avx2<1>(gw, gs, nb, xa, m0, o, n, nrows, bg); break;
-            }
-            continue;
-          }
-#endif
-          int4_int8act_scalar(tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
-        }
-      }
-    });
-    return out;
+    xa = quantize_rows(xp, rows, k);
+  } else {
+    xsum = block_sums(xp, rows, k);
   }
-  const std::vector<float> xsum = block_sums(xp, rows, nb * kBlock);
+  // One task: x rows [m0, m0 + tile) against half h (rows 4h..4h+3) of group g.
+  auto half_group = [&](int64_t g, int h, int64_t m0, int tile) {
+    const int64_t row0 = g * kInt4Rows + h * kGroupRows;
+    const uint8_t* w = qw + g * nb * kInt4BlockBytes + h * kGroupRows * 16;
+    const uint16_t* s = sc + g * nb * kInt4BlockScales + h * kGroupRows;
+    const int64_t nrows = std::min(kGroupRows, n - row0);
+    float* o = op + m0 * n + row0;
+    const float* bg = bp ? bp + row0 : nullptr;
+#if FF_X86
+    if (avx2 && int8_activations) {
+      switch (tile) {
+        case 4: int4_int8act_avx2<4>(w, s, nb, xa, m0, o, n, nrows, bg); return;
+        case 3: int4_int8act_avx2<3>(w, s, nb, xa, m0, o, n, nrows, bg); return;
+        case 2: int4_int8act_avx2<2>(w, s, nb, xa, m0, o, n, nrows, bg); return;
+        default: int4_int8act_avx2<1>(w, s, nb, xa, m0, o, n, nrows, bg); return;
+      }
+    }
+    if (avx2) {
+      if (tile == 2) {
+        int4_f32act_avx2<2>(w, s, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+      } else {
+        int4_f32act_avx2<1>(w, s, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+      }
+      return;
+    }
+#endif
+    if (int8_activations) {
+      int4_int8act_scalar(tile, w, s, nb, xa, m0, o, n, nrows, bg);
+    } else {
+      int4_f32act_scalar(tile, w, s, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+    }
+  };
+  const int64_t row_tile = int8_activations ? kInt8Tile : kFloatTile;
   at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* gw = qw + g * nb * 64;
-      const uint16_t* gs = sc + g * nb * 8;
-      const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
-      for (int64_t m0 = 0; m0 < rows; m0 += kFloatTile) {
-        const int tile = static_cast<int>(std::min(kFloatTile, rows - m0));
-        float* o = op + m0 * n + g * kGroupRows;
-        const float* bg = bp ? bp + g * kGroupRows : nullptr;
-        const int64_t k = nb * kBlock;
 #if FF_X86
-        if (avx2) {
-          if (tile == 2) {
-            int4_f32act_avx2<2>(gw, gs, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
-          } else {
-            int4_f32act_avx2<1>(gw, gs, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
-          }
-          continue;
-        }
+      if (avx2 && int8_activations && rows == 1) {
+        int4_int8act_1x8_avx2(qw + g * nb * kInt4BlockBytes, sc + g * nb * kInt4BlockScales, nb, xa, 0,
+                              op + g * kInt4Rows, n - g * kInt4Rows, bp ? bp + g * kInt4Rows : nullptr);
+        continue;
+      }
 #endif
-        int4_f32act_scalar(tile, gw, gs, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+      for (int h = 0; h < 2 && g * kInt4Rows + h * kGroupRows < n; ++h) {
+        for (int64_t m0 = 0; m0 < rows; m0 += row_tile) {
+          half_group(g, h, m0, static_cast<int>(std::min(row_tile, rows - m0)));
+        }
       }
     }
   });
@@ -748,7 +754,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
                 "scales: expected float32 (", groups * kGroupRows, ",) per row, got ", scales.sizes(), " ",
                 scales.scalar_type());
   }
-  check_common(x_in, qweight, bias, out_features, nb * kBlock);
+  check_common(x_in, qweight, bias, out_features, nb * kBlock, kGroupRows);
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), n = out_features;
   at::Tensor out = at::empty({rows, n}, x.options());
