@@ -19,6 +19,9 @@ Prints one JSON object. Parts (all by default):
 - llama_cpp (if llama_cpp imports): llama.cpp on the same file, 2 threads: decode tokens/s for 256
   greedy tokens after a short chat prompt, and prompt tokens/s for a 512-token prompt; in turns
   with 256 of our fused, compiled matrix-product steps.
+- end_to_end: whole decode steps of flashformer's compiled generate() on a SmolLM2-shaped model
+  (random weights) with quantized layers swapped in, in turns with its float32 self and llama.cpp
+  (see measure_end_to_end).
 """
 
 from __future__ import annotations
@@ -144,6 +147,18 @@ def measure_shapes(rounds: int) -> list[dict]:
     return results
 
 
+def step_sums(shapes: list[dict]) -> dict:
+    """What the per-shape times imply for a decode step: the sum over SmolLM2's 30 layers x 7
+    matrices + the head of each contender's time, ms per step, per rows. (Our int8 head is what
+    the file has; 'ours_int4_*' rows count the head as int4 too.)"""
+    sums: dict = {}
+    for r in shapes:
+        per_rows = sums.setdefault(r["rows"], {})
+        for name, us in r["us"].items():
+            per_rows[name] = round(per_rows.get(name, 0.0) + us * r["per_step"] / 1e3, 2)
+    return sums
+
+
 def load_model_matrices(path: Path) -> tuple[list[tuple[str, object, tuple[int, int]]], tuple[int, int]]:
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -216,6 +231,27 @@ def measure_model(path: Path, rounds: int, rows_list, calls: int = 1, compile_st
     return results
 
 
+# SmolLM2's chat template with its default system prompt, rendered by hand
+CHAT_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def llama_decode_tokens_per_s(llm, prompt: list[int], new_tokens: int) -> float:
+    """Greedy tokens/s of llama.cpp after the prompt, from its first new token on."""
+    llm.reset()
+    first, n = None, 0
+    for _token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        n += 1
+        if first is None:  # the prompt is processed before the first token comes
+            first = time.perf_counter()
+        if n == new_tokens:
+            break
+    return (n - 1) / (time.perf_counter() - first)
+
+
 def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 256) -> dict:
     """llama.cpp's decode and prompt speeds, in turns with our fused, compiled step's matrix
     products at 1 row (nothing else of a step: a lower bound of our step's time). Best of the
@@ -226,13 +262,7 @@ def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 2
         return {"skipped": f"llama_cpp does not import: {error}"}
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                           n_batch=512, verbose=False)
-    # SmolLM2's chat template, with its default system prompt, rendered by hand
-    text = (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        "<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    prompt = llm.tokenize(text.encode(), add_bos=False, special=True)
+    prompt = llm.tokenize(CHAT_PROMPT.encode(), add_bos=False, special=True)
     long_prompt = (prompt * (512 // len(prompt) + 1))[:512]
     matrices, _ = load_model_matrices(path)
     fused = fused_step(matrices, "int8")
@@ -241,15 +271,7 @@ def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 2
     step(fused, xs)
     decode, prefill, ours = [], [], []
     for _ in range(rounds):
-        llm.reset()
-        first, n = None, 0
-        for _token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-            n += 1
-            if first is None:  # the prompt is processed before the first token comes
-                first = time.perf_counter()
-            if n == new_tokens:
-                break
-        decode.append((n - 1) / (time.perf_counter() - first))
+        decode.append(llama_decode_tokens_per_s(llm, prompt, new_tokens))
         start = time.perf_counter()
         for _ in range(new_tokens):
             step(fused, xs)
@@ -268,12 +290,85 @@ def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 2
     }
 
 
+def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 256) -> dict:
+    """An estimate of whole decode steps: flashformer's generate(compile=True), greedy, 256 new
+    tokens after 42 prompt tokens, on a SmolLM2-shaped model with random weights whose
+    projections are QuantizedLinear (int4, llama.cpp's Q4_1 rule) and whose tied head is a
+    QuantizedLinear over the Q8_0 bytes of its embedding, in turns with the same float32 model and
+    llama.cpp on the real file. The models do not take quantized layers yet: the modules are
+    swapped in place and flashformer.models.linear is patched for the head's call. Tokens/s of
+    ours count the prompt's prefill too; llama.cpp's start at its first token."""
+    import copy
+
+    import flashformer
+    import flashformer.models as models
+    from flashformer.config import preset
+    from flashformer.kernels.quantized import QuantizedEmbedding
+
+    if not hasattr(models, "linear"):
+        return {"skipped": "flashformer.models has no linear() to patch for the head"}
+    torch.manual_seed(0)
+    config = preset("llama-small", d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+                    vocab_size=49152, tie_word_embeddings=True, max_seq_len=2048, rope_theta=100000.0)
+    model = flashformer.build(config).eval().requires_grad_(False)
+    for p in model.parameters():
+        if p.dim() > 1:
+            p.normal_(0, 0.02)
+    quantized = copy.deepcopy(model)
+    for block in quantized.modules():
+        for name in ("qkv", "out", "gate", "up", "down"):
+            if isinstance(getattr(block, name, None), torch.nn.Linear):
+                setattr(block, name, QuantizedLinear.from_float(getattr(block, name), "int4"))
+    embedding = quantized.embeddings.tokens.weight  # (vocab, d)
+    raw = gguf.quants.quantize(embedding.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    head = QuantizedLinear.from_embedding(QuantizedEmbedding.from_gguf_blocks("Q8_0", raw, tuple(embedding.shape)))
+    float_linear = models.linear
+
+    def quantized_linear(x, weight, bias=None):
+        return head(x) if weight is embedding else float_linear(x, weight, bias)
+
+    prompt = torch.randint(0, config.vocab_size, (1, 42))
+
+    def tokens_per_s(m, patch) -> float:
+        models.linear = quantized_linear if patch else float_linear
+        try:
+            m.generate(prompt, max_new_tokens=8, compile=True)  # compiles (twice: the position turns symbolic)
+            start = time.perf_counter()
+            out = m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=True)
+            return (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - start)
+        finally:
+            models.linear = float_linear
+
+    runs = {"ours_quantized": [], "ours_float32": []}
+    llm = prompt_llama = None
+    try:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                              verbose=False)
+        prompt_llama = llm.tokenize(CHAT_PROMPT.encode(), add_bos=False, special=True)
+        runs["llama_cpp"] = []
+    except ImportError:
+        pass
+    for _ in range(rounds):
+        runs["ours_quantized"].append(tokens_per_s(quantized, True))
+        runs["ours_float32"].append(tokens_per_s(model, False))
+        if llm is not None:
+            runs["llama_cpp"].append(llama_decode_tokens_per_s(llm, prompt_llama, new_tokens))
+        print(json.dumps({k: [round(v, 1) for v in r] for k, r in runs.items()}), flush=True)
+    result = {name: {"tokens_per_s": round(max(r), 1), "median": round(statistics.median(r), 1)}
+              for name, r in runs.items()}
+    if llm is not None:
+        result["ratio_quantized_to_llama_cpp"] = round(max(runs["ours_quantized"]) / max(runs["llama_cpp"]), 2)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2, help="torch's threads and llama.cpp's")
-    parser.add_argument("--parts", nargs="+", default=["bandwidth", "shapes", "decode_step", "prefill", "llama_cpp"])
+    parser.add_argument("--parts", nargs="+", default=["bandwidth", "shapes", "decode_step", "prefill", "llama_cpp", "end_to_end"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -285,12 +380,15 @@ def main() -> None:
         print(json.dumps(report["bandwidth"]), flush=True)
     if "shapes" in args.parts:
         report["shapes"] = measure_shapes(args.rounds)
+        report["shapes_sum_per_step_ms"] = step_sums(report["shapes"])
     if "decode_step" in args.parts:
         report["decode_step"] = measure_model(args.gguf, args.rounds, (1, 8), calls=2, compile_step=True)
     if "prefill" in args.parts:
         report["prefill"] = measure_model(args.gguf, max(3, args.rounds // 3), (512,))
     if "llama_cpp" in args.parts:
         report["llama_cpp"] = measure_llama_cpp(args.gguf, max(3, args.rounds // 3), args.threads)
+    if "end_to_end" in args.parts:
+        report["end_to_end"] = measure_end_to_end(args.gguf, 3, args.threads)
     print(json.dumps(report, indent=1))
 
 
