@@ -1,5 +1,7 @@
-// Weight-only quantized matrix products on the CPU, for decoding: out = x @ W^T (+ bias),
-// x float32 (M, K) with M small, W stored as 4-bit or 8-bit integers in blocks of 32 along K.
+// Weight-only quantized matrix products on the CPU: out = x @ W^T (+ bias), x float32 (M, K),
+// W stored as 4-bit or 8-bit integers in blocks of 32 along K. Made for decoding (M = 1 to 16);
+// prompts (M in the hundreds) take the same kernels, which with int8 activations outrun a float32
+// GEMM on the dequantized weights (so there is no second path, and no batch-size-dependent result).
 //
 // The CPU implementations of the operators that flashformer/kernels/quantized.py defines
 // (schemas, shape checks, fake tensors and the PyTorch fallback live there):
@@ -572,10 +574,12 @@ std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
   return sums;
 }
 
-// Groups of output rows per task: enough work per task that a small matrix is not split finer
-// than it is worth (a fork/join costs a few microseconds).
-int64_t group_grain(int64_t nb, int64_t rows) {
-  return std::max<int64_t>(1, 2048 / std::max<int64_t>(1, nb * rows));
+// Groups of output rows per task: at least kTaskBlocks (x row, weight row, block) triples, so that
+// a small product is not split finer than a fork/join (a few microseconds) is worth.
+constexpr int64_t kTaskBlocks = 4096;
+
+int64_t group_grain(int64_t nb, int64_t rows, int64_t group_rows) {
+  return std::max<int64_t>(1, kTaskBlocks / std::max<int64_t>(1, nb * rows * group_rows));
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
@@ -655,7 +659,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
     }
   };
   const int64_t row_tile = int8_activations ? kInt8Tile : kFloatTile;
-  at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
 #if FF_X86
       if (avx2 && int8_activations && rows == 1) {
@@ -686,7 +690,7 @@ void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const voi
   };
   if (int8_activations) {
     const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
-    at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+    at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
         const void* gs = group_scales(g);
@@ -712,7 +716,7 @@ void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const voi
     });
     return;
   }
-  at::parallel_for(0, groups, group_grain(nb, rows), [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
       const void* gs = group_scales(g);
