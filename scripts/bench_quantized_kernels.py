@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -374,7 +375,8 @@ def main() -> None:
     start = time.perf_counter()
     backend = load_kernels()
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": backend,
-              "isa": kernel_isa(), "extension_load_s": round(time.perf_counter() - start, 2)}
+              "isa": kernel_isa(), "extension_load_s": round(time.perf_counter() - start, 2),
+              "load_average_at_start": os.getloadavg()}  # other processes on the machine
     if "bandwidth" in args.parts:
         report["bandwidth"] = measure_bandwidth(args.rounds)
         print(json.dumps(report["bandwidth"]), flush=True)
@@ -389,6 +391,7 @@ def main() -> None:
         report["llama_cpp"] = measure_llama_cpp(args.gguf, max(3, args.rounds // 3), args.threads)
     if "end_to_end" in args.parts:
         report["end_to_end"] = measure_end_to_end(args.gguf, 3, args.threads)
+    report["load_average_at_end"] = os.getloadavg()
     print(json.dumps(report, indent=1))
 
 

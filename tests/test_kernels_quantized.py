@@ -326,3 +326,15 @@ def test_dtype_casts_leave_the_packed_buffers_alone():
     model.half().float().to(torch.bfloat16)
     assert [b.dtype for b in model.buffers()] == dtypes
     assert torch.equal(model(x), before)
+
+
+def test_state_dict_round_trip_and_pickle(tmp_path):
+    torch.manual_seed(10)
+    lin = QuantizedLinear.from_float(nn.Linear(64, 12), "int4")
+    again = QuantizedLinear(64, 12, "int4", torch.empty_like(lin.qweight), torch.empty_like(lin.scales),
+                            torch.empty(12))
+    again.load_state_dict(lin.state_dict())
+    x = torch.randn(2, 64)
+    assert torch.equal(again(x), lin(x))
+    torch.save(lin, tmp_path / "lin.pt")
+    assert torch.equal(torch.load(tmp_path / "lin.pt", weights_only=False)(x), lin(x))

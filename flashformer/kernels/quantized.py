@@ -80,6 +80,7 @@ def _no_backward(ctx, grad):
 
 for _name in ("int4_linear", "int8_linear"):
     torch.library.register_fake(f"flashformer::{_name}", _linear_fake, lib=_LIBRARY)
+_LINEAR_OPS = {"int4": torch.ops.flashformer.int4_linear.default, "int8": torch.ops.flashformer.int8_linear.default}
 
 
 @functools.cache
@@ -340,8 +341,6 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._pad_in = padded_in - in_features
-        op = torch.ops.flashformer.int4_linear if fmt == "int4" else torch.ops.flashformer.int8_linear
-        self._op = op.default
         load_kernels()
 
     @classmethod
@@ -375,7 +374,7 @@ class QuantizedLinear(nn.Module):
     def cat(cls, linears: list[QuantizedLinear]) -> QuantizedLinear:
         """One layer computing several that read the same x (q, k, v; gate and up): their rows
         stacked, the same bytes. One call instead of several saves a call's fixed cost (about
-        5 us eager, 1-2 us compiled) and a pass over x; torch.split the output to get the parts.
+        10 us eager, 4 us in a compiled graph) and a pass over x; torch.split the output to get the parts.
         Every part but the last needs out_features a multiple of the rows per packed group
         (8 for int4, 4 for int8)."""
         first = linears[0]
@@ -416,7 +415,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if self._pad_in:  # int8 rows padded with zero weights to whole blocks
             x2 = F.pad(x2, (0, self._pad_in))
-        out = self._op(x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations)  # (M, out)
+        op = _LINEAR_OPS[self.fmt]
+        out = op(x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations)  # (M, out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
