@@ -298,6 +298,7 @@ def test_backward_raises():
 def test_modules_describe_themselves():
     lin = QuantizedLinear.from_float(nn.Linear(64, 10), "int4")
     assert (lin.in_features, lin.out_features, lin.fmt) == (64, 10, "int4")
+    assert lin(torch.randn(0, 3, 64)).shape == (0, 3, 10)
     assert "activations=int8" in repr(lin) and lin.bias is not None
     assert set(lin.state_dict()) == {"qweight", "scales", "bias"}
 
