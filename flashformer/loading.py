@@ -31,6 +31,7 @@ from flashformer.data import load_tokenizer
 from flashformer.files import publish_folder
 from flashformer.gguf import GGUFCheckpoint, read_gguf
 from flashformer.models import PreTrainedModel, build, build_with_weights
+from flashformer.quantize import quantize
 from flashformer.tokenizer import Tokenizer
 
 
@@ -57,37 +58,50 @@ def locate(path: str | Path) -> tuple[str, Path]:
     return "checkpoint", steps[-1]
 
 
-def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """The model of a run, checkpoint or Hugging Face folder, in eval mode.
+def from_pretrained(
+    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None
+) -> PreTrainedModel:
+    """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
 
-    dtype: None keeps the stored dtype (transformers' "auto"). A Hugging Face
-    folder's problems raise ValueError naming the tensor or option at fault;
-    a damaged checkpoint raises CheckpointError naming the file.
+    dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
+    quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
+    file's own Q4/Q8 blocks); see flashformer.quantize. A Hugging Face folder's problems
+    raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
+    CheckpointError naming the file.
     """
     kind, where = locate(path)
+    checkpoint = None
     if kind == "gguf":
-        model = _model_from_gguf(read_gguf(where, show_progress=False))
+        checkpoint = read_gguf(where, show_progress=False)
+        model = _model_from_gguf(checkpoint)
     elif kind == "hf":
         model = build_with_weights(*hf.read_pretrained(where))
     else:
         model = _load_checkpoint(where)
-    return (model if dtype is None else model.to(dtype)).eval()
+    return _finish(model, dtype, quantize, checkpoint)
 
 
-def load(path: str | Path, dtype: torch.dtype | None = None):
-    """(model in eval mode, tokenizer) from a run, checkpoint or Hugging Face folder.
+def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, checkpoint) -> PreTrainedModel:
+    if dtype is not None:
+        model = model.to(dtype)
+    if quantize_mode is not None:
+        model = quantize(model, quantize_mode, checkpoint)
+    return model.eval()
 
-    dtype: None keeps the stored dtype. Raises CheckpointError naming the
-    folder and what is missing or damaged.
+
+def load(path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None):
+    """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
+    folder; dtype and quantize as in from_pretrained.
+
+    Raises CheckpointError naming the folder and what is missing or damaged.
     """
     kind, folder = locate(path)
     if kind == "gguf":  # one read of the file serves the model and the tokenizer
         checkpoint = read_gguf(folder, show_progress=False)
-        model = _model_from_gguf(checkpoint)
-        model = (model if dtype is None else model.to(dtype)).eval()
+        model = _finish(_model_from_gguf(checkpoint), dtype, quantize, checkpoint)
         return model, Tokenizer.from_gguf_metadata(checkpoint.metadata, source=str(folder))
     try:
-        model = from_pretrained(folder, dtype)
+        model = from_pretrained(folder, dtype, quantize)
     except (ValueError, OSError, SafetensorError) as error:
         if kind != "hf":
             raise

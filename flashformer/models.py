@@ -80,6 +80,10 @@ class PreTrainedModel(nn.Module):
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write config.json + model.safetensors that transformers loads into the same outputs."""
+        if getattr(self, "quantization", None) is not None:
+            raise ValueError(
+                f"this model is quantized ({self.quantization}): save the float model it was loaded from instead"
+            )
         hf.save_pretrained(self, folder)
 
     def init_weights(self) -> None:
@@ -231,7 +235,7 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
             hidden = self.decoder(
                 hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
             )
-        logits = linear(hidden[:, -logits_to_keep:], self.output_embedding)  # (B, L or logits_to_keep, vocab)
+        logits = self.project(hidden[:, -logits_to_keep:])  # (B, L or logits_to_keep, vocab)
         loss = None
         if labels is not None:
             # position t predicts label t+1: shift the labels, not the (large) logits
@@ -239,6 +243,14 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         return ModelOutput(
             last_hidden_state=hidden, logits=logits, loss=loss, attentions=_maps(maps, "decoder")
         )
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """The LM head: hidden (B, L, d_model) -> logits (B, L, vocab). Tied to the token
+        embedding unless the model has its own head (a quantized model always has one: the
+        embedding's packed bytes read as a matrix, kernels.quantized)."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return linear(hidden, self.embeddings.tokens.weight)
 
     @property
     def output_embedding(self) -> Tensor:

@@ -59,9 +59,7 @@ _CSRC = Path(__file__).parent / "csrc" / "quantized_cpu.cpp"
 # ---- the operators: schemas, shapes for torch.compile, no backward ----
 
 _LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
-_LINEAR_SCHEMA = (
-    "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
-)
+_LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
 _LIBRARY.define("int4_linear" + _LINEAR_SCHEMA)
 _LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
 _LIBRARY.define("quantized_kernel_isa(int request) -> int")
@@ -80,7 +78,10 @@ def _no_backward(ctx, grad):
 
 for _name in ("int4_linear", "int8_linear"):
     torch.library.register_fake(f"flashformer::{_name}", _linear_fake, lib=_LIBRARY)
-_LINEAR_OPS = {"int4": torch.ops.flashformer.int4_linear.default, "int8": torch.ops.flashformer.int8_linear.default}
+_LINEAR_OPS = {
+    "int4": torch.ops.flashformer.int4_linear.default,
+    "int8": torch.ops.flashformer.int8_linear.default,
+}
 
 
 @functools.cache
@@ -237,7 +238,9 @@ def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str,
         raise ValueError(f"type_name: expected one of {GGUF_TYPES}, got {type_name!r}")
     n, k = _check_shape("shape", shape)
     if k % BLOCK:
-        raise ValueError(f"shape: in_features must be a multiple of {BLOCK} for {type_name}, got shape {tuple(shape)}")
+        raise ValueError(
+            f"shape: in_features must be a multiple of {BLOCK} for {type_name}, got shape {tuple(shape)}"
+        )
     # a copy: GGUFReader's arrays are read-only views of the mapped file
     data = raw.contiguous() if isinstance(raw, Tensor) else torch.from_numpy(np.array(raw, copy=True))
     if data.dtype != torch.uint8:
@@ -334,7 +337,9 @@ class QuantizedLinear(nn.Module):
                 f"weight, got {tuple(qweight.shape)}"
             )
         if bias is not None and (bias.shape != (out_features,) or not bias.is_floating_point()):
-            raise ValueError(f"bias: expected a float tensor of shape ({out_features},), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias: expected a float tensor of shape ({out_features},), got {tuple(bias.shape)}"
+            )
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.int8_activations = activations == "int8"
         self.register_buffer("qweight", qweight)
@@ -344,8 +349,14 @@ class QuantizedLinear(nn.Module):
         load_kernels()
 
     @classmethod
-    def from_float(cls, linear_or_weight: nn.Linear | Tensor, mode: str, *, bias: Tensor | None = None,
-                   activations: str = "int8") -> QuantizedLinear:
+    def from_float(
+        cls,
+        linear_or_weight: nn.Linear | Tensor,
+        mode: str,
+        *,
+        bias: Tensor | None = None,
+        activations: str = "int8",
+    ) -> QuantizedLinear:
         """Quantize an nn.Linear (its bias kept in float32) or a weight (out_features, in_features).
         mode "int4": llama.cpp's Q4_1 rule (in_features a multiple of 32); "int8": per-row scales."""
         if isinstance(linear_or_weight, nn.Linear):
@@ -357,8 +368,15 @@ class QuantizedLinear(nn.Module):
         return cls(in_features, out_features, mode, qweight, scales, bias, activations)
 
     @classmethod
-    def from_gguf_blocks(cls, type_name: str, raw_uint8_blocks, shape: tuple[int, int], *,
-                         bias: Tensor | None = None, activations: str = "int8") -> QuantizedLinear:
+    def from_gguf_blocks(
+        cls,
+        type_name: str,
+        raw_uint8_blocks,
+        shape: tuple[int, int],
+        *,
+        bias: Tensor | None = None,
+        activations: str = "int8",
+    ) -> QuantizedLinear:
         """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's bytes, repacked as they are (see parse_gguf_blocks).
         shape: (out_features, in_features), the reverse of GGUF's ne."""
         fmt, qweight, scales = parse_gguf_blocks(type_name, raw_uint8_blocks, shape)
@@ -367,8 +385,15 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: QuantizedEmbedding, activations: str = "int8") -> QuantizedLinear:
         """The output head tied to a quantized embedding: the same packed bytes, not a copy."""
-        return cls(embedding.embedding_dim, embedding.num_embeddings, embedding.fmt, embedding.qweight,
-                   embedding.scales, None, activations)
+        return cls(
+            embedding.embedding_dim,
+            embedding.num_embeddings,
+            embedding.fmt,
+            embedding.qweight,
+            embedding.scales,
+            None,
+            activations,
+        )
 
     @classmethod
     def cat(cls, linears: list[QuantizedLinear]) -> QuantizedLinear:
@@ -380,9 +405,15 @@ class QuantizedLinear(nn.Module):
         first = linears[0]
         for i, lin in enumerate(linears):
             same = (lin.fmt, lin.in_features, lin.int8_activations, lin.scales.dim()) == (
-                first.fmt, first.in_features, first.int8_activations, first.scales.dim())
+                first.fmt,
+                first.in_features,
+                first.int8_activations,
+                first.scales.dim(),
+            )
             if not same:
-                raise ValueError(f"linears[{i}]: {lin.extra_repr()} does not match linears[0]: {first.extra_repr()}")
+                raise ValueError(
+                    f"linears[{i}]: {lin.extra_repr()} does not match linears[0]: {first.extra_repr()}"
+                )
             if i < len(linears) - 1 and lin.out_features % GROUP_ROWS[lin.fmt]:
                 raise ValueError(
                     f"linears[{i}]: out_features={lin.out_features} is not a multiple of {GROUP_ROWS[lin.fmt]}"
@@ -390,12 +421,23 @@ class QuantizedLinear(nn.Module):
                 )
         bias = None
         if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias if lin.bias is not None else lin.qweight.new_zeros(lin.out_features,
-                                                                                            dtype=torch.float32)
-                              for lin in linears])
-        return cls(first.in_features, sum(lin.out_features for lin in linears), first.fmt,
-                   torch.cat([lin.qweight for lin in linears]), torch.cat([lin.scales for lin in linears]), bias,
-                   "int8" if first.int8_activations else "float32")
+            bias = torch.cat(
+                [
+                    lin.bias
+                    if lin.bias is not None
+                    else lin.qweight.new_zeros(lin.out_features, dtype=torch.float32)
+                    for lin in linears
+                ]
+            )
+        return cls(
+            first.in_features,
+            sum(lin.out_features for lin in linears),
+            first.fmt,
+            torch.cat([lin.qweight for lin in linears]),
+            torch.cat([lin.scales for lin in linears]),
+            bias,
+            "int8" if first.int8_activations else "float32",
+        )
 
     def _apply(self, fn, recurse=True):
         return _keep_dtypes(self, fn, recurse, super()._apply)
@@ -407,7 +449,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype != torch.float32 or not x.is_cpu:
-            raise ValueError(f"x: expected a float32 CPU tensor, got {x.dtype} on {x.device} (shape {tuple(x.shape)})")
+            raise ValueError(
+                f"x: expected a float32 CPU tensor, got {x.dtype} on {x.device} (shape {tuple(x.shape)})"
+            )
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"x: expected shape (..., {self.in_features}) for in_features={self.in_features}, got {tuple(x.shape)}"
@@ -416,13 +460,17 @@ class QuantizedLinear(nn.Module):
         if self._pad_in:  # int8 rows padded with zero weights to whole blocks
             x2 = F.pad(x2, (0, self._pad_in))
         op = _LINEAR_OPS[self.fmt]
-        out = op(x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations)  # (M, out)
+        out = op(
+            x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations
+        )  # (M, out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         activations = "int8" if self.int8_activations else "float32"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
-                f"activations={activations}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+            f"activations={activations}, bias={self.bias is not None}"
+        )
 
 
 class QuantizedEmbedding(nn.Module):
@@ -439,7 +487,11 @@ class QuantizedEmbedding(nn.Module):
 
     @classmethod
     def from_float(cls, embedding_or_weight: nn.Embedding | Tensor, mode: str) -> QuantizedEmbedding:
-        weight = embedding_or_weight.weight if isinstance(embedding_or_weight, nn.Embedding) else embedding_or_weight
+        weight = (
+            embedding_or_weight.weight
+            if isinstance(embedding_or_weight, nn.Embedding)
+            else embedding_or_weight
+        )
         qweight, scales = _quantize_float(weight, mode)
         return cls(weight.shape[0], weight.shape[1], mode, qweight, scales)
 
