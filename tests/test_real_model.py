@@ -203,6 +203,13 @@ def test_a_chat_template_can_be_given_for_a_model_without_one(tmp_path, capsys):
     chat = Chat(smollm2_model(), tokenizer, chat_template=template, do_sample=False)
     assert "".join(chat.send("What is the capital of France?")) == "The capital of France is Paris."
     (tmp_path / "chatml.jinja").write_text(template)
-    argv = ["generate", str(smollm2_path()), "--chat", "--prompt", "What is the capital of France?", "--greedy"]
+    argv = [
+        "generate",
+        str(smollm2_path()),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--greedy",
+    ]
     cli.main([*argv, "--chat-template", str(tmp_path / "chatml.jinja"), "--system", "Be brief."])
     assert "Paris" in capsys.readouterr().out
