@@ -13,25 +13,25 @@ import sys
 
 from flashformer.chat import Chat
 from flashformer.generate_command import (
-    MODEL_HELP,
     add_chat_arguments,
+    add_model_arguments,
     add_sampling_arguments,
     chat_template,
+    load_model,
     sampling_settings,
     stop_ids,
 )
-from flashformer.loading import load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    add_model_arguments(parser)
     add_chat_arguments(parser)
     parser.add_argument("--context", type=int, default=4096, help="tokens of conversation the KV cache holds")
     add_sampling_arguments(parser, max_new_tokens=512)
 
 
 def main_from_args(args, input_line=input) -> None:
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model(args)
     chat = Chat(
         model,
         tokenizer,

@@ -10,13 +10,12 @@ from pathlib import Path
 
 from flashformer.data import read_text, resolve_corpus
 from flashformer.files import write_json
-from flashformer.generate_command import MODEL_HELP
-from flashformer.loading import load
+from flashformer.generate_command import add_model_arguments, load_model
 from flashformer.perplexity import perplexity
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument(
         "--data", nargs="+", required=True, help="text files, folders or glob patterns (quote globs)"
     )
@@ -31,7 +30,7 @@ def main_from_args(args) -> dict:
 
     documents = resolve_corpus(args.data)
     texts = [read_text(d.path) for d in documents]
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model(args)
     with tqdm(desc="scoring", unit="tok", disable=args.no_progress) as bar:
         result = perplexity(model, tokenizer, texts, args.context, args.stride, progress=bar.update)
     payload = dict(model=str(args.model), data=list(args.data), **result.to_dict())

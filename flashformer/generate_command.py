@@ -11,11 +11,34 @@ import torch
 from flashformer.chat import Chat
 from flashformer.data import EOS
 from flashformer.loading import load
+from flashformer.quantize import MODES
 from flashformer.tokenizer import stream_text
 
 MODEL_HELP = (
     "a GGUF file, a Hugging Face folder, a run folder of `flashformer train` or one of its checkpoints"
 )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL and how to load it (shared by generate, chat, eval, serve)."""
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument(
+        "--quantize",
+        choices=MODES,
+        help="weight-only quantized layers: int8 / int4 from the float weights, or a GGUF file's own blocks (gguf)",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=("int8", "float32"),
+        default="int8",
+        help="with --quantize: inputs of the quantized layers quantized to int8 per block of 32 (as llama.cpp "
+        "does; faster) or kept float32 (exact with respect to the quantized weights)",
+    )
+
+
+def load_model(args):
+    """(model, tokenizer) as the model arguments ask."""
+    return load(args.model, quantize=args.quantize, activations=args.activations)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -61,7 +84,7 @@ def sampling_settings(args) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="MODEL", help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the text to continue (with --chat: the message)")
     parser.add_argument(
         "--chat",
@@ -75,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args) -> None:
     """Load, encode the prompt, and print the continuation as it is generated."""
-    model, tokenizer = load(args.checkpoint)
+    model, tokenizer = load_model(args)
     settings = dict(sampling_settings(args), eos_token_id=stop_ids(model, tokenizer))
     if args.chat:
         if args.num_beams != 1:

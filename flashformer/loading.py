@@ -59,13 +59,15 @@ def locate(path: str | Path) -> tuple[str, Path]:
 
 
 def from_pretrained(
-    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None
+    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, activations: str = "int8"
 ) -> PreTrainedModel:
     """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
 
     dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
     quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
-    file's own Q4/Q8 blocks); see flashformer.quantize. A Hugging Face folder's problems
+    file's own Q4/Q8 blocks); see flashformer.quantize. activations: what a quantized layer does
+    with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
+    with respect to the quantized weights, slower). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
     CheckpointError naming the file.
     """
@@ -78,30 +80,32 @@ def from_pretrained(
         model = build_with_weights(*hf.read_pretrained(where))
     else:
         model = _load_checkpoint(where)
-    return _finish(model, dtype, quantize, checkpoint)
+    return _finish(model, dtype, quantize, activations, checkpoint)
 
 
-def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, checkpoint) -> PreTrainedModel:
+def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, activations: str, checkpoint):
     if dtype is not None:
         model = model.to(dtype)
     if quantize_mode is not None:
-        model = quantize(model, quantize_mode, checkpoint)
+        model = quantize(model, quantize_mode, checkpoint, activations)
     return model.eval()
 
 
-def load(path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None):
+def load(
+    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, activations: str = "int8"
+):
     """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
-    folder; dtype and quantize as in from_pretrained.
+    folder; dtype, quantize and activations as in from_pretrained.
 
     Raises CheckpointError naming the folder and what is missing or damaged.
     """
     kind, folder = locate(path)
     if kind == "gguf":  # one read of the file serves the model and the tokenizer
         checkpoint = read_gguf(folder, show_progress=False)
-        model = _finish(_model_from_gguf(checkpoint), dtype, quantize, checkpoint)
+        model = _finish(_model_from_gguf(checkpoint), dtype, quantize, activations, checkpoint)
         return model, Tokenizer.from_gguf_metadata(checkpoint.metadata, source=str(folder))
     try:
-        model = from_pretrained(folder, dtype, quantize)
+        model = from_pretrained(folder, dtype, quantize, activations)
     except (ValueError, OSError, SafetensorError) as error:
         if kind != "hf":
             raise

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flashformer.generate_command import MODEL_HELP
-from flashformer.loading import load
+from flashformer.generate_command import add_model_arguments, load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -41,7 +40,7 @@ def main_from_args(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model(args)
     engine = Engine(
         model,
         tokenizer,

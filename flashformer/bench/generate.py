@@ -31,6 +31,7 @@ from flashformer.bench import generate_model
 from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
+from flashformer.quantize import MODES
 
 MODULE = "flashformer.bench.generate"
 CONTENDERS = ["transformers", "flashformer", "flashformer+compile"]
@@ -205,17 +206,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with random weights: batch 1, --new-tokens (default 256), against transformers on the same weights",
     )
     parser.add_argument("--question", default=generate_model.QUESTION, help="with --model: the chat message")
+    parser.add_argument("--quantize", choices=MODES, help="with --model: flashformer's model quantized so")
+    parser.add_argument("--activations", choices=("int8", "float32"), default="int8", help="with --quantize")
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
     if args.model is not None:
-        config = {"question": args.question, "new_tokens": args.new_tokens or 256, "rounds": args.rounds or 3}
+        config = {
+            "question": args.question,
+            "new_tokens": args.new_tokens or 256,
+            "rounds": args.rounds or 3,
+            "quantize": args.quantize,
+            "activations": args.activations,
+            "batches": args.batches or [1],
+        }
         print(
             f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message, greedy"
         )
         payload = generate_model.run(args.model, config, args.out, args.threads, args.timeout)
         print(generate_model.table(payload))
-        print(f"\nwrote {args.out / 'generate-model.json'} and {args.out / 'generate-model.png'}")
+        print(f"\nwrote results to {args.out}")
         return payload
     config = dict(QUICK if args.quick else FULL)
     for key in ("batches", "dtypes", "new_tokens", "rounds"):

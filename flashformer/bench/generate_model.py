@@ -1,12 +1,20 @@
-"""`flashformer bench generate --model PATH`: a real model, timed as its users run it.
+"""`flashformer bench generate --model PATH [--quantize MODE]`: a real model, timed as its users run it.
 
 The model (a GGUF file, a Hugging Face folder or a flashformer run) answers
 one chat message, rendered through its own chat template: greedy, batch 1,
 `new_tokens` new tokens whatever the model would say (no stop token).
-Contenders, timed in turns in one fresh process: transformers on the same
-weights (its GGUF loader for a GGUF file), flashformer, and flashformer with
-the decode step compiled. Reported per contender: the load time, tokens/s of
-the whole call, and the prompt's prefill time apart from the decode steps.
+Contenders, timed in turns in one fresh process with the same thread count:
+
+- transformers on the same weights in float32 (its GGUF loader for a GGUF file);
+- flashformer (float32, or quantized by --quantize), eager and with the decode step compiled;
+- llama.cpp through llama-cpp-python on the same GGUF file (when installed).
+
+Reported per contender: the load time; decode tokens/s (the steps after the
+first token) and the prefill time of the chat prompt; prompt-processing
+tokens/s on a 512-token prompt; the bytes of weights a decode step reads and
+the GB/s that makes, against the memory bandwidth measured in the same run
+(a large float32 sum). With --batches, flashformer's aggregate decode
+tokens/s at each batch size (the same prompt in every row) too.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 from flashformer.bench.common import time_in_turns
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+PROMPT_PROCESSING_TOKENS = 512
 
 
 def load_transformers(path: Path):
@@ -36,62 +45,175 @@ def load_transformers(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+def weight_bytes_per_token(model) -> int:
+    """The bytes of weights one decode step reads: every parameter and buffer storage once
+    (a tied head shares the embedding's), less the embedding tables a step only reads a row of."""
+    seen, total = set(), 0
+    looked_up = {id(t) for t in model.embeddings.state_dict().values()}
+    head = model.lm_head.state_dict().values() if model.lm_head is not None else []
+    shared = {t.untyped_storage().data_ptr() for t in head}
+    if model.lm_head is None:  # tied float head: the embedding matrix is read as the head
+        shared.add(model.embeddings.tokens.weight.untyped_storage().data_ptr())
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        if id(tensor) in looked_up and storage.data_ptr() not in shared:
+            continue
+        total += storage.nbytes()
+    return total
+
+
+def memory_bandwidth() -> float:
+    """GB/s of a sum over 512 MiB of float32 (best of 5), with torch's threads."""
+    data = torch.ones(128 * 2**20)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best / 1e9
+
+
+def gguf_bytes(path: Path) -> int:
+    from flashformer.gguf import read_file
+
+    return sum(raw.data.nbytes for raw in read_file(path).tensors.values())
+
+
+def llama_cpp_contender(path: Path, threads: int, context: int):
+    """(generate(ids, n) -> tokens, process(ids) -> None) of llama.cpp on the file, or None."""
+    import importlib.util
+
+    if not path.is_file() or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False
+    )
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        out = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(token)
+            if len(out) == n:
+                break
+        return out
+
+    def process(ids: list[int]) -> None:
+        llm.reset()
+        llm.eval(ids)
+
+    return generate, process
+
+
 def timing_worker(point: dict) -> dict:
     import flashformer
 
     if point.get("threads"):
         torch.set_num_threads(point["threads"])
+    threads = torch.get_num_threads()
     path = Path(point["model"])
-    result = {"load_before": os.getloadavg()[0], "threads": torch.get_num_threads()}
+    quantize = point.get("quantize")
+    result = {"load_before": os.getloadavg()[0], "threads": threads, "quantize": quantize}
     started = time.perf_counter()
-    ours, tokenizer = flashformer.load(path)
+    ours, tokenizer = flashformer.load(path, quantize=quantize, activations=point.get("activations", "int8"))
     result["load_s"] = {"flashformer": time.perf_counter() - started}
     started = time.perf_counter()
     theirs = load_transformers(path).eval()
     result["load_s"]["transformers"] = time.perf_counter() - started
     theirs.generation_config.eos_token_id = None  # no early stop: every run makes all its tokens
+    new = point["new_tokens"]
+    llama = llama_cpp_contender(path, threads, PROMPT_PROCESSING_TOKENS + new + 64)
 
     messages = [{"role": "user", "content": point["question"]}]
-    ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True)])  # (1, P)
-    result["prompt_tokens"] = ids.shape[1]
-    new = point["new_tokens"]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = torch.tensor([prompt])  # (1, P)
+    long_prompt = (prompt * (PROMPT_PROCESSING_TOKENS // len(prompt) + 1))[:PROMPT_PROCESSING_TOKENS]
+    long_ids = torch.tensor([long_prompt])
+    result["prompt_tokens"] = len(prompt)
 
-    def transformers_generate(n=new):
+    def transformers_generate(n=new, batch_ids=ids):
         with torch.no_grad():
-            out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-        return out[0, ids.shape[1] :].tolist()
+            out = theirs.generate(
+                batch_ids, attention_mask=torch.ones_like(batch_ids), max_new_tokens=n, do_sample=False
+            )
+        return out[0, batch_ids.shape[1] :].tolist()
 
-    def flashformer_generate(n=new, compile=False):
-        return ours.generate(ids, max_new_tokens=n, eos_token_id=[], compile=compile)[
-            0, ids.shape[1] :
-        ].tolist()
+    def flashformer_generate(n=new, compile=False, batch_ids=ids):
+        out = ours.generate(batch_ids, max_new_tokens=n, eos_token_id=[], compile=compile)
+        return out[0, batch_ids.shape[1] :].tolist()
 
     works = {
         "transformers": transformers_generate,
         "flashformer": flashformer_generate,
-        "flashformer+compile": lambda n=new: flashformer_generate(n, compile=True),
+        "flashformer+compile": lambda n=new, batch_ids=ids: flashformer_generate(n, True, batch_ids),
     }
+    if llama is not None:
+        works["llama.cpp"] = lambda n=new, batch_ids=ids: llama[0](batch_ids[0].tolist(), n)
+        result["load_s"]["llama.cpp"] = None  # loaded with the file's mmap; not comparable
     started = time.perf_counter()
     flashformer_generate(3, compile=True)  # compiles the specialized and the dynamic graph
     result["compile_s"] = time.perf_counter() - started
     for work in works.values():  # warm: allocator, caches, lazy initialization
         work(3)
-    reference = transformers_generate()
-    ours_tokens = flashformer_generate()
-    result["same_tokens"] = reference == ours_tokens
-    result["same_prefix_tokens"] = next(
-        (i for i, (a, b) in enumerate(zip(reference, ours_tokens)) if a != b), len(reference)
-    )
-    result["text"] = tokenizer.decode(ours_tokens)[:400]
-    prefill = time_in_turns(
-        {name: lambda w=work: w(1) for name, work in works.items()}, rounds=point["rounds"]
-    )
-    times = time_in_turns(works, rounds=point["rounds"], warmup=False)
-    result["load_after"] = os.getloadavg()[0]
-    result["seconds"] = times
-    result["prefill_s"] = prefill
+    outputs = {name: work() for name, work in works.items()}
+    reference = outputs["transformers"]
+    result["same_prefix_tokens"] = {
+        name: next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), len(reference))
+        for name, tokens in outputs.items()
+    }
+    result["text"] = {name: tokenizer.decode(tokens)[:300] for name, tokens in outputs.items()}
+
+    rounds = point["rounds"]
+    prefill = time_in_turns({name: lambda w=work: w(1) for name, work in works.items()}, rounds=rounds)
+    times = time_in_turns(works, rounds=rounds, warmup=False)
+    processing = {
+        "transformers": lambda: transformers_generate(1, long_ids),
+        "flashformer": lambda: flashformer_generate(1, False, long_ids),
+    }
+    if llama is not None:
+        processing["llama.cpp"] = lambda: llama[1](long_prompt)
+    processed = time_in_turns(processing, rounds=rounds)
+    result["seconds"], result["prefill_s"] = times, prefill
     result["tokens_per_s"] = {name: new / t for name, t in times.items()}
     result["decode_tokens_per_s"] = {name: (new - 1) / (t - prefill[name]) for name, t in times.items()}
+    result["prompt_tokens_per_s"] = {name: PROMPT_PROCESSING_TOKENS / t for name, t in processed.items()}
+
+    ours_bytes = weight_bytes_per_token(ours)
+    result["weight_bytes_per_token"] = {
+        "transformers": sum(p.numel() * p.element_size() for p in theirs.parameters())
+        - theirs.get_input_embeddings().weight.nbytes * (not theirs.config.tie_word_embeddings),
+        "flashformer": ours_bytes,
+        "flashformer+compile": ours_bytes,
+    }
+    if llama is not None:
+        result["weight_bytes_per_token"]["llama.cpp"] = gguf_bytes(path)
+    result["bandwidth_gb_s"] = memory_bandwidth()
+    result["achieved_gb_s"] = {
+        name: result["weight_bytes_per_token"][name] * rate / 1e9
+        for name, rate in result["decode_tokens_per_s"].items()
+    }
+    batches = {}
+    for batch in point.get("batches", [1]):
+        if batch == 1:
+            continue
+        batch_ids = ids.expand(batch, -1).contiguous()
+        one = time_in_turns({"b": lambda b=batch_ids: flashformer_generate(1, True, b)}, rounds=rounds)["b"]
+        full = time_in_turns({"b": lambda b=batch_ids: flashformer_generate(new, True, b)}, rounds=rounds)[
+            "b"
+        ]
+        batches[str(batch)] = batch * (new - 1) / (full - one)
+    if batches:
+        batches["1"] = result["decode_tokens_per_s"]["flashformer+compile"]
+        result["batch_decode_tokens_per_s"] = batches
+        tokens_by_batch = [
+            flashformer_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]
+        ]
+        result["same_tokens_every_batch"] = all(t == tokens_by_batch[0] for t in tokens_by_batch)
+    result["load_after"] = os.getloadavg()[0]
     return result
 
 
@@ -105,11 +227,15 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "new_tokens": config["new_tokens"],
         "rounds": config["rounds"],
         "threads": threads,
+        "quantize": config.get("quantize"),
+        "activations": config.get("activations", "int8"),
+        "batches": config.get("batches", [1]),
     }
     point.update(run_worker("flashformer.bench.generate", point, timeout_s))
     payload = {"benchmark": "generate-model", "machine": machine_info(), "config": config, "points": [point]}
-    write_json(out_dir / "generate-model.json", payload)
-    plot(payload, out_dir / "generate-model.png")
+    stem = "generate-model" + (f"-{config['quantize']}" if config.get("quantize") else "")
+    write_json(out_dir / f"{stem}.json", payload)
+    plot(payload, out_dir / f"{stem}.png")
     return payload
 
 
@@ -117,30 +243,51 @@ def table(payload: dict) -> str:
     from flashformer.formatting import markdown_table
 
     rows = []
-    for p in payload["points"]:
-        if "error" in p:
-            rows.append([Path(p["model"]).name, f"not measured: {p['error']}", "-", "-", "-", "-"])
-            continue
-        for name, rate in p["tokens_per_s"].items():
-            load = p["load_s"].get(name.split("+")[0])
-            rows.append(
-                [
-                    name,
-                    "-" if load is None else f"{load:.1f}",
-                    f"{1e3 * p['prefill_s'][name]:.0f}",
-                    f"{rate:.1f}",
-                    f"{p['decode_tokens_per_s'][name]:.1f}",
-                    f"{rate / p['tokens_per_s']['transformers']:.2f}x",
-                ]
-            )
-    first = payload["points"][0]
+    p = payload["points"][0]
+    if "error" in p:
+        return f"{Path(p['model']).name}: not measured: {p['error']}"
+    for name in p["tokens_per_s"]:
+        load = p["load_s"].get(name.split("+")[0])
+        rows.append(
+            [
+                name,
+                "-" if load is None else f"{load:.1f}",
+                f"{1e3 * p['prefill_s'][name]:.0f}",
+                f"{p['decode_tokens_per_s'][name]:.1f}",
+                f"{p['decode_tokens_per_s'][name] / p['decode_tokens_per_s'].get('llama.cpp', float('nan')):.2f}",
+                "-"
+                if name.split("+")[0] not in p["prompt_tokens_per_s"]
+                else f"{p['prompt_tokens_per_s'][name.split('+')[0]]:.0f}",
+                f"{p['weight_bytes_per_token'][name] / 1e6:.0f}",
+                f"{p['achieved_gb_s'][name]:.1f}",
+                str(p["same_prefix_tokens"][name]),
+            ]
+        )
+    quantized = f"flashformer {p['quantize']}" if p.get("quantize") else "flashformer float32"
     head = (
-        f"{Path(first['model']).name}, {first.get('prompt_tokens', '?')}-token chat prompt, "
-        f"{payload['config']['new_tokens']} new tokens, greedy, batch 1; same greedy tokens as transformers: "
-        f"{first.get('same_tokens')} (first {first.get('same_prefix_tokens')} equal)\n\n"
+        f"{Path(p['model']).name} ({quantized}; transformers float32), {p.get('prompt_tokens', '?')}-token chat prompt, "
+        f"{payload['config']['new_tokens']} new tokens, greedy, batch 1, {p['threads']} threads; memory bandwidth in "
+        f"the same run {p['bandwidth_gb_s']:.1f} GB/s (a float32 sum)\n\n"
     )
-    header = ["contender", "load s", "prefill ms", "tokens/s", "decode tokens/s", "/ transformers"]
-    return head + markdown_table(header, rows)
+    header = [
+        "contender",
+        "load s",
+        "prefill ms",
+        "decode tokens/s",
+        "/ llama.cpp",
+        f"prompt tokens/s ({PROMPT_PROCESSING_TOKENS})",
+        "MB read / token",
+        "GB/s",
+        "tokens equal to transformers'",
+    ]
+    text = head + markdown_table(header, rows)
+    if "batch_decode_tokens_per_s" in p:
+        rates = p["batch_decode_tokens_per_s"]
+        text += "\n\nflashformer compiled, aggregate decode tokens/s by batch: " + ", ".join(
+            f"{b}: {r:.1f}" for b, r in sorted(rates.items(), key=lambda kv: int(kv[0]))
+        )
+        text += f"; the same tokens at every batch size: {p['same_tokens_every_batch']}"
+    return text
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -150,22 +297,18 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     point = payload["points"][0]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, (rate, stream) = plt.subplots(1, 2, figsize=(11, 3.8))
     if "error" in point:
-        ax.text(0.5, 0.5, f"not measured: {point['error'][:80]}", ha="center", va="center")
+        rate.text(0.5, 0.5, f"not measured: {point['error'][:80]}", ha="center", va="center")
     else:
-        names = list(point["tokens_per_s"])
-        ax.barh(names, [point["decode_tokens_per_s"][n] for n in names], color="tab:blue", label="decode")
-        ax.barh(
-            names,
-            [point["tokens_per_s"][n] for n in names],
-            color="tab:orange",
-            height=0.4,
-            label="whole call",
-        )
-        ax.set_xlabel("tokens/s (batch 1, greedy)")
-        ax.legend(fontsize=8)
-    ax.set_title(f"{Path(point['model']).name}: {payload['config']['new_tokens']} new tokens", fontsize=10)
+        names = list(point["decode_tokens_per_s"])
+        rate.barh(names, [point["decode_tokens_per_s"][n] for n in names], color="tab:blue")
+        rate.set_xlabel("decode tokens/s (batch 1, greedy)")
+        stream.barh(names, [point["achieved_gb_s"][n] for n in names], color="tab:green")
+        stream.axvline(point["bandwidth_gb_s"], color="gray", linestyle="--", label="memory bandwidth")
+        stream.set_xlabel("GB/s of weights read")
+        stream.legend(fontsize=8)
+    fig.suptitle(f"{Path(point['model']).name}, {point.get('quantize') or 'float32'}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
