@@ -44,6 +44,13 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
         "talk with a model in the terminal, through its chat template",
         "MODEL as for generate. Answers stream as they come; Ctrl-C stops an answer, Ctrl-D ends the chat.",
     ),
+    "embed": Command(
+        "flashformer.embed_command",
+        "sentence vectors of texts (NumPy .npy or JSON lines), as sentence-transformers' encode gives them",
+        "MODEL: a sentence-transformers or Hugging Face folder (pooling and normalization read from its "
+        "modules.json and 1_Pooling/config.json; without them mean pooling), a run or a checkpoint. Texts are "
+        "cut to the folder's max_seq_length and batched by length.",
+    ),
     "bench": (
         "run a benchmark (JSON + PNG)",
         {
