@@ -419,18 +419,24 @@ def rebuild(model: PreTrainedModel, config: ModelConfig) -> PreTrainedModel:
     initialized as build() does, one `model` has and `config` does not (a dropped head) is left
     out. On `model`'s device and dtype, in its train/eval mode."""
     new = MODEL_CLASSES[config.arch](config)
-    theirs = model.state_dict()
-    mine = new.state_dict()
-    kept = {name: tensor for name, tensor in theirs.items() if name in mine}
+    load_shared_weights(new, model)
+    parameter = next(model.parameters())
+    return new.to(parameter.device, parameter.dtype).train(model.training)
+
+
+def load_shared_weights(model: PreTrainedModel, source: PreTrainedModel) -> list[str]:
+    """Copy into `model` every weight of `source` whose name it has; returns the names of
+    `model` left as they were. A shared name with another shape is an error."""
+    mine = model.state_dict()
+    kept = {name: tensor for name, tensor in source.state_dict().items() if name in mine}
     for name, tensor in kept.items():
         if tensor.shape != mine[name].shape:
             raise ValueError(
-                f"cannot keep {name}: the model has shape {tuple(tensor.shape)}, the new config "
+                f"cannot keep {name}: the source has shape {tuple(tensor.shape)}, the model "
                 f"{tuple(mine[name].shape)}"
             )
-    new.load_state_dict(kept, strict=False)
-    parameter = next(model.parameters())
-    return new.to(parameter.device, parameter.dtype).train(model.training)
+    model.load_state_dict(kept, strict=False)
+    return sorted(set(mine) - set(kept))
 
 
 def add_task_head(
