@@ -164,14 +164,9 @@ class SentenceEncoder:
         """From a sentence-transformers or Hugging Face folder (with tokenizer.json), a run of
         `flashformer train` / `finetune`, or one of its checkpoints. pooling: instead of the
         folder's."""
-        path = Path(path)
-        found = read_sentence_transformers(path) if path.is_dir() else None
-        if found is not None:
-            path, stored = found
-        else:
-            stored = _checkpoint_pooling(path)
+        path, stored = read_pooling(path)
         model, tokenizer = load(path)
-        return cls(model, tokenizer, pooling or stored)
+        return cls(model, tokenizer, pooling or stored or Pooling())
 
     @property
     def dimension(self) -> int:
@@ -208,12 +203,18 @@ class SentenceEncoder:
         write_sentence_transformers(folder, self.pooling, self.dimension)
 
 
-def _checkpoint_pooling(path: Path) -> Pooling:
-    """The pooling a flashformer checkpoint stores ("embedding" in its config.json), else mean."""
+def read_pooling(path: str | Path) -> tuple[Path, Pooling | None]:
+    """(where the model itself is, the pooling stored with it or None): a sentence-transformers
+    folder's (its Transformer module may sit in a subfolder), or the "embedding" entry of a
+    flashformer checkpoint's config.json (a retrieval fine-tuning run's)."""
+    path = Path(path)
+    found = read_sentence_transformers(path) if path.is_dir() else None
+    if found is not None:
+        return found
     kind, where = locate(path)
     config = where / "config.json"
     if kind == "checkpoint" and config.is_file():
         stored = _json(config).get("embedding")
         if stored is not None:
-            return Pooling.from_dict(stored)
-    return Pooling()
+            return path, Pooling.from_dict(stored)
+    return path, None

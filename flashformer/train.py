@@ -441,7 +441,7 @@ class Trainer:
                     last_eval = self.evaluate()
                     record = dict(record or {"step": self.step, "loss": loss}, **last_eval)
                 if record is not None and is_main:
-                    self._log(record)
+                    self.log(record)
                 if self.step % cfg.save_every == 0:
                     self.save()
                 progress.update(1)
@@ -453,7 +453,7 @@ class Trainer:
         if last_eval is None or self.step % cfg.eval_every != 0:
             last_eval = self.evaluate()
             if is_main:
-                self._log(dict({"step": self.step}, **last_eval))
+                self.log(dict({"step": self.step}, **last_eval))
         folder = self.save()
         sample = self.sample()
         summary = {
@@ -477,6 +477,7 @@ class Trainer:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
 
-    def _log(self, record: dict) -> None:
+    def log(self, record: dict) -> None:
+        """Append one record to the run's metrics.jsonl (rank 0 calls it)."""
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
