@@ -11,6 +11,10 @@ MODEL: a Hugging Face or sentence-transformers folder with tokenizer.json (MiniL
 `flashformer train` (an encoder: `--preset bert-tiny`) or one of its checkpoints. With
 --from-scratch only MODEL's architecture and tokenizer are used: the weights start random.
 
+The run folder holds what a `flashformer train` run does (checkpoints loadable with their head
+by flashformer.load, metrics.jsonl with the task's metrics per evaluation, loss.png, hf/) and
+summary.json: the final validation and test metrics, the majority baseline and the minutes.
+
 Data: JSON lines {"text", "label"} (classification; a list of labels is multi-label),
 {"tokens", "tags"} (tagging) or {"query", "document"} (retrieval); without --validation-file a
 fraction (--train.val_fraction) of the training lines is held out. Without --train-file, the
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from flashformer.checkpoint import CheckpointError
 from flashformer.config import ModelConfig
+from flashformer.files import write_json
 from flashformer.loading import export_hf, load
 from flashformer.models import EncoderModel
 from flashformer.sentence_embeddings import read_pooling, write_sentence_transformers
@@ -185,6 +190,7 @@ def main_from_args(args) -> dict:
         _report(summary, baseline, task)
         if train_config.export_hf and summary["checkpoint"]:
             summary["hf_export"] = _export(summary["checkpoint"], out_dir / "hf", objective)
+        write_json(out_dir / "summary.json", summary)
     if dist.is_initialized():
         dist.destroy_process_group()
     return summary
