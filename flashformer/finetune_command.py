@@ -149,6 +149,10 @@ def training_config(overrides: dict, train_size: int, args) -> TrainConfig:
 
 
 def main_from_args(args) -> dict:
+    if args.pooling is not None and args.task == "tagging":
+        raise ValueError(
+            "--pooling chooses a sentence vector: it applies to classification and retrieval, not tagging"
+        )
     overrides = parse_dotted(getattr(args, "overrides", []))
     train_overrides = overrides["train"]
     seed = int(train_overrides.get("seed", 0))

@@ -99,7 +99,8 @@ def sequence_classification_loss(logits: Tensor, labels: Tensor, problem_type: s
     batch, num_labels = logits.shape
     kind = problem_type_of(labels, num_labels, problem_type)
     if kind == "single_label_classification":
-        check_int_tensor("labels", labels, "label ids", dims=(1,))
+        if labels.dtype.is_floating_point or labels.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(f"single-label classification needs integer label ids; got dtype {labels.dtype}")
         if tuple(labels.shape) != (batch,):
             raise ValueError(
                 f"labels must have shape ({batch},): one label id per sequence; got {tuple(labels.shape)}"

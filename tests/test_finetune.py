@@ -164,22 +164,19 @@ def test_classification_beats_the_majority_class(tiny_bert, tmp_path, capsys):
 def test_tagging_from_scratch_beats_the_majority_tag(tiny_bert, tmp_path):
     files = tagging_files(tmp_path)
     records = run_finetune(
-        tiny_bert,
-        "tagging",
-        files,
-        tmp_path / "run",
-        "--from-scratch",
-        "--max-steps",
-        "40",
-        "--pooling",
-        "mean",
+        tiny_bert, "tagging", files, tmp_path / "run", "--from-scratch", "--max-steps", "40"
     )
     test = records[-1]
     tags = [t for line in files["test"].read_text().splitlines() for t in json.loads(line)["tags"]]
     assert test["test_token_accuracy"] > Counter(tags)["O"] / len(tags) + 0.15, test
     assert test["test_entity_f1"] > 0.5 and test["test_words_cut"] == 0
-    model = transformers.BertForTokenClassification.from_pretrained(tmp_path / "run" / "hf")
-    assert model.config.id2label == {0: "O", 1: "B-NUM", 2: "B-PUNCT"}
+    # the Hugging Face export is a BertForTokenClassification with the same logits
+    ours, tokenizer = flashformer.load(tmp_path / "run")
+    theirs = transformers.BertForTokenClassification.from_pretrained(tmp_path / "run" / "hf").eval()
+    assert theirs.config.id2label == {0: "O", 1: "B-NUM", 2: "B-PUNCT"}
+    ids = torch.tensor([encode_words(tokenizer, [["cat", "42", "("]], 32)[0].ids])
+    with torch.no_grad():
+        assert (theirs(ids).logits - ours(ids).logits).abs().max() <= 1e-4
 
 
 def test_retrieval_bi_encoder_beats_chance(tiny_bert, tmp_path):

@@ -57,7 +57,7 @@ SECONDARY = {
 PRETRAIN = [
     "train", "--preset", "bert-tiny",
     "--model.d_model", "128", "--model.n_heads", "2", "--model.d_ff", "512", "--model.max_seq_len", "128",
-    "--train.seq_len", "128", "--train.batch_size", "32", "--train.max_minutes", "15",
+    "--train.seq_len", "128", "--train.batch_size", "32", "--train.max_minutes", "0",
     "--max-steps", "4000", "--train.eval_every", "500", "--train.save_every", "500", "--no-progress",
 ]  # fmt: skip
 # fine-tuning recipes: the same for (c) and (d). MiniLM takes a smaller rate and one pass (its
