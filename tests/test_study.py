@@ -119,9 +119,17 @@ def test_table_and_figure_come_from_the_payload(tmp_path):
         in text
     )
     assert "| classification | macro_f1 | 0.020 | 0.400 | 0.700 | 0.600 | 0.300 |" in text
-    assert "(c) - (d): classification accuracy +0.300." in text and "15.0 min, 4000 steps" in text
+    assert "(c) - (d), means over 3 seeds: classification accuracy +0.300." in text
+    assert "15.0 min, 4000 steps" in text
     study.plot(payload(), tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 0
+
+
+def test_runs_with_several_seeds_show_their_range():
+    with_seeds = payload()
+    run = with_seeds["tasks"]["classification"]["runs"]["c"]
+    run["seeds"] = [{"accuracy": 0.65, "macro_f1": 0.5}, {"accuracy": 0.75, "macro_f1": 0.7}]
+    assert "| 0.700 (0.650-0.750) |" in study.table(with_seeds)
 
 
 def test_a_partial_rerun_keeps_the_other_runs():

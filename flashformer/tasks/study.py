@@ -69,6 +69,10 @@ RECIPES = {
     "bert-tiny": ["--epochs", "10", "--train.lr", "1e-3"],
 }
 TASK_ARGS = {"classification": ["--pooling", "mean"], "tagging": [], "retrieval": []}
+# seeds per run (--train.seed: the head's initialization, the data order, dropout; for (d) the
+# whole model's initialization). BERT-tiny's runs take a minute or two, so (c) and (d) are run
+# three times and the tables give their mean and range; MiniLM's once.
+SEEDS = {"b": (0,), "c": (0, 1, 2), "d": (0, 1, 2)}
 
 
 def minilm_path() -> Path:
@@ -128,10 +132,14 @@ def command_text(args: list[str]) -> str:
     return "flashformer " + " ".join(args)
 
 
-def finetune_args(model: str, task: str, recipe: str, out: str, scratch: bool = False) -> list[str]:
+def finetune_args(
+    model: str, task: str, recipe: str, out: str, scratch: bool = False, seed: int = 0
+) -> list[str]:
     # one evaluation on the validation split, at the end: the study reads the test split
     args = ["finetune", model, "--task", task, "--out", out, *RECIPES[recipe], *TASK_ARGS[task]]
-    return args + (["--from-scratch"] if scratch else []) + ["--train.eval_every", "100000", "--no-progress"]
+    args += ["--from-scratch"] if scratch else []
+    args += ["--train.seed", str(seed)] if seed else []
+    return args + ["--train.eval_every", "100000", "--no-progress"]
 
 
 # ---- (a): MiniLM without training on the task ----
@@ -230,13 +238,20 @@ def _summary(folder: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _finetuned(summary: dict, task_name: str, command: list[str]) -> dict:
+def _finetuned(summaries: list[dict], task_name: str, command: list[str]) -> dict:
+    """A run's entry from its seeds' summaries: the mean of each metric, and each seed's."""
     keys = [PRIMARY[task_name], *SECONDARY[task_name]]
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    seeds = [{key: summary[f"test_{key}"] for key in keys} for summary in summaries]
     return {
-        "metrics": {key: summary[f"test_{key}"] for key in keys},
-        "validation": {key: summary.get(f"val_{key}") for key in keys},
-        "minutes": summary["minutes"],
-        "steps": summary["step"],
+        "metrics": {key: mean([seed[key] for seed in seeds]) for key in keys},
+        "seeds": seeds,
+        "validation": {key: mean([summary[f"val_{key}"] for summary in summaries]) for key in keys},
+        "minutes": mean([summary["minutes"] for summary in summaries]),
+        "steps": summaries[0]["step"],
         "command": command_text(command),
     }
 
@@ -289,13 +304,17 @@ def run(work: Path, tasks: tuple[str, ...] = TASKS, runs: tuple[str, ...] = RUNS
         for key, (model, recipe, label, scratch) in plans.items():
             if key not in runs:
                 continue
-            out = work / f"{name}-{label}"
-            command = finetune_args(model, name, recipe, str(out), scratch)
-            if _summary(out) is None:
-                log(f"{name}: ({key}) {RUN_NAMES[key]} ...")
-                run_command(command, work / "logs" / f"{name}-{label}.log", work)
-            shown = [arg.replace(str(work) + "/", "").replace(minilm, "MINILM") for arg in command]
-            entry["runs"][key] = _finetuned(_summary(out), name, shown)
+            summaries, commands = [], []
+            for seed in SEEDS[key]:
+                folder = f"{name}-{label}" + (f"-seed{seed}" if seed else "")
+                command = finetune_args(model, name, recipe, str(work / folder), scratch, seed)
+                if _summary(work / folder) is None:
+                    log(f"{name}: ({key}) {RUN_NAMES[key]}, seed {seed} ...")
+                    run_command(command, work / "logs" / f"{folder}.log", work)
+                summaries.append(_summary(work / folder))
+                commands.append(command)
+            shown = [arg.replace(str(work) + "/", "").replace(minilm, "MINILM") for arg in commands[0]]
+            entry["runs"][key] = _finetuned(summaries, name, shown)
         payload["tasks"][name] = entry
     return payload
 
@@ -304,14 +323,17 @@ def run(work: Path, tasks: tuple[str, ...] = TASKS, runs: tuple[str, ...] = RUNS
 
 
 def _cell(run: dict | None, key: str) -> str:
+    """The value, with the seeds' range when there are several."""
     if run is None:
         return "-"
-    return f"{run['metrics'][key]:.3f}"
+    seeds = [seed[key] for seed in run.get("seeds", [])]
+    spread = f" ({min(seeds):.3f}-{max(seeds):.3f})" if len(seeds) > 1 else ""
+    return f"{run['metrics'][key]:.3f}{spread}"
 
 
 def table(payload: dict) -> str:
-    """The study's tables: each task's first metric and training minutes per run, then every
-    metric, then what pretraining buys ((c) - (d))."""
+    """The study's tables: each task's first metric and training minutes per run (the mean over
+    its seeds), then every metric (with the seeds' range), then what pretraining buys ((c) - (d))."""
     header = ["task", "metric", "baseline", *[f"({k}) {RUN_NAMES[k]}" for k in RUNS]]
     rows, details = [], []
     for name, entry in payload["tasks"].items():
@@ -346,9 +368,8 @@ def table(payload: dict) -> str:
             f"Pretraining BERT-tiny: {pretraining['minutes']:.1f} min, {pretraining['steps']} steps, "
             f"{pretraining['tokens'] / 1e6:.1f}M tokens of {pretraining['files']} stdlib files (the "
             f"{pretraining['held_out_files']} files the tasks evaluate on left out), final masked-LM "
-            f"validation loss {pretraining['val_loss']:.2f}. What it buys, (c) - (d): "
-            + "; ".join(gains)
-            + "."
+            f"validation loss {pretraining['val_loss']:.2f}. What it buys, (c) - (d), means over "
+            f"{len(SEEDS['c'])} seeds: " + "; ".join(gains) + "."
         )
     machine = payload["machine"]
     parts.append(
@@ -360,36 +381,38 @@ def table(payload: dict) -> str:
 
 
 def plot(payload: dict, path: Path) -> None:
-    """One panel per task: each run's first metric on the test files, its training minutes on the
-    bar, the baseline as a dashed line."""
+    """One panel per task: each run's first metric on the test files with its training minutes,
+    "n/a" where a run does not apply, the baseline as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(payload["tasks"])
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.0), squeeze=False)
     colors = {"a": "tab:gray", "b": "tab:blue", "c": "tab:green", "d": "tab:orange"}
     for ax, name in zip(axes[0], names):
         entry = payload["tasks"][name]
         metric = entry["metric"]
-        keys = [k for k in RUNS if k in entry["runs"]]
-        values = [entry["runs"][k]["metrics"][metric] for k in keys]
-        bars = ax.bar([f"({k})" for k in keys], values, color=[colors[k] for k in keys])
-        for bar, key in zip(bars, keys):
-            minutes = entry["runs"][key]["minutes"]
-            label = "0 min" if minutes == 0 else f"{minutes:.1f} min"
-            ax.text(
-                bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.01, label, ha="center", fontsize=8
-            )
-        ax.axhline(entry["baseline"][metric], color="black", linestyle="--", linewidth=1, label="baseline")
-        ax.set_ylim(0, 1.08)
+        for position, key in enumerate(RUNS):
+            run = entry["runs"].get(key)
+            if run is None:
+                ax.text(position, 0.06, "n/a", ha="center", fontsize=9, color="gray")
+                continue
+            value, minutes = run["metrics"][metric], run["minutes"]
+            ax.bar(position, value, color=colors[key])
+            timing = "no training" if minutes == 0 else f"{minutes:.1f} min"
+            ax.text(position, value + 0.015, f"{value:.3f}\n{timing}", ha="center", fontsize=8)
+        ax.axhline(entry["baseline"][metric], color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(RUNS)), [f"({k})" for k in RUNS])
+        ax.set_ylim(0, 1.15)
         ax.set_title(f"{name}: {metric} (test files)")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in RUNS]
-    fig.legend(handles, [f"({k}) {RUN_NAMES[k]}" for k in RUNS], loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    handles.append(plt.Line2D([0], [0], color="black", linestyle="--", linewidth=1))
+    labels = [f"({k}) {RUN_NAMES[k]}" for k in RUNS] + ["baseline (learned nothing)"]
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
