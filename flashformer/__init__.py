@@ -3,11 +3,19 @@
 from flashformer.attention.api import attention
 from flashformer.config import ModelConfig, preset
 from flashformer.loading import from_pretrained, load
-from flashformer.models import DecoderModel, EncoderDecoderModel, EncoderModel, ModelOutput, build
+from flashformer.models import (
+    DecoderModel,
+    EncoderDecoderModel,
+    EncoderModel,
+    ModelOutput,
+    add_task_head,
+    build,
+)
 
 __version__ = "0.1.0"
 __all__ = [
     "attention",
+    "add_task_head",
     "build",
     "from_pretrained",
     "load",

@@ -32,6 +32,14 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
         "train a model (default: a small GPT on Python's standard library)",
         "Extra --model.FIELD VALUE and --train.FIELD VALUE arguments override any config field.",
     ),
+    "finetune": Command(
+        "flashformer.finetune_command",
+        "fine-tune an encoder on a task (classification, tagging, retrieval) and report the task's metrics",
+        "MODEL: a Hugging Face or sentence-transformers folder (MiniLM), a run of `flashformer train --preset "
+        "bert-tiny` or a checkpoint. Without --train-file, the default task of --task built from Python's "
+        "standard library, split by file. The trainer of `flashformer train` (checkpoints, --resume, "
+        "torchrun); extra --train.FIELD VALUE and --model.FIELD VALUE arguments override any config field.",
+    ),
     "generate": Command(
         "flashformer.generate_command",
         "continue a prompt with a trained or converted model, printing text as it comes",
@@ -43,6 +51,13 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
         "flashformer.chat_command",
         "talk with a model in the terminal, through its chat template",
         "MODEL as for generate. Answers stream as they come; Ctrl-C stops an answer, Ctrl-D ends the chat.",
+    ),
+    "embed": Command(
+        "flashformer.embed_command",
+        "sentence vectors of texts (NumPy .npy or JSON lines), as sentence-transformers' encode gives them",
+        "MODEL: a sentence-transformers or Hugging Face folder (pooling and normalization read from its "
+        "modules.json and 1_Pooling/config.json; without them mean pooling), a run or a checkpoint. Texts are "
+        "cut to the folder's max_seq_length and batched by length.",
     ),
     "bench": (
         "run a benchmark (JSON + PNG)",
@@ -148,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if overrides and args.command != "train":
+    if overrides and args.command not in ("train", "finetune"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
     try:

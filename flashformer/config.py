@@ -22,6 +22,9 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama")
+TASKS = ("sequence-classification", "token-classification")
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
 
 
 @dataclass
@@ -57,6 +60,17 @@ class ModelConfig:
         scale_decoder_output: multiply the final hidden state by d_model^-0.5
             before the LM head (T5 with tied embeddings).
         mlm_head, pooler: an encoder's masked-LM head and [CLS] pooler.
+    Task head (encoders; flashformer/task_heads.py)
+        task: None (the heads above), "sequence-classification" or "token-classification".
+            A task decides the heads: no masked-LM head, and the pooler only where the
+            classifier reads it (as transformers' BertFor*Classification have them).
+        num_labels: None = len(labels), or 2. labels: the label names in id order
+            (transformers' id2label); None = LABEL_0, LABEL_1, ...
+        problem_type: "single_label_classification" | "multi_label_classification" |
+            "regression", or None: inferred from the labels' dtype, as transformers does.
+        classifier_pooling: what a sequence classifier reads: "pooler" (BERT's tanh-dense
+            [CLS] state, transformers' choice), "cls" (the first token's hidden state),
+            "mean" or "max" over the real tokens. classifier_dropout: None = dropout.
     Training
         dropout (embeddings and residual branches), attention_dropout,
         activation_dropout (inside the feed-forward, T5), dropout_after_final_norm (T5).
@@ -103,6 +117,12 @@ class ModelConfig:
     scale_decoder_output: bool = False
     mlm_head: bool = True
     pooler: bool = False
+    task: str | None = None
+    num_labels: int | None = None
+    labels: list[str] | None = None
+    problem_type: str | None = None
+    classifier_pooling: str = "pooler"
+    classifier_dropout: float | None = None
 
     dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -142,6 +162,7 @@ class ModelConfig:
             "n_kv_heads": self.n_heads,
             "head_dim": self.d_model // self.n_heads,
             "n_decoder_layers": self.n_layers,
+            "num_labels": len(self.labels) if self.labels else 2,
         }
         self._derived = frozenset(name for name in derived if getattr(self, name) is None)
         for name in self._derived:
@@ -160,6 +181,37 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
+        self._check_task()
+
+    def _check_task(self) -> None:
+        """The task head's fields; a task decides which of the other heads the encoder keeps."""
+        if self.task is not None:
+            _choice("task", self.task, TASKS)
+            if self.arch != "encoder":
+                raise ValueError(f"ModelConfig.task={self.task!r} needs arch 'encoder'; got {self.arch!r}")
+        if self.problem_type is not None:
+            _choice("problem_type", self.problem_type, PROBLEM_TYPES)
+        _choice("classifier_pooling", self.classifier_pooling, CLASSIFIER_POOLINGS)
+        if not isinstance(self.num_labels, int) or self.num_labels < 1:
+            raise ValueError(f"ModelConfig.num_labels must be an int >= 1; got {self.num_labels!r}")
+        if self.labels is not None:
+            self.labels = list(self.labels)
+            if len(self.labels) != self.num_labels or len(set(self.labels)) != len(self.labels):
+                raise ValueError(
+                    f"ModelConfig.labels must name each of the num_labels={self.num_labels} labels once; "
+                    f"got {self.labels!r}"
+                )
+        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
+            raise ValueError(
+                f"ModelConfig.classifier_dropout must be None or in [0, 1); got {self.classifier_dropout!r}"
+            )
+        if self.task == "token-classification" and self.problem_type not in (None, PROBLEM_TYPES[0]):
+            raise ValueError(
+                f"a token classifier predicts one label per token; got problem_type={self.problem_type!r}"
+            )
+        if self.task is not None:
+            self.mlm_head = False
+            self.pooler = self.task == "sequence-classification" and self.classifier_pooling == "pooler"
 
     # ---- serialization (config.json of our own checkpoints) ----
 

@@ -37,6 +37,7 @@ from flashformer.inputs import (
 from flashformer.kernels.cpu import Linear, linear
 from flashformer.layers import recording_attention
 from flashformer.stacks import Decoder, Embeddings, Encoder
+from flashformer.task_heads import make_task_head
 
 
 @dataclass
@@ -44,8 +45,9 @@ class ModelOutput:
     """What a model returns; fields a model does not produce are None.
 
     last_hidden_state: (B, L, d_model), after the final norm (the decoder's, for T5).
-    logits: (B, L, vocab_size) from the LM / masked-LM head.
-    loss: mean cross-entropy over labels != -100, when labels are given.
+    logits: (B, L, vocab_size) from the LM / masked-LM head; with a task head (task_heads.py)
+        (B, num_labels) for sequence classification, (B, L, num_labels) for token classification.
+    loss: mean cross-entropy over labels != -100, when labels are given (a task head's own loss).
     pooler_output: (B, d_model), an encoder's pooled [CLS] state.
     encoder_last_hidden_state: (B, M, d_model), the encoder's output in an encoder-decoder.
     attentions: with output_attentions=True, one (B, H, L, L_keys) tensor of
@@ -139,7 +141,7 @@ class PreTrainedModel(nn.Module):
 
 class EncoderModel(PreTrainedModel):
     """BERT-style: embeddings with token types, a bidirectional encoder, and
-    optionally the [CLS] pooler and the masked-LM head."""
+    optionally the [CLS] pooler and the masked-LM head, or a task head (config.task)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -149,6 +151,7 @@ class EncoderModel(PreTrainedModel):
         self.encoder = Encoder(config)
         self.pooler = Pooler(config) if config.pooler else None
         self.mlm_head = MaskedLMHead(config) if config.mlm_head else None
+        self.task_head = make_task_head(config)  # sequence / token classification, or None
         self.init_weights()
 
     def forward(
@@ -161,20 +164,27 @@ class EncoderModel(PreTrainedModel):
         output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids (B, L); attention_mask (B, L), 1/True = real token; token_type_ids (B, L);
-        labels (B, L) with -100 where no prediction is scored. output_attentions:
-        also return every layer's attention probabilities (computed by the eager backend)."""
+        labels (B, L) with -100 where no prediction is scored (a task head's labels: task_heads.py).
+        output_attentions: also return every layer's attention probabilities (computed by the
+        eager backend)."""
         self._check_ids("input_ids", input_ids)
         padding_mask = padding_mask_from("attention_mask", attention_mask, tuple(input_ids.shape))
         check_token_types(token_type_ids, input_ids, self.config.type_vocab_size)
-        check_labels(labels, tuple(input_ids.shape), self.config.vocab_size, self.mlm_head is not None)
+        if self.task_head is None:  # a task head checks its own labels
+            check_labels(labels, tuple(input_ids.shape), self.config.vocab_size, self.mlm_head is not None)
         positions = self._positions("input_ids", input_ids.shape[1], position_ids, 0, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
         with recording_attention(output_attentions) as maps:
             hidden = self.encoder(hidden, padding_mask, positions)
         pooled = self.pooler(hidden) if self.pooler is not None else None
-        logits = self.mlm_head(hidden, self.embeddings.tokens.weight) if self.mlm_head is not None else None
-        loss = cross_entropy(logits, labels) if labels is not None else None
+        if self.task_head is not None:
+            logits, loss = self.task_head(hidden, pooled, padding_mask, labels)
+        else:
+            logits = (
+                self.mlm_head(hidden, self.embeddings.tokens.weight) if self.mlm_head is not None else None
+            )
+            loss = cross_entropy(logits, labels) if labels is not None else None
         return ModelOutput(
             last_hidden_state=hidden,
             logits=logits,
@@ -413,6 +423,58 @@ def build(config: ModelConfig | str, **overrides) -> PreTrainedModel:
     else:
         raise TypeError(f"build() takes a ModelConfig or a preset name; got {type(config).__name__}")
     return MODEL_CLASSES[config.arch](config)
+
+
+def rebuild(model: PreTrainedModel, config: ModelConfig) -> PreTrainedModel:
+    """A model of `config` holding `model`'s weights under the names both have (the embeddings
+    and blocks, when only the heads differ); a parameter `model` lacks (a new head) is
+    initialized as build() does, one `model` has and `config` does not (a dropped head) is left
+    out. On `model`'s device and dtype, in its train/eval mode."""
+    new = MODEL_CLASSES[config.arch](config)
+    load_shared_weights(new, model)
+    parameter = next(model.parameters())
+    return new.to(parameter.device, parameter.dtype).train(model.training)
+
+
+def load_shared_weights(model: PreTrainedModel, source: PreTrainedModel) -> list[str]:
+    """Copy into `model` every weight of `source` whose name it has; returns the names of
+    `model` left as they were. A shared name with another shape is an error."""
+    mine = model.state_dict()
+    kept = {name: tensor for name, tensor in source.state_dict().items() if name in mine}
+    for name, tensor in kept.items():
+        if tensor.shape != mine[name].shape:
+            raise ValueError(
+                f"cannot keep {name}: the source has shape {tuple(tensor.shape)}, the model "
+                f"{tuple(mine[name].shape)}"
+            )
+    model.load_state_dict(kept, strict=False)
+    return sorted(set(mine) - set(kept))
+
+
+def add_task_head(
+    encoder: EncoderModel,
+    task: str,
+    num_labels: int | None = None,
+    labels: list[str] | None = None,
+    problem_type: str | None = None,
+    classifier_pooling: str = "pooler",
+    classifier_dropout: float | None = None,
+) -> EncoderModel:
+    """A pretrained encoder with a new task head (ModelConfig.task: "sequence-classification" or
+    "token-classification"), as transformers' BertFor*Classification.from_pretrained gives it: the
+    embeddings, blocks and (where the head reads it) pooler kept; the classifier, and a pooler the
+    encoder lacked, initialized as transformers initializes what a checkpoint does not hold
+    (weights N(0, init_std), biases 0); the masked-LM head dropped."""
+    check_arch(encoder.config, "encoder")
+    config = encoder.config.replace(
+        task=task,
+        num_labels=num_labels,
+        labels=labels,
+        problem_type=problem_type,
+        classifier_pooling=classifier_pooling,
+        classifier_dropout=classifier_dropout,
+    )
+    return rebuild(encoder, config)
 
 
 # ---- loss ----

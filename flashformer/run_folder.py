@@ -102,12 +102,12 @@ def unigram_bits_per_byte(documents: list[data.Document]) -> float:
 
 def archive_previous_run(out_dir: Path) -> Path | None:
     """A fresh run in a folder that holds an earlier run's checkpoints moves
-    them (with its metrics, plot and export) into previous-N/, so that the
+    them (with its metrics, plot, summary and export) into previous-N/, so that the
     newest checkpoint in the folder is always this run's and nothing is lost.
     The token files are kept and reused."""
     out_dir = Path(out_dir)
     names = [p.name for p in ckpt.list_checkpoints(out_dir)]
-    names += [n for n in ("metrics.jsonl", "loss.png", "hf") if (out_dir / n).exists()]
+    names += [n for n in ("metrics.jsonl", "loss.png", "summary.json", "hf") if (out_dir / n).exists()]
     if not names:
         return None
     index = 1

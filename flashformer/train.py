@@ -29,9 +29,9 @@ import torch.distributed as dist
 from flashformer import checkpoint as ckpt
 from flashformer import data
 from flashformer.config import ModelConfig
-from flashformer.models import build, cross_entropy
-from flashformer.run_folder import archive_previous_run, prepare_data
-from flashformer.viz.losses import plot_losses
+from flashformer.language_modeling import LanguageModeling
+from flashformer.models import build
+from flashformer.run_folder import archive_previous_run
 
 
 @dataclass
@@ -178,30 +178,16 @@ def elapsed_minutes(started: float) -> float:
 # ---- the trainer ----
 
 
-def make_batch(arch: str, windows: torch.Tensor, tokenizer, generator: torch.Generator) -> dict:
-    """Windows of seq_len + 1 tokens -> one family's inputs and targets.
-
-    decoder: next-token prediction, targets[t] = windows[t + 1];
-    encoder: BERT's masked LM; encoder-decoder: T5's span corruption.
-    """
-    if arch == "decoder":
-        return {"input_ids": windows[:, :-1], "targets": windows[:, 1:]}
-    if arch == "encoder":
-        return data.masked_lm_batch(windows, tokenizer, generator)
-    return data.span_corruption_batch(windows, tokenizer, generator)
-
-
-def batch_loss(model, batch: dict) -> torch.Tensor:
-    if "targets" in batch:  # next-token targets are already aligned: no shift inside the model
-        return cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["targets"])
-    return model(**batch).loss
-
-
 RUNTIME_ONLY_FIELDS = {"activation_checkpointing", "attention_backend"}  # may change across a resume
 
 
 class Trainer:
-    """Builds a run (data, model, optimizer) and trains it; see the module docstring."""
+    """Builds a run (data, model, optimizer) and trains it; see the module docstring.
+
+    objective: what is trained (its data, batches, loss and evaluation; the interface is in
+    language_modeling.py); None = language modelling on the corpus of config.data, the
+    objective of `flashformer train`. The fine-tuning tasks bring theirs (tasks/objectives.py).
+    """
 
     def __init__(
         self,
@@ -210,6 +196,7 @@ class Trainer:
         out_dir: Path,
         resume: bool = False,
         show_progress: bool = True,
+        objective=None,
     ):
         check_train_config(config)
         self.config, self.out_dir, self.show_progress = config, Path(out_dir), show_progress
@@ -220,11 +207,13 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         if not resume and self.dist.is_main:
             archive_previous_run(self.out_dir)
-        self.run_data = prepare_data(config, self.out_dir / "data", self.dist.is_main, show_progress)
-        self.tokenizer = self.run_data.tokenizer
+        if objective is None:
+            objective = LanguageModeling(config, self.out_dir / "data", self.dist.is_main, show_progress)
+        self.objective = objective
+        self.tokenizer = objective.tokenizer
 
+        model_config = objective.model_config(model_config)
         self.model_config = model_config.replace(
-            vocab_size=self.tokenizer.vocab_size,
             activation_checkpointing=config.activation_checkpointing or model_config.activation_checkpointing,
         )
         if self.model_config.position == "learned" and config.seq_len > self.model_config.max_seq_len:
@@ -237,6 +226,8 @@ class Trainer:
         resume_from = self._latest_checkpoint() if resume else None
         if resume_from is not None:
             ckpt.load_weights(resume_from, self.model)  # before sharding: a plain, checked load
+        else:
+            objective.initialize(self.model)  # a fine-tuning task's pretrained weights
         self.model.to(self.device)
         self.train_model = self._wrap(self.model)  # DDP / FSDP / compiled view used for training
         self.optimizer = torch.optim.AdamW(
@@ -248,7 +239,7 @@ class Trainer:
             self.optimizer, lambda step: learning_rate(step, config) / config.lr
         )
         self.sampler = data.ShardedSampler(
-            len(self.run_data.train), config.seed, self.dist.rank, self.dist.world_size
+            objective.train_size, config.seed, self.dist.rank, self.dist.world_size
         )
         self.generator = torch.Generator().manual_seed(config.seed * 7919 + self.dist.rank)
         torch.manual_seed(config.seed * 104729 + self.dist.rank)  # dropout differs across ranks
@@ -312,11 +303,10 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "ranks": ranks,
         }
+        run_config = {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.config)}
         extra = {
-            "config.json": json.dumps(
-                {"model": self.model_config.to_dict(), "train": dataclasses.asdict(self.config)}, indent=2
-            ),
-            "tokenizer.json": (self.out_dir / "data" / "tokenizer.json").read_text(),
+            "config.json": json.dumps(run_config | self.objective.checkpoint_config(), indent=2),
+            **self.objective.checkpoint_files(),
         }
         return ckpt.save_checkpoint(self.out_dir, self.step, weights, state, extra, self.config.keep_last)
 
@@ -362,30 +352,30 @@ class Trainer:
 
     # ---- the loop ----
 
-    def _autocast(self):
+    def autocast(self):
         enabled = self.config.precision == "bf16"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def _batch(self, indices: list[int], source: data.PackedSequences, generator) -> dict:
-        batch = make_batch(self.model_config.arch, source.windows(indices), self.tokenizer, generator)
+    def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def _train_step(self) -> float:
-        """One optimizer step over grad_accum micro-batches; returns the mean loss."""
+    def _train_step(self) -> tuple[float, int]:
+        """One optimizer step over grad_accum micro-batches; returns the mean loss and the tokens
+        the step read on this process."""
         cfg = self.config
         self.train_model.train()
-        total = 0.0
+        total, tokens = 0.0, 0
         for micro in range(cfg.grad_accum):
-            batch = self._batch(
-                self.sampler.next_indices(cfg.batch_size), self.run_data.train, self.generator
-            )
+            batch = self.objective.train_batch(self.sampler.next_indices(cfg.batch_size), self.generator)
+            tokens += self.objective.tokens(batch)
+            batch = self.to_device(batch)
             last = micro == cfg.grad_accum - 1
             sync = contextlib.nullcontext()
             if not last and hasattr(self.train_model, "no_sync"):  # DDP: all-reduce once per step
                 sync = self.train_model.no_sync()
             with sync:
-                with self._autocast():
-                    loss = batch_loss(self.train_model, batch) / cfg.grad_accum
+                with self.autocast():
+                    loss = self.objective.loss(self.train_model, batch) / cfg.grad_accum
                 loss.backward()
             total += loss.item()
         if cfg.grad_clip > 0:
@@ -393,51 +383,15 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return total, tokens
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Validation loss on a fixed set of windows (the same at every evaluation)."""
-        cfg = self.config
-        world = self.dist.world_size
-        count = min(len(self.run_data.val), cfg.eval_batches * cfg.batch_size * world) // world * world
-        order = torch.randperm(len(self.run_data.val), generator=torch.Generator().manual_seed(cfg.seed))
-        mine = order[:count][self.dist.rank :: self.dist.world_size].tolist()
-        generator = torch.Generator().manual_seed(cfg.seed + 1)  # same masks / spans every evaluation
-        self.train_model.eval()
-        losses = []
-        for start in range(0, len(mine), cfg.batch_size):
-            batch = self._batch(mine[start : start + cfg.batch_size], self.run_data.val, generator)
-            with self._autocast():
-                losses.append(batch_loss(self.train_model, batch).item())
-        val_loss = self.dist.all_mean(sum(losses) / max(1, len(losses)))
-        result = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50))}
-        if self.model_config.arch == "decoder":  # a per-byte figure is meaningful for next-token loss
-            result["val_bits_per_byte"] = val_loss / math.log(2) / self.run_data.val_bytes_per_token
-        return result
+        """The objective's held-out figures (validation loss; a task's metrics)."""
+        return self.objective.evaluate(self)
 
     def sample(self, seed: int = 0) -> str:
         """A continuation of the sample prompt (decoders), for a look at what the model learned."""
-        if self.model_config.arch != "decoder" or not hasattr(self.model, "generate"):
-            return ""
-        prompt = self.tokenizer.encode(self.config.sample_prompt) or [self.tokenizer.token_id(data.EOS)]
-        input_ids = torch.tensor([prompt], device=self.device)
-        new_tokens = self.config.sample_tokens
-        if self.model_config.position == "learned":  # no positions beyond the table
-            new_tokens = min(new_tokens, self.model_config.max_seq_len - len(prompt))
-        if new_tokens < 1:
-            return ""
-        self.model.eval()
-        with torch.no_grad(), self._autocast():
-            out = self.model.generate(
-                input_ids,
-                max_new_tokens=new_tokens,
-                do_sample=True,
-                temperature=0.8,
-                top_k=50,
-                seed=seed,
-            )
-        return self.tokenizer.decode(out[0].tolist())
+        return self.objective.sample(self, seed)
 
     def fit(self, until_step: int | None = None) -> dict:
         """Train to max_steps (or stop after `until_step`, with a checkpoint, as
@@ -446,7 +400,6 @@ class Trainer:
 
         cfg, is_main = self.config, self.dist.is_main
         started = time.perf_counter()
-        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         progress = tqdm(
             total=cfg.max_steps,
             initial=self.step,
@@ -459,17 +412,18 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             print(
                 f"model: {self.model_config.arch}, {self.model.num_parameters() / 1e6:.2f}M parameters; "
-                f"{tokens_per_step} tokens per step; unigram entropy of the validation text "
-                f"{self.run_data.unigram_bits_per_byte:.3f} bits/byte",
+                + self.objective.describe(self),
                 flush=True,
             )
         window_started, window_tokens, last_eval = time.perf_counter(), 0, None
         with GracefulInterrupt() as interrupt:
             while self.step < cfg.max_steps:
-                loss = self.dist.all_mean(self._train_step())
+                loss, tokens = self._train_step()
+                loss = self.dist.all_mean(loss)
+                tokens *= self.dist.world_size  # every rank reads as many (exactly so for packed windows)
                 self.step += 1
-                self.tokens_seen += tokens_per_step
-                window_tokens += tokens_per_step
+                self.tokens_seen += tokens
+                window_tokens += tokens
                 record = None
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                     rate = window_tokens / (time.perf_counter() - window_started)
@@ -487,7 +441,7 @@ class Trainer:
                     last_eval = self.evaluate()
                     record = dict(record or {"step": self.step, "loss": loss}, **last_eval)
                 if record is not None and is_main:
-                    self._log(record)
+                    self.log(record)
                 if self.step % cfg.save_every == 0:
                     self.save()
                 progress.update(1)
@@ -499,22 +453,20 @@ class Trainer:
         if last_eval is None or self.step % cfg.eval_every != 0:
             last_eval = self.evaluate()
             if is_main:
-                self._log(dict({"step": self.step}, **last_eval))
+                self.log(dict({"step": self.step}, **last_eval))
         folder = self.save()
         sample = self.sample()
         summary = {
             "step": self.step,
             "checkpoint": str(folder) if folder else None,
             **last_eval,
-            "unigram_bits_per_byte": self.run_data.unigram_bits_per_byte,
+            **self.objective.summary(),
             "interrupted": interrupt.requested,
             "sample": sample,
             "minutes": elapsed_minutes(started),
         }
         if is_main:
-            plot_losses(
-                self.out_dir / "metrics.jsonl", self.out_dir / "loss.png", self.run_data.unigram_bits_per_byte
-            )
+            self.objective.finish(self)
         return summary
 
     def _anyone(self, flag: bool) -> bool:
@@ -525,6 +477,7 @@ class Trainer:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
 
-    def _log(self, record: dict) -> None:
+    def log(self, record: dict) -> None:
+        """Append one record to the run's metrics.jsonl (rank 0 calls it)."""
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -30,6 +30,7 @@ import torch
 from flashformer import cli, costs, hf
 from flashformer.bench import attention as bench_attention
 from flashformer.costs import report
+from flashformer.tasks import study
 from flashformer.viz import positional, tiles
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -130,6 +131,18 @@ def measured_section(docs: Path, redraw: bool = True) -> str:
     return "\n".join(parts)
 
 
+def encoder_study_section(docs: Path, redraw: bool = True) -> str:
+    """The encoder study's tables (docs/encoders.md) from its stored JSON, its PNG redrawn;
+    `python scripts/encoder_study.py` reruns the study itself."""
+    path = docs / "figures" / "measured" / "encoder-study.json"
+    if not path.is_file():
+        return "No stored study: run `python scripts/encoder_study.py`.\n"
+    payload = json.loads(path.read_text())
+    if redraw:
+        study.plot(payload, path.with_suffix(".png"))
+    return study.table(payload) + "\n\n![the encoder study](figures/measured/encoder-study.png)\n"
+
+
 def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     figures = docs / "figures"
     figures.mkdir(parents=True, exist_ok=True)
@@ -177,7 +190,8 @@ def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     replace_generated(docs / "costs.md", "memory-agreement", bench_attention.memory_agreement_table(payload))
     replace_generated(docs / "models.md", "hf-names", hf.names_table())
     replace_generated(docs / "cli.md", "cli-reference", cli.reference())
-    print("  tables in benchmarks.md, costs.md, models.md, cli.md", flush=True)
+    replace_generated(docs / "encoders.md", "encoder-study", encoder_study_section(docs))
+    print("  tables in benchmarks.md, costs.md, models.md, cli.md, encoders.md", flush=True)
     return written
 
 

@@ -38,6 +38,7 @@ def test_every_docs_page_has_the_markers_the_command_fills():
         ("costs.md", "memory-agreement"),
         ("models.md", "hf-names"),
         ("cli.md", "cli-reference"),
+        ("encoders.md", "encoder-study"),
     ):
         text = (DOCS / page).read_text()
         assert f"<!-- generated: {name} -->" in text and f"<!-- end: {name} -->" in text, (page, name)
@@ -47,6 +48,8 @@ def test_cli_reference_holds_every_command():
     reference = cli.reference()
     for command in (
         "train",
+        "finetune",
+        "embed",
         "generate",
         "bench attention",
         "bench model",
@@ -122,3 +125,15 @@ def test_docs_figures_regenerates_a_copy_of_docs(tmp_path):
     for name in ("cost-gpt2.png", "positional.png", "flash-tiles.png", "attention-memory-formula.png"):
         assert (copy / "figures" / name).stat().st_size > 0
     assert "| eager | 1024 |" in (copy / "costs.md").read_text()
+
+
+def test_encoder_study_section_comes_from_the_stored_json(tmp_path):
+    from test_study import payload
+
+    assert "No stored study" in docs.encoder_study_section(tmp_path)
+    measured = tmp_path / "figures" / "measured"
+    measured.mkdir(parents=True)
+    (measured / "encoder-study.json").write_text(json.dumps(payload()))
+    section = docs.encoder_study_section(tmp_path)
+    assert "| classification | accuracy | 0.110 |" in section and "classification accuracy +0.300" in section
+    assert (measured / "encoder-study.png").stat().st_size > 0

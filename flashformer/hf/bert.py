@@ -1,4 +1,5 @@
-"""BERT: post-norm, LayerNorm gamma/beta in old files, the MLM head tied to the word embedding."""
+"""BERT: post-norm, LayerNorm gamma/beta in old files, the MLM head tied to the word embedding;
+BertForSequenceClassification / BertForTokenClassification's `classifier` (hf/task_heads.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from flashformer.hf.mapping import (
     standard_heads,
     strip,
 )
+from flashformer.hf.task_heads import task_from_hf, task_to_hf
 
 
 class Bert(Family):
@@ -32,9 +34,10 @@ class Bert(Family):
         return strip(weights, "bert.")
 
     def add_prefix(self, weights, config):
-        # BertForMaskedLM nests the encoder under "bert."; BertModel does not
+        # BertForMaskedLM and BertFor*Classification nest the encoder under "bert."; BertModel does not
+        nested = config.mlm_head or config.task is not None
         return {
-            ("" if name.startswith("cls.") or not config.mlm_head else "bert.") + name: t
+            ("" if name.startswith(("cls.", "classifier.")) or not nested else "bert.") + name: t
             for name, t in weights.items()
         }
 
@@ -73,7 +76,9 @@ class Bert(Family):
             dropout=hf.get("hidden_dropout_prob", 0.1),
             attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
             pad_token_id=hf.get("pad_token_id", 0),
+            init_std=hf.get("initializer_range", 0.02),
             hf_model_type="bert",
+            **task_from_hf(hf, weights, "Bert", "classifier.weight"),
         )
 
     def config_to_hf(self, config):
@@ -91,7 +96,7 @@ class Bert(Family):
             attention_scale=None,
         )
         standard_heads(config, "bert")
-        return {
+        hf = {
             "architectures": ["BertForMaskedLM" if config.mlm_head else "BertModel"],
             "model_type": "bert",
             "vocab_size": config.vocab_size,
@@ -108,7 +113,9 @@ class Bert(Family):
             "pad_token_id": config.pad_token_id,
             "position_embedding_type": "absolute",
             "tie_word_embeddings": config.tie_word_embeddings,
+            "initializer_range": config.init_std,
         }
+        return hf | task_to_hf(config, "Bert")
 
     def rules(self, config):
         rules = [
@@ -142,6 +149,8 @@ class Bert(Family):
             ]
             if not config.tie_word_embeddings:
                 rules.append(Rule("mlm_head.decoder.weight", ("cls.predictions.decoder.weight",)))
+        if config.task is not None:
+            rules += linear("task_head.classifier", "classifier")
         return rules
 
     def tied_aliases(self, config):
