@@ -294,6 +294,13 @@ def test_bad_requests_get_openai_errors(server, tiny_chat_model, name, body, sta
     assert message in error["message"] and error["type"]
 
 
+def test_a_text_model_refuses_embeddings_by_name(client, tiny_chat_model):
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="generates text; /v1/embeddings needs an encoder"):
+        client.embeddings.create(model=tiny_chat_model.name, input="hello")
+
+
 def test_a_wrong_api_key_is_401(server, tiny_chat_model):
     from openai import AuthenticationError, OpenAI
 

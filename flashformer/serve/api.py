@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   messages through the model's chat template
     POST /v1/completions        a prompt string or token ids
+    POST /v1/embeddings         sentence vectors (when the model is an encoder)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Requests and responses have OpenAI's shapes, so the `openai` client (and
@@ -17,17 +18,20 @@ cancelled within one engine step.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import time
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from flashformer.serve.embeddings import EmbeddingEngine, EmbeddingRequest
 from flashformer.serve.engine import Busy, Engine, Event, SamplingParams
 from flashformer.serve.engine import Request as EngineRequest
 
@@ -79,6 +83,15 @@ class CompletionRequest(Sampling):
 # ---- errors ----
 
 
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
         super().__init__(message)
@@ -92,9 +105,11 @@ class APIError(Exception):
 # ---- the app ----
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` as the model `model_name`; with api_key, every /v1 call
-    must carry `Authorization: Bearer <api_key>` (compared in constant time)."""
+def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` as the model `model_name`: a text Engine answers the
+    completions endpoints, an EmbeddingEngine /v1/embeddings (each refuses the other's by
+    name). With api_key, every /v1 call must carry `Authorization: Bearer <api_key>`
+    (compared in constant time)."""
     app = FastAPI(title="flashformer", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -139,6 +154,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(body.model, model_name)
+        _check_generates(engine, model_name)
         messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
         try:
             prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -154,6 +170,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         _check_model(body.model, model_name)
+        _check_generates(engine, model_name)
         if body.echo:
             raise APIError(400, "echo=true is not supported", param="echo")
         prompt = body.prompt
@@ -178,7 +195,87 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         params = _params(body, body.max_tokens, body.logprobs, len(ids), engine)
         return await _respond(engine, http, body, ids, params, model_name, chat=False)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingsRequest, http: Request):
+        _check_model(body.model, model_name)
+        if not isinstance(engine, EmbeddingEngine):
+            raise APIError(
+                400,
+                f"the model {model_name!r} generates text; /v1/embeddings needs an encoder model "
+                "(serve a sentence-transformers or BERT-style folder)",
+                param="model",
+            )
+        return await _embed(engine, http, body, model_name)
+
     return app
+
+
+def _check_generates(engine, model_name: str) -> None:
+    if isinstance(engine, EmbeddingEngine):
+        raise APIError(
+            400,
+            f"the model {model_name!r} is an encoder (sentence embeddings); use /v1/embeddings",
+            param="model",
+        )
+
+
+async def _embed(engine: EmbeddingEngine, http: Request, body: EmbeddingsRequest, model_name: str) -> dict:
+    """Token ids of every input (texts through the tokenizer, cut to the encoder's length as
+    sentence-transformers cuts them; ids as given), their vectors from the engine, OpenAI's
+    response: float lists, or base64 of little-endian float32 (what the openai client asks for)."""
+    if body.encoding_format not in ("float", "base64"):
+        raise APIError(400, f"encoding_format must be 'float' or 'base64'; got {body.encoding_format!r}",
+                       param="encoding_format")  # fmt: skip
+    if body.dimensions is not None and body.dimensions != engine.dimension:
+        raise APIError(400, f"dimensions: this model's vectors have {engine.dimension}; got {body.dimensions}",
+                       param="dimensions")  # fmt: skip
+    given = body.input
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        given = [given]
+    if not given:
+        raise APIError(400, "input: give at least one text", param="input")
+    if any(isinstance(item, str) and not item for item in given):
+        raise APIError(
+            400, f"input[{[i for i, s in enumerate(given) if s == ''][0]}] is empty", param="input"
+        )
+    texts = [item for item in given if isinstance(item, str)]
+    encoded = iter(engine.encode(texts) if texts else [])
+    inputs = [next(encoded) if isinstance(item, str) else list(item) for item in given]
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future = loop.create_future()
+
+    def emit(vectors, message) -> None:
+        loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result((vectors, message)))
+
+    request = EmbeddingRequest(inputs, emit)
+    try:
+        engine.submit(request)
+    except Busy as busy:
+        raise APIError(503, str(busy), kind="server_error", code="overloaded") from None
+    except ValueError as error:
+        raise APIError(400, str(error), param="input") from None
+    try:  # wait, but cancel the request if the client goes away
+        while not (await asyncio.wait({answer}, timeout=0.5))[0]:
+            if await http.is_disconnected():
+                request.cancel()
+                return JSONResponse({}, status_code=499)
+    except asyncio.CancelledError:
+        request.cancel()
+        raise
+    vectors, message = answer.result()
+    if message is not None:
+        raise APIError(500, message, kind="server_error")
+
+    def encoded_vector(vector: np.ndarray):
+        if body.encoding_format == "base64":
+            return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+        return vector.tolist()
+
+    data = [
+        {"object": "embedding", "index": i, "embedding": encoded_vector(v)} for i, v in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": request.tokens, "total_tokens": request.tokens}
+    return {"object": "list", "data": data, "model": model_name, "usage": usage}
 
 
 def _check_model(name: str, served: str) -> None:
@@ -418,6 +515,9 @@ def _prometheus(metrics: dict) -> str:
         "generated_tokens": ("counter", "tokens generated"),
         "prompt_tokens": ("counter", "prompt tokens computed"),
         "preemptions": ("counter", "sequences preempted for lack of KV blocks"),
+        "inputs_waiting": ("gauge", "embedding inputs waiting to be encoded"),
+        "inputs_per_second": ("gauge", "embedding inputs encoded per second over the last 10 s"),
+        "embedded_inputs": ("counter", "embedding inputs encoded"),
     }
     lines = []
     for name, value in metrics.items():

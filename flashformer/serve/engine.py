@@ -28,7 +28,6 @@ sequence's own generator, seeded from the request.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import deque
@@ -41,10 +40,9 @@ import torch.nn.functional as F
 from flashformer.attention.paged import kv_slots
 from flashformer.sampling import filter_top_p
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
+from flashformer.serve.scheduler import Busy, SchedulerLoop
 
-
-class Busy(RuntimeError):
-    """The waiting queue is full (the server answers 503)."""
+__all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ class Sequence:
         return self.computed < self.prompt_len
 
 
-class Engine:
+class Engine(SchedulerLoop):
     """The model, its paged cache and the scheduler loop; see the module docstring.
 
     max_batch: sequences decoded together (and the fixed batch of every decode step);
@@ -156,9 +154,9 @@ class Engine:
         prefill_budget: int = 256,
         max_waiting: int = 256,
     ):
+        super().__init__(max_waiting)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_batch, self.prefill_chunk, self.prefill_budget = max_batch, prefill_chunk, prefill_budget
-        self.max_waiting = max_waiting
         self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
         self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
         self.caches, self.batch = make_paged_caches(model, self.pool)
@@ -166,11 +164,6 @@ class Engine:
         self.device = next(model.parameters()).device
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._inbox: queue.Queue[Request] = queue.Queue()
-        self._waiting_count = 0  # sequences submitted and not yet running (read from other threads)
-        self._count_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "preemptions": 0}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last steps
 
@@ -191,27 +184,7 @@ class Engine:
             raise ValueError(
                 f"the prompt is {length} tokens; the KV pool holds {self.pool.capacity * self.pool.block_size}"
             )
-        with self._count_lock:
-            if self._waiting_count + len(request.sequences) > self.max_waiting:
-                raise Busy(
-                    f"{self._waiting_count} sequences are waiting (max {self.max_waiting}); try again later"
-                )
-            self._waiting_count += len(request.sequences)
-        self._inbox.put(request)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="flashformer-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join()
-
-    def _count_waiting(self, change: int) -> None:
-        with self._count_lock:
-            self._waiting_count += change
+        self._enqueue(request, len(request.sequences))
 
     def metrics(self) -> dict:
         now = time.monotonic()
@@ -229,28 +202,16 @@ class Engine:
 
     # ---- the loop ----
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            idle = not self.running and not self.waiting
-            try:
-                request = self._inbox.get(timeout=None if idle else 0.0)
-            except queue.Empty:
-                request = None
-            while request is not None:
-                self.waiting.extend(request.sequences)
-                try:
-                    request = self._inbox.get_nowait()
-                except queue.Empty:
-                    request = None
-            if self._stop.is_set():
-                break
-            try:
-                self.step()
-            except Exception as error:  # a failing step must not leave clients waiting forever
-                for sequence in self.running + list(self.waiting):
-                    self._fail(sequence, f"the engine failed: {error!r}")
-                self.running, self.waiting = [], deque()
-                self._count_waiting(-self._waiting_count)
+    def _accept(self, request: Request) -> None:
+        self.waiting.extend(request.sequences)
+
+    def _has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _fail_all(self, message: str) -> None:
+        for sequence in self.running + list(self.waiting):
+            self._fail(sequence, message)
+        self.running, self.waiting = [], deque()
 
     @torch.no_grad()
     def step(self) -> None:
