@@ -88,6 +88,16 @@ class PreTrainedModel(nn.Module):
             )
         hf.save_pretrained(self, folder)
 
+    def train(self, mode: bool = True):
+        """As nn.Module's, but a quantized model refuses training mode: its weights are integer
+        buffers with no gradient (train the float model, then quantize it)."""
+        if mode and getattr(self, "quantization", None) is not None:
+            raise RuntimeError(
+                f"this model is quantized ({self.quantization}) and cannot be trained: its weights are "
+                "integer buffers with no gradient; train or fine-tune the float model, then quantize it"
+            )
+        return super().train(mode)
+
     def init_weights(self) -> None:
         """GPT-2's scheme: weights N(0, init_std), biases 0, norms 1; the
         projections that write into the residual stream (attn.out, ffn.down)
