@@ -75,6 +75,10 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
             "train": Command(
                 "flashformer.bench.train", "training tokens/s and MFU against transformers (gpt2-small shape)"
             ),
+            "quality": Command(
+                "flashformer.bench.quality",
+                "perplexity of a GGUF model in float32, int8, int4 and its own blocks, against llama.cpp",
+            ),
             "serve": Command(
                 "flashformer.bench.serve",
                 "a server under load (openai client): tokens/s, time to first token, inter-token latency",

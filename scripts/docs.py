@@ -94,6 +94,7 @@ MEASURED = {
     ),
     "generate-smollm2": ('flashformer bench generate --model "$SMOLLM2"', "generate_model"),
     "serve-smollm2": ('flashformer bench serve "$SMOLLM2"', "serve"),
+    "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini', "quality"),
 }
 
 
