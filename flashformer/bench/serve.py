@@ -34,6 +34,7 @@ from pathlib import Path
 from flashformer.bench.common import machine_info
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
+from flashformer.quantize import MODES
 
 
 def workload(count: int, max_tokens: int, seed: int) -> list[tuple[str, int]]:
@@ -150,6 +151,8 @@ def servers(model: str, args) -> dict[str, list[str]]:
     ours = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", "{port}", "--api-key", "bench"]
     if args.threads:
         ours += ["--threads", str(args.threads)]
+    if args.quantize:
+        ours += ["--quantize", args.quantize]
     found = {
         f"flashformer (max batch {args.clients})": ours + ["--max-batch", str(args.clients)],
         "flashformer (one at a time)": ours + ["--max-batch", "1"],
@@ -199,6 +202,7 @@ def run(model: str, args) -> dict:
             "requests": args.requests,
             "max_tokens": args.max_tokens,
             "seed": args.seed,
+            "quantize": args.quantize,
         },
         "servers": results,
         "targets": targets(results, args.clients),
@@ -255,7 +259,9 @@ def table(payload: dict) -> str:
     ]
     text = (
         f"{Path(payload['model']).name}; {config['requests']} streamed chat requests, {config['clients']} clients "
-        f"in flight, up to {config['max_tokens']} output tokens each, greedy.\n\n"
+        f"in flight, up to {config['max_tokens']} output tokens each, greedy"
+        + (f"; flashformer's weights quantized ({config['quantize']})" if config.get("quantize") else "")
+        + ".\n\n"
         + markdown_table(header, rows)
     )
     if payload["targets"]:
@@ -295,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="the longest output drawn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="threads of every server")
+    parser.add_argument("--quantize", choices=MODES, help="flashformer's servers load the model quantized so")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
 
