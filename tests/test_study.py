@@ -119,7 +119,7 @@ def test_table_and_figure_come_from_the_payload(tmp_path):
         in text
     )
     assert "| classification | macro_f1 | 0.020 | 0.400 | 0.700 | 0.600 | 0.300 |" in text
-    assert "(c) - (d), means over 3 seeds: classification accuracy +0.300." in text
+    assert "(c) - (d), means over 2 seeds: classification accuracy +0.300." in text
     assert "15.0 min, 4000 steps" in text
     study.plot(payload(), tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 0
