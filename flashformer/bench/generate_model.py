@@ -95,6 +95,7 @@ def llama_cpp_contender(path: Path, threads: int, context: int):
     )
 
     def generate(ids: list[int], n: int) -> list[int]:
+        llm.reset()  # else llama-cpp-python reuses the prompt it evaluated last (a prefix cache)
         out = []
         for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(token)
