@@ -17,7 +17,7 @@ def test_the_text_is_validation_files_only():
 
 def test_table_and_plot_from_a_payload(tmp_path):
     def result(ppl):
-        return {"perplexity": ppl, "bits_per_byte": 0.5, "tokens": 100}
+        return {"perplexity": ppl, "bits_per_byte": 0.5, "tokens": 100, "context": 512, "stride": 256}
 
     payload = {
         "texts": ["a.py", "b.py"],
@@ -34,6 +34,7 @@ def test_table_and_plot_from_a_payload(tmp_path):
     }
     text = quality.table(payload)
     assert "| m.gguf | int8 | 8.0400 | +0.50 % | 0.5000 | 100 |" in text
+    assert "m.gguf: context 512, stride 256." in text
     assert "m.gguf: flashformer on the file's blocks / llama.cpp = 1.0125" in text
     quality.plot(payload, tmp_path / "q.png")
     assert (tmp_path / "q.png").stat().st_size > 0

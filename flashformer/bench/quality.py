@@ -58,6 +58,8 @@ def score_flashformer(path: str, quantize, activations: str, texts, context: int
 
     started = time.perf_counter()
     model, tokenizer = flashformer.load(path, quantize=quantize, activations=activations)
+    if context > model.config.max_seq_len:  # a shorter model: its whole window, half of it as stride
+        context, stride = model.config.max_seq_len, model.config.max_seq_len // 2
     result = perplexity(model, tokenizer, texts, context, stride)
     return dict(result.to_dict(), seconds=time.perf_counter() - started)
 
@@ -137,9 +139,15 @@ def table(payload: dict) -> str:
         if peer is not None and ours is not None:
             notes.append(f"{name}: flashformer on the file's blocks / llama.cpp = "
                          f"{ours['perplexity'] / peer['perplexity']:.4f} (perplexity ratio)")  # fmt: skip
+    windows = {
+        name: (r["float32"].get("context"), r["float32"].get("stride"))
+        for name, r in payload["models"].items()
+    }
     text = (
-        f"{len(payload['texts'])} validation files of the stdlib corpus ({', '.join(payload['texts'])}), "
-        f"context {payload['context']}, stride {payload['stride']}.\n\n" + markdown_table(header, rows)
+        f"{len(payload['texts'])} validation files of the stdlib corpus ({', '.join(payload['texts'])}); "
+        + ", ".join(f"{name}: context {c}, stride {s}" for name, (c, s) in windows.items())
+        + ".\n\n"
+        + markdown_table(header, rows)
     )
     return text + ("\n\n" + "\n".join(notes) if notes else "")
 
