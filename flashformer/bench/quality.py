@@ -181,7 +181,7 @@ def plot(payload: dict, path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="a GGUF file (SmolLM2's Q4_1 file)")
     parser.add_argument("--run", help="also a float decoder quantized from float (a flashformer train run)")
-    parser.add_argument("--files", type=int, default=6, help="validation files scored")
+    parser.add_argument("--files", type=int, default=3, help="validation files scored")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
