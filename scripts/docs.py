@@ -92,21 +92,21 @@ MEASURED = {
         "flashformer bench generate --dtypes bfloat16 --new-tokens 64 --rounds 2",
         "generate",
     ),
-    "generate-smollm2": ('flashformer bench generate --model "$SMOLLM2"', "generate_model"),
+    "generate-smollm2": ('flashformer bench generate --model "$SMOLLM2" --threads 2', "generate_model"),
     "generate-smollm2-gguf": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize gguf --batches 1,8 --rounds 2',
+        'flashformer bench generate --model "$SMOLLM2" --quantize gguf --batches 1,8 --threads 2',
         "generate_model",
     ),
     "generate-smollm2-int8": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize int8 --rounds 2',
+        'flashformer bench generate --model "$SMOLLM2" --quantize int8 --threads 2',
         "generate_model",
     ),
     "generate-smollm2-int4": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize int4 --rounds 2',
+        'flashformer bench generate --model "$SMOLLM2" --quantize int4 --threads 2',
         "generate_model",
     ),
     "serve-smollm2": ('flashformer bench serve "$SMOLLM2"', "serve"),
-    "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini', "quality"),
+    "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
 }
 
 

@@ -137,7 +137,8 @@ def start(command: list[str], url: str, timeout_s: float = 600) -> subprocess.Po
         if process.poll() is not None:
             raise RuntimeError(f"{command[:4]} exited: {process.stderr.read()[-500:]}")
         try:
-            with urllib.request.urlopen(url + "/models", timeout=2) as reply:
+            ready = urllib.request.Request(url + "/models", headers={"Authorization": "Bearer bench"})
+            with urllib.request.urlopen(ready, timeout=2) as reply:
                 if reply.status == 200:
                     return process
         except OSError:

@@ -376,6 +376,7 @@ def table(payload: dict) -> str:
         f"Measured {payload['date']} on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}; "
         "training minutes are the fine-tuning loop's wall time (with one validation pass), on a machine "
         "shared with other work: take them to about ±30 %."
+        + (f" {payload['note']}" if payload.get("note") else "")
     )
     return "\n\n".join(parts)
 
