@@ -129,13 +129,17 @@ def free_port() -> int:
 
 
 def start(command: list[str], url: str, timeout_s: float = 600) -> subprocess.Popen:
+    import tempfile
     import urllib.request
 
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the server's output goes to a file: a pipe nobody reads fills up and blocks a chatty server
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{command[:4]} exited: {process.stderr.read()[-500:]}")
+            log.seek(0)
+            raise RuntimeError(f"{command[:4]} exited: {log.read()[-500:]}")
         try:
             ready = urllib.request.Request(url + "/models", headers={"Authorization": "Bearer bench"})
             with urllib.request.urlopen(ready, timeout=2) as reply:
