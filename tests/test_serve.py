@@ -450,3 +450,16 @@ def chat_answer(url: str, name: str, question: str, max_tokens: int) -> str:
         model=name, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
     )
     return reply.choices[0].message.content
+
+
+def test_a_quantized_model_decodes_only_its_rows_and_stays_invariant(tiny_chat_model):
+    """With every matmul a quantized kernel (rows computed alone), decode steps skip the padding
+    to max_batch, and a request's tokens are still the same alone or among others."""
+    model, tokenizer = flashformer.load(tiny_chat_model, quantize="int4")
+    prompts = [tokenizer.encode(q * (1 + i % 3)) for i, q in enumerate(QUESTIONS * 2)]
+    engine = Engine(model, tokenizer, max_batch=8, num_blocks=96)
+    assert not engine.pad_decode
+    alone = [run_engine(Engine(model, tokenizer, max_batch=8, num_blocks=96), [p], 24)[0] for p in prompts]
+    assert run_engine(engine, prompts, 24) == alone
+    float_model, _ = flashformer.load(tiny_chat_model)
+    assert Engine(float_model, tokenizer, max_batch=8, num_blocks=96).pad_decode

@@ -20,7 +20,8 @@ operations as before and it continues with the same tokens.
 Batch invariance: a request gets the same tokens alone or among others.
 Its prompt is always computed alone (a batch of one) in the same chunks;
 every decode step runs with the batch padded to max_batch rows, so the
-matmuls see the same shapes whoever else is running; attention reads each
+matmuls see the same shapes whoever else is running (a quantized model, whose
+kernels compute each row alone, skips the padding); attention reads each
 sequence's own blocks only (attention.paged); sampling draws from the
 sequence's own generator, seeded from the request.
 """
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.attention.paged import kv_slots
+from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.sampling import filter_top_p
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
 from flashformer.serve.scheduler import Busy, SchedulerLoop
@@ -160,6 +162,12 @@ class Engine(SchedulerLoop):
         self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
         self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
         self.caches, self.batch = make_paged_caches(model, self.pool)
+        # A float GEMM's rows may round differently with the batch size, so decode steps are
+        # padded to max_batch rows; a model whose every matmul is a quantized kernel (each row
+        # computed alone, the same bits at any row count: kernels.quantized) runs only its rows.
+        self.pad_decode = any(isinstance(m, torch.nn.Linear) for m in model.modules()) or not any(
+            isinstance(m, QuantizedLinear) for m in model.modules()
+        )
         self.max_blocks = self.pool.blocks_for(self.context)
         self.device = next(model.parameters()).device
         self.waiting: deque[Sequence] = deque()
@@ -301,9 +309,10 @@ class Engine(SchedulerLoop):
         self.stats["preemptions"] += 1
 
     def _decode(self, sequences: list[Sequence]) -> None:
-        """One decode step for the sequences, the batch padded to max_batch rows: row r feeds
-        token `computed` of its sequence (a replayed one after a preemption, or the newest)."""
-        rows = self.max_batch
+        """One decode step for the sequences: row r feeds token `computed` of its sequence (a
+        replayed one after a preemption, or the newest). The batch is padded to max_batch rows
+        when the model has float matmuls (see pad_decode)."""
+        rows = self.max_batch if self.pad_decode else len(sequences)
         tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         for r, sequence in enumerate(sequences):
