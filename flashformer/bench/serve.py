@@ -76,7 +76,7 @@ async def drive(url: str, model: str, jobs: list[tuple[str, int]], clients: int,
     async def one(question: str, limit: int):
         nonlocal tokens, errors
         started = time.perf_counter()
-        last = None
+        last, chunks, counted = None, 0, False
         try:
             stream = await client.chat.completions.create(
                 model=model,
@@ -94,8 +94,12 @@ async def drive(url: str, model: str, jobs: list[tuple[str, int]], clients: int,
                     else:
                         gaps.append(now - last)
                     last = now
+                    chunks += 1
                 if chunk.usage is not None:
                     tokens += chunk.usage.completion_tokens
+                    counted = True
+            if not counted:  # a server without stream usage (llama-cpp-python's): a token per chunk
+                tokens += chunks
         except Exception:
             errors += 1
 
