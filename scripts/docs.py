@@ -105,7 +105,8 @@ MEASURED = {
         'flashformer bench generate --model "$SMOLLM2" --quantize int4 --threads 2',
         "generate_model",
     ),
-    "serve-smollm2": ('flashformer bench serve "$SMOLLM2"', "serve"),
+    "serve-smollm2": ('flashformer bench serve "$SMOLLM2" --quantize gguf', "serve"),
+    "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
 }
 
