@@ -70,11 +70,11 @@ def score_llama_cpp(path: str, texts, context: int, stride: int, threads: int) -
         return None
     from llama_cpp import Llama
 
-    import flashformer
     from flashformer.perplexity import windows
+    from flashformer.tokenizer import Tokenizer
 
     started = time.perf_counter()
-    _, tokenizer = flashformer.load(path)
+    tokenizer = Tokenizer.from_gguf(path)  # the ids flashformer reads (no model needed for them)
     llm = Llama(model_path=path, n_ctx=context, n_batch=context, n_threads=threads, n_threads_batch=threads,
                 logits_all=True, verbose=False)  # fmt: skip
     nll, tokens, size = 0.0, 0, 0

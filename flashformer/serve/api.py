@@ -231,13 +231,10 @@ async def _embed(engine: EmbeddingEngine, http: Request, body: EmbeddingsRequest
                        param="dimensions")  # fmt: skip
     given = body.input
     if isinstance(given, str) or (given and isinstance(given[0], int)):
-        given = [given]
-    if not given:
-        raise APIError(400, "input: give at least one text", param="input")
-    if any(isinstance(item, str) and not item for item in given):
-        raise APIError(
-            400, f"input[{[i for i, s in enumerate(given) if s == ''][0]}] is empty", param="input"
-        )
+        given = [given]  # one input
+    empty = next((i for i, item in enumerate(given) if item == ""), None)
+    if empty is not None:  # a text the tokenizer would turn into special tokens alone
+        raise APIError(400, f"input[{empty}] is empty", param="input")
     texts = [item for item in given if isinstance(item, str)]
     encoded = iter(engine.encode(texts) if texts else [])
     inputs = [next(encoded) if isinstance(item, str) else list(item) for item in given]

@@ -12,7 +12,6 @@ cuts them, so a vector equals `SentenceEncoder.encode`'s for the same text.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -54,7 +53,6 @@ class EmbeddingEngine(SchedulerLoop):
         self.device = next(self.model.parameters()).device
         self.waiting: deque[tuple[EmbeddingRequest, int]] = deque()  # (request, input index)
         self.stats = {"steps": 0, "embedded_inputs": 0, "prompt_tokens": 0}
-        self._recent: deque[tuple[float, int]] = deque()
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """The texts' ids as the encoder reads them: special tokens added, cut to max_length."""
@@ -79,12 +77,9 @@ class EmbeddingEngine(SchedulerLoop):
         self._enqueue(request, len(request.inputs))
 
     def metrics(self) -> dict:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._recent) if now - t <= 10.0]
-        span = now - recent[0][0] if len(recent) > 1 else 0.0
         return {
             "inputs_waiting": self._waiting_count,
-            "inputs_per_second": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
+            "inputs_per_second": self._rate(),
             **self.stats,
         }
 
@@ -125,6 +120,4 @@ class EmbeddingEngine(SchedulerLoop):
         self.stats["steps"] += 1
         self.stats["embedded_inputs"] += len(taken)
         self.stats["prompt_tokens"] += tokens
-        self._recent.append((time.monotonic(), len(taken)))
-        while len(self._recent) > 256:
-            self._recent.popleft()
+        self._note_progress(len(taken))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,7 +172,6 @@ class Engine(SchedulerLoop):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "preemptions": 0}
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last steps
 
     # ---- the other threads' side ----
 
@@ -195,16 +193,13 @@ class Engine(SchedulerLoop):
         self._enqueue(request, len(request.sequences))
 
     def metrics(self) -> dict:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._recent) if now - t <= 10.0]
-        span = now - recent[0][0] if len(recent) > 1 else 0.0
         return {
             "requests_running": len({id(s.request) for s in list(self.running)}),
             "sequences_running": len(self.running),
             "sequences_waiting": self._waiting_count,
             "kv_blocks_in_use": self.pool.in_use,
             "kv_blocks_total": self.pool.capacity,
-            "tokens_per_second": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
+            "tokens_per_second": self._rate(),
             **self.stats,
         }
 
@@ -360,9 +355,7 @@ class Engine(SchedulerLoop):
             token = int(torch.multinomial(scores.softmax(-1), 1, generator=sequence.generator))
         sequence.tokens.append(token)
         self.stats["generated_tokens"] += 1
-        self._recent.append((time.monotonic(), 1))
-        while len(self._recent) > 4096:
-            self._recent.popleft()
+        self._note_progress(1)
         logprobs = []
         if params.logprobs is not None:
             log_probs = F.log_softmax(logits, dim=-1)

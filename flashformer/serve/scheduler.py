@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections import deque
 
 
 class Busy(RuntimeError):
@@ -32,6 +34,18 @@ class SchedulerLoop:
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._progress: deque[tuple[float, int]] = deque(maxlen=4096)  # (time, items done)
+
+    def _note_progress(self, count: int) -> None:
+        """Record `count` items (tokens, inputs) done now, for the rate /metrics reports."""
+        self._progress.append((time.monotonic(), count))
+
+    def _rate(self, window_s: float = 10.0) -> float:
+        """Items per second over the last window_s seconds (0 until two records fall in it)."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._progress) if now - t <= window_s]
+        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
 
     def _enqueue(self, request, items: int) -> None:
         """Count `items` more waiting (Busy past max_waiting) and hand the request to the loop."""
