@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from flashformer.kernels import quantized
-from flashformer.kernels.quantized import QuantizedEmbedding, QuantizedLinear, kernel_isa, load_kernels
+from flashformer.kernels.quantized import (
+    KERNEL_ISAS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    kernel_isa,
+    load_kernels,
+)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -198,20 +204,27 @@ def test_batch_invariance(source):
 
 @pytest.mark.skipif(load_kernels() != "cpp", reason="the C++ kernels are not built here")
 @pytest.mark.parametrize("source", SOURCES)
-def test_scalar_kernels_give_the_avx2_bits(source):
-    if kernel_isa() != "avx2":
-        pytest.skip("this CPU has no AVX2")
+def test_every_isa_gives_the_scalar_bits(source):
+    """Scalar, AVX2 and VNNI kernels (those this CPU has) at every tile of x rows: the same bits."""
+    isas = [isa for isa in KERNEL_ISAS if kernel_isa(isa) == isa]
+    kernel_isa("best")
+    if len(isas) < 2:
+        pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
-    x = torch.randn(6, 320)
+    x = torch.randn(11, 320)  # 11 rows: a full VNNI tile of 8 and a tail of 3; AVX2's 4 + 4 + 3
     for activations in ("int8", "float32"):
         lin, _ = make_linear(source, torch.randn(42, 320), torch.randn(42), activations)
-        avx2 = lin(x)
+        results = {}
         try:
-            assert kernel_isa(0) == "scalar"
-            scalar = lin(x)
+            for isa in isas:
+                assert kernel_isa(isa) == isa
+                results[isa] = (lin(x), lin(x[:1]))
         finally:
-            kernel_isa(1)
-        assert torch.equal(scalar, avx2), activations
+            kernel_isa("best")
+        for isa in isas[1:]:
+            assert torch.equal(results[isa][0], results["scalar"][0]), (activations, isa)
+            assert torch.equal(results[isa][1], results["scalar"][1]), (activations, isa)
+        assert torch.equal(results["scalar"][1][0], results["scalar"][0][0]), activations
 
 
 def test_fallback_matches_reference():

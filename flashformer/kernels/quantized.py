@@ -33,6 +33,7 @@ adjacent, so that a group is read as one sequential stream:
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -55,6 +56,7 @@ ACTIVATIONS = ("int8", "float32")
 FALLBACK_TILE_ROWS = 1024  # output rows dequantized at a time by the PyTorch fallback
 
 _CSRC = Path(__file__).parent / "csrc" / "quantized_cpu.cpp"
+_CSRC_INCLUDES = [Path(__file__).parent / "csrc" / "quantized_x86.inc"]
 
 # ---- the operators: schemas, shapes for torch.compile, no backward ----
 
@@ -97,9 +99,11 @@ def load_kernels() -> str:
         cpp_extension.load(
             name="flashformer_quantized_cpu",
             sources=[str(_CSRC)],
-            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar and AVX2
-            # kernels perform the same roundings; AVX2 code is chosen at run time, per CPU.
-            extra_cflags=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off"],
+            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
+            # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
+            # The included file's hash is a flag: torch rebuilds when the flags change, and it
+            # hashes only the listed sources.
+            extra_cflags=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -115,11 +119,22 @@ def load_kernels() -> str:
     return "cpp"
 
 
-def kernel_isa(request: int = -1) -> str:
-    """Which code runs the operators: "avx2", "scalar" (the C++ kernels) or "torch" (the fallback).
-    request=0 switches the C++ kernels to their scalar code and 1 back (tests compare the two)."""
+def _includes_hash() -> str:
+    return hashlib.sha256(b"".join(path.read_bytes() for path in _CSRC_INCLUDES)).hexdigest()[:16]
+
+
+KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
+
+
+def kernel_isa(request: int | str = -1) -> str:
+    """Which code runs the operators: one of KERNEL_ISAS (the C++ kernels) or "torch" (the fallback).
+    request (a name or its index) switches the C++ kernels to that code, or the best below it
+    this CPU has; "best" switches back. Tests compare them: all give the same bits."""
     load_kernels()
-    return {1: "avx2", 0: "scalar", -1: "torch"}[torch.ops.flashformer.quantized_kernel_isa(request)]
+    if isinstance(request, str):
+        request = len(KERNEL_ISAS) - 1 if request == "best" else KERNEL_ISAS.index(request)
+    isa = torch.ops.flashformer.quantized_kernel_isa(request)
+    return "torch" if isa < 0 else KERNEL_ISAS[isa]
 
 
 def _register_fallback() -> None:
