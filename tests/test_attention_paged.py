@@ -23,6 +23,7 @@ from attention_cases import assert_within_budget, max_err
 
 import flashformer
 from flashformer.attention import kv_slots, paged_attention, write_kv
+from flashformer.kernels import extension
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -44,7 +45,9 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
-BACKENDS = ["flash", "auto"] + (["triton"] if HAS_TRITON else [])
+# "cpu": the C++ kernel, float32 on the CPU, where it is built
+HAS_CPU_KERNEL = DEVICE == "cpu" and extension.load() == "cpp"
+BACKENDS = ["flash", "auto"] + (["cpu"] if HAS_CPU_KERNEL else []) + (["triton"] if HAS_TRITON else [])
 
 
 class PagedCase:
@@ -125,7 +128,7 @@ def feature_kwargs(features: dict, q_heads: int, batch: int, gen: torch.Generato
 def _accuracy_cases():
     """Every backend x dtype x feature once, heads and Lq rotating."""
     for backend_index, backend in enumerate(BACKENDS):
-        for dtype_index, dtype in enumerate(DTYPES):
+        for dtype_index, dtype in enumerate(DTYPES if backend != "cpu" else [torch.float32]):
             for feature_index, feature in enumerate(FEATURES):
                 turn = backend_index + dtype_index + feature_index
                 heads = list(HEADS)[turn % len(HEADS)]
@@ -386,7 +389,7 @@ BAD_ARGUMENTS = {
     "backend": (
         {"backend": "paged"},
         ValueError,
-        r"backend must be one of \('auto', 'eager', 'flash', 'torch', 'triton'\)",
+        r"backend must be one of \('auto', 'cpu', 'eager', 'flash', 'torch', 'triton'\)",
     ),
     "alibi shape": (
         {"alibi_slopes": torch.zeros(3)},

@@ -24,16 +24,22 @@ Backends:
 - "triton": the split-KV decoding kernel (triton/decode.py) reading each key
   tile's rows through the block table; nothing is gathered. Splits have a fixed
   length and are combined in order, up to each sequence's own last split.
+- "cpu": a C++ kernel (kernels/csrc/paged_attention_cpu.cpp), float32, one
+  call for the whole batch: a task per (sequence, KV head) reads the
+  sequence's blocks in place, in order, once for all its query heads (GQA),
+  with an online softmax block by block.
 - "flash", "eager", "torch": for each sequence, its blocks are gathered (one
   copy of exactly its keys) and attention() runs on them with that backend.
-- "auto": triton on CUDA where it supports the request; otherwise each
-  sequence goes to attention(backend="auto") (on the CPU that is SDPA for a
-  plain decode step, 1.5-3x faster than flash there: docs/benchmarks.md).
+- "auto": triton on CUDA where it supports the request; "cpu" for float32
+  decode steps (Lq <= 8) on the CPU when the C++ kernels are built
+  (kernels/extension.py); otherwise each sequence goes to
+  attention(backend="auto").
 
 Batch invariance: the output for sequence b is bitwise the same whether it is
 computed alone or in any batch. The per-sequence backends get it by
 construction: sequence b's computation sees a fresh copy of its own keys and
-queries and the same shapes whatever the batch. The Triton kernel gets it from
+queries and the same shapes whatever the batch; so does the "cpu" kernel, whose
+task for sequence b reads only b's blocks, in an order set by b's length. The Triton kernel gets it from
 its fixed splits and in-order combine (no tile size, split or reduction order
 depends on the other rows). A batched CPU formulation (one padded call for the
 whole batch) is faster only when all lengths are equal, and not invariant: its
@@ -49,8 +55,9 @@ from torch import Tensor
 from flashformer.attention.api import attention
 from flashformer.attention.checks import FLOAT_DTYPES, check_alibi, check_scale, check_softcap, check_window
 from flashformer.attention.masks import ScoreRules
+from flashformer.kernels import extension
 
-PAGED_BACKENDS = ("auto", "eager", "flash", "torch", "triton")
+PAGED_BACKENDS = ("auto", "cpu", "eager", "flash", "torch", "triton")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -96,11 +103,15 @@ def paged_attention(
         raise ValueError(f"backend must be one of {PAGED_BACKENDS}; got {backend!r}")
     if backend == "auto" and _triton_takes(q, k_pool, v_pool, rules):
         backend = "triton"
+    if backend == "auto" and _cpu_kernel_takes(q):
+        backend = "cpu"
     with torch.no_grad():
         if backend == "triton":  # imported here so that flashformer never needs Triton unless asked for it
             from flashformer.attention.triton import triton_paged_attention
 
             out, lse = triton_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules, scale)
+        elif backend == "cpu":
+            out, lse = _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules, scale)
         else:  # "auto" here: attention() chooses for each sequence
             out, lse = _attend_each_sequence(
                 q, k_pool, v_pool, block_tables, seq_lens, rules, scale, backend, return_lse
@@ -115,6 +126,50 @@ def _triton_takes(q: Tensor, k_pool: Tensor, v_pool: Tensor, rules: ScoreRules) 
     from flashformer.attention.triton import unsupported
 
     return unsupported(q, k_pool, v_pool, rules) is None
+
+
+CPU_KERNEL_MAX_Q_LEN = 8  # "auto" on the CPU: the kernel for decode steps, per-sequence SDPA for prompt chunks
+
+
+def _cpu_kernel_takes(q: Tensor) -> bool:
+    """backend="auto" runs the C++ kernel on float32 CPU tensors when it is built, for up to
+    CPU_KERNEL_MAX_Q_LEN queries a row. (SmolLM2's shapes, 2 threads: 16 decoding sequences of
+    100-400 keys 0.3-0.5 ms against 1.5-3.8 ms per sequence; a prompt chunk of 128 queries over
+    128 keys 0.85 ms against SDPA's 0.46 ms: its queries loop over the keys one row at a time.)"""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.shape[2] <= CPU_KERNEL_MAX_Q_LEN
+        and extension.load() == "cpp"
+    )
+
+
+def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: ScoreRules, scale: float):
+    if q.device.type != "cpu" or q.dtype != torch.float32:
+        raise ValueError(f"backend='cpu' takes float32 CPU tensors; got q {q.dtype} on {q.device}")
+    if extension.load() != "cpp":
+        raise RuntimeError("backend='cpu' needs flashformer's C++ CPU kernels, which could not be built here")
+    slopes = rules.alibi_slopes  # (B|1, Hq, 1, 1) or None
+    return torch.ops.flashformer.paged_attention_cpu(
+        q,
+        k_pool.contiguous(),
+        v_pool.contiguous(),
+        block_tables,
+        seq_lens,
+        scale,
+        0.0 if rules.softcap is None else float(rules.softcap),
+        None if slopes is None else slopes[:, :, 0, 0],
+        -1 if rules.window_left is None else rules.window_left,
+        -1 if rules.window_right is None else rules.window_right,
+    )
+
+
+def _paged_fake(q, k_pool, v_pool, block_tables, seq_lens, scale, softcap, alibi_slopes, window_left, window_right):
+    out = q.new_empty(*q.shape[:3], v_pool.shape[3])
+    return out, q.new_empty(q.shape[:3])
+
+
+torch.library.register_fake("flashformer::paged_attention_cpu", _paged_fake, lib=extension.LIBRARY)
 
 
 def _attend_each_sequence(

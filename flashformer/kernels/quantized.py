@@ -16,8 +16,7 @@ quantizes x to int8 per block of 32 (as llama.cpp does) and sums integer product
 activations="float32" it keeps x in float32 and is exact with respect to the dequantized weights.
 Either way a row's result does not depend on the other rows of its batch.
 
-The kernels are compiled with torch.utils.cpp_extension at first use (cached in torch's
-extension folder, TORCH_EXTENSIONS_DIR); without a compiler, or with
+The kernels are compiled at first use (kernels/extension.py); without a compiler, or with
 FLASHFORMER_QUANTIZED_KERNELS=torch, the same operators run as PyTorch code that dequantizes
 the weights tile by tile: exact, slower, announced by one warning.
 
@@ -33,15 +32,13 @@ adjacent, so that a group is read as one sequential stream:
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from flashformer.kernels import extension
 
 BLOCK = 32  # values per quantization block along the input dim (GGUF's QK4_0, QK4_1, QK8_0)
 # Output rows interleaved in the packed layout: 8 for int4, whose one-row kernel reads 8 rows per
@@ -55,16 +52,10 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 ACTIVATIONS = ("int8", "float32")
 FALLBACK_TILE_ROWS = 1024  # output rows dequantized at a time by the PyTorch fallback
 
-_CSRC = Path(__file__).parent / "csrc" / "quantized_cpu.cpp"
-_CSRC_INCLUDES = [Path(__file__).parent / "csrc" / "quantized_x86.inc"]
+# ---- the operators (schemas in extension.py): shapes for torch.compile, no backward ----
 
-# ---- the operators: schemas, shapes for torch.compile, no backward ----
-
-_LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
-_LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
-_LIBRARY.define("int4_linear" + _LINEAR_SCHEMA)
-_LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
-_LIBRARY.define("quantized_kernel_isa(int request) -> int")
+_LIBRARY = extension.LIBRARY
+load_kernels = extension.load
 
 
 def _linear_fake(x, qweight, scales, bias, out_features, int8_activations):
@@ -86,43 +77,6 @@ _LINEAR_OPS = {
 }
 
 
-@functools.cache
-def load_kernels() -> str:
-    """Make the operators runnable, once per process: "cpp" when the C++ kernels are built
-    (or found in the cache) and loaded, "torch" when the PyTorch fallback serves instead."""
-    if os.environ.get("FLASHFORMER_QUANTIZED_KERNELS") == "torch":
-        _register_fallback()
-        return "torch"
-    try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name="flashformer_quantized_cpu",
-            sources=[str(_CSRC)],
-            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
-            # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
-            # The included file's hash is a flag: torch rebuilds when the flags change, and it
-            # hashes only the listed sources.
-            extra_cflags=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as error:  # any failure to build or load: compiler, ninja, headers, linker
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(
-            f"flashformer: the quantized CPU kernels could not be built ({reason}); "
-            "using the slower PyTorch fallback",
-            stacklevel=2,
-        )
-        _register_fallback()
-        return "torch"
-    return "cpp"
-
-
-def _includes_hash() -> str:
-    return hashlib.sha256(b"".join(path.read_bytes() for path in _CSRC_INCLUDES)).hexdigest()[:16]
-
-
 KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
 
 
@@ -137,6 +91,7 @@ def kernel_isa(request: int | str = -1) -> str:
     return "torch" if isa < 0 else KERNEL_ISAS[isa]
 
 
+@extension.on_fallback
 def _register_fallback() -> None:
     """The operators' kernels in Python. (The C++ library registers its own no-backward kernel:
     this one costs about 5 us a call, even under no_grad.)"""

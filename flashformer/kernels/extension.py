@@ -1,0 +1,85 @@
+"""flashformer's C++ CPU kernels: one extension, compiled with torch.utils.cpp_extension at
+first use (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about 15 s cold).
+
+It implements the operators defined here (their schemas are Python's, so torch.compile and
+the fallbacks see them whether or not the build succeeds):
+- int4_linear, int8_linear, quantized_kernel_isa: the quantized layers (quantized.py,
+  csrc/quantized_cpu.cpp and quantized_x86.inc);
+- paged_attention_cpu: attention of a batch over a paged KV cache, one call for every
+  sequence (attention/paged.py, csrc/paged_attention_cpu.cpp).
+
+Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and runs
+the fallbacks its users registered with on_fallback: PyTorch code, exact and slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
+INCLUDES = [_CSRC / "quantized_x86.inc"]  # torch hashes only SOURCES to decide a rebuild
+
+LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
+_LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
+LIBRARY.define("int4_linear" + _LINEAR_SCHEMA)
+LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
+LIBRARY.define("quantized_kernel_isa(int request) -> int")
+LIBRARY.define(
+    "paged_attention_cpu(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+    "float scale, float softcap, Tensor? alibi_slopes, int window_left, int window_right) -> (Tensor, Tensor)"
+)
+
+_FALLBACKS: list[Callable[[], None]] = []
+
+
+def on_fallback(register: Callable[[], None]) -> None:
+    """register() runs if the extension cannot be loaded: it gives the operators PyTorch kernels."""
+    _FALLBACKS.append(register)
+
+
+@functools.cache
+def load() -> str:
+    """Make the operators runnable, once per process: "cpp" when the C++ kernels are built (or
+    found in the cache) and loaded, "torch" when the PyTorch fallbacks serve instead."""
+    if os.environ.get("FLASHFORMER_QUANTIZED_KERNELS") == "torch":
+        return _fall_back()
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="flashformer_cpu_kernels",
+            sources=[str(path) for path in SOURCES],
+            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
+            # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
+            # The included files' hash is a flag: torch rebuilds when the flags change.
+            extra_cflags=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # any failure to build or load: compiler, ninja, headers, linker
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(
+            f"flashformer: the C++ CPU kernels could not be built ({reason}); "
+            "using the slower PyTorch fallbacks",
+            stacklevel=2,
+        )
+        return _fall_back()
+    return "cpp"
+
+
+def _fall_back() -> str:
+    for register in _FALLBACKS:
+        register()
+    return "torch"
+
+
+def _includes_hash() -> str:
+    return hashlib.sha256(b"".join(path.read_bytes() for path in INCLUDES)).hexdigest()[:16]
