@@ -15,6 +15,7 @@ small shapes; on a GPU the same tests run on CUDA tensors.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 from attention_cases import assert_within_budget, max_err
 
 import flashformer
-from flashformer.attention import kv_slots, paged_attention, write_kv
+from flashformer.attention import kv_slots, packed_paged_attention, paged_attention, write_kv
 from flashformer.kernels import extension
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -493,3 +494,51 @@ def test_the_triton_kernel_at_other_split_lengths(split_len):
     want_out, want_lse = reference(case, q, torch.float32, rounded=True, scale=0.25)
     assert max_err(out.double().cpu(), want_out) < 1e-5
     assert max_err(lse.double().cpu(), want_lse) < 1e-5  # -inf where sequence 0's first query sees no key
+
+
+# ---- packed: sequences with different numbers of new queries in one call ----
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False] if HAS_CPU_KERNEL else [False])
+def test_packed_sequences_get_what_each_gets_alone(cpu_kernel, monkeypatch):
+    """A decode token, a prompt chunk, a sequence with no new query and a whole prompt, packed:
+    each sequence's rows equal paged_attention of that sequence alone (the same bits with the
+    C++ kernel; within float32 rounding of the float64 reference either way)."""
+    paged = importlib.import_module("flashformer.attention.paged")
+    if not cpu_kernel:
+        monkeypatch.setattr(paged, "_cpu_kernel_runs", lambda q: False)
+    lengths, counts = [40, 23, 17, 9], [1, 7, 0, 9]
+    q_heads, kv_heads, dim = 6, 2, 16
+    case = PagedCase(lengths, kv_heads, dim, torch.float32, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(sum(counts), q_heads, dim, generator=gen).to(DEVICE)
+    starts = torch.tensor([0] + list(itertools.accumulate(counts)), device=DEVICE)
+    out = packed_paged_attention(q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens, starts)
+    assert out.shape == (sum(counts), q_heads, dim)
+    for b, (begin, end) in enumerate(zip(starts.tolist(), starts.tolist()[1:])):
+        if end == begin:
+            continue
+        rows = q[begin:end].transpose(0, 1)[None]  # (1, Hq, n, D)
+        backend = "cpu" if cpu_kernel else "auto"
+        alone = paged_attention(rows, case.k_pool, case.v_pool, *case.row(b), backend=backend)
+        got = out[begin:end].transpose(0, 1)[None]
+        if cpu_kernel:
+            assert torch.equal(got, alone), b
+        k, v = case.k[b].double(), case.v[b].double()
+        exact = flashformer.attention(rows.double().cpu(), k, v, causal=True, backend="eager")
+        assert (got.double().cpu() - exact).abs().max() < 1e-5, b
+
+
+def test_packed_refuses_bad_starts():
+    case = PagedCase([5, 6], 1, 8, torch.float32)
+    q = torch.randn(3, 2, 8, device=DEVICE)
+    for starts, message in (([0, 3], "S \\+ 1 = 3 entries"), ([0, 2, 2], "rise from 0 to T = 3")):
+        with pytest.raises(ValueError, match=message):
+            packed_paged_attention(
+                q,
+                case.k_pool,
+                case.v_pool,
+                case.block_tables,
+                case.seq_lens,
+                torch.tensor(starts, device=DEVICE),
+            )

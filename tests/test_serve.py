@@ -453,13 +453,20 @@ def chat_answer(url: str, name: str, question: str, max_tokens: int) -> str:
 
 
 def test_a_quantized_model_decodes_only_its_rows_and_stays_invariant(tiny_chat_model):
-    """With every matmul a quantized kernel (rows computed alone), decode steps skip the padding
-    to max_batch, and a request's tokens are still the same alone or among others."""
+    """With every matmul a quantized kernel (rows computed alone), a step is one packed forward
+    of decode tokens and prompt chunks, and a request's tokens are still the same alone, among
+    others, with other chunk sizes and through preemptions."""
     model, tokenizer = flashformer.load(tiny_chat_model, quantize="int4")
     prompts = [tokenizer.encode(q * (1 + i % 3)) for i, q in enumerate(QUESTIONS * 2)]
     engine = Engine(model, tokenizer, max_batch=8, num_blocks=96)
     assert not engine.pad_decode
     alone = [run_engine(Engine(model, tokenizer, max_batch=8, num_blocks=96), [p], 24)[0] for p in prompts]
     assert run_engine(engine, prompts, 24) == alone
+    assert engine.stats["steps"] < sum(len(a) for a in alone)  # decode tokens of several sequences per step
+    other_chunks = Engine(model, tokenizer, max_batch=8, num_blocks=96, prefill_chunk=8, prefill_budget=16)
+    assert run_engine(other_chunks, prompts, 24) == alone
+    small = Engine(model, tokenizer, max_batch=8, num_blocks=14, block_size=8)  # too few blocks for all
+    assert run_engine(small, prompts, 24) == alone
+    assert small.stats["preemptions"] > 0 and small.pool.in_use == 0
     float_model, _ = flashformer.load(tiny_chat_model)
     assert Engine(float_model, tokenizer, max_batch=8, num_blocks=96).pad_decode

@@ -136,12 +136,11 @@ def _cpu_kernel_takes(q: Tensor) -> bool:
     CPU_KERNEL_MAX_Q_LEN queries a row. (SmolLM2's shapes, 2 threads: 16 decoding sequences of
     100-400 keys 0.3-0.5 ms against 1.5-3.8 ms per sequence; a prompt chunk of 128 queries over
     128 keys 0.85 ms against SDPA's 0.46 ms: its queries loop over the keys one row at a time.)"""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.shape[2] <= CPU_KERNEL_MAX_Q_LEN
-        and extension.load() == "cpp"
-    )
+    return q.shape[2] <= CPU_KERNEL_MAX_Q_LEN and _cpu_kernel_runs(q)
+
+
+def _cpu_kernel_runs(q: Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.float32 and extension.load() == "cpp"
 
 
 def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: ScoreRules, scale: float):
@@ -149,6 +148,19 @@ def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: Score
         raise ValueError(f"backend='cpu' takes float32 CPU tensors; got q {q.dtype} on {q.device}")
     if extension.load() != "cpp":
         raise RuntimeError("backend='cpu' needs flashformer's C++ CPU kernels, which could not be built here")
+    batch, q_heads, q_len, _ = q.shape
+    packed = q.transpose(1, 2).reshape(batch * q_len, q_heads, q.shape[3])  # (B * Lq, Hq, D)
+    starts = torch.arange(0, batch * q_len + 1, q_len, device=q.device)  # (B + 1,)
+    out, lse = _run_cpu_kernel(packed, k_pool, v_pool, block_tables, seq_lens, starts, rules, scale)
+    out = out.view(batch, q_len, q_heads, -1).transpose(1, 2)  # (B, Hq, Lq, Dv)
+    return out, lse.view(batch, q_len, q_heads).transpose(1, 2)  # (B, Hq, Lq)
+
+
+def _run_cpu_kernel(q, k_pool, v_pool, block_tables, seq_lens, q_starts, rules: ScoreRules | None, scale: float):
+    """q (T, Hq, D) packed (q_starts) -> out (T, Hq, Dv), lse (T, Hq). rules: softcap, ALiBi and
+    window, or None for plain causal attention."""
+    if rules is None:
+        rules = ScoreRules(batch=block_tables.shape[0], q_heads=q.shape[1], q_len=1, k_len=1, causal=True)
     slopes = rules.alibi_slopes  # (B|1, Hq, 1, 1) or None
     return torch.ops.flashformer.paged_attention_cpu(
         q,
@@ -156,6 +168,7 @@ def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: Score
         v_pool.contiguous(),
         block_tables,
         seq_lens,
+        q_starts,
         scale,
         0.0 if rules.softcap is None else float(rules.softcap),
         None if slopes is None else slopes[:, :, 0, 0],
@@ -164,9 +177,60 @@ def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: Score
     )
 
 
-def _paged_fake(q, k_pool, v_pool, block_tables, seq_lens, scale, softcap, alibi_slopes, window_left, window_right):
-    out = q.new_empty(*q.shape[:3], v_pool.shape[3])
-    return out, q.new_empty(q.shape[:3])
+def _paged_fake(q, k_pool, v_pool, block_tables, seq_lens, q_starts, scale, softcap, alibi, left, right):
+    return q.new_empty(*q.shape[:2], v_pool.shape[3]), q.new_empty(q.shape[:2])
+
+
+def packed_paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    q_starts: Tensor,
+    *,
+    scale: float | None = None,
+    validate: bool = True,
+) -> Tensor:
+    """paged_attention for sequences with different numbers of new queries, packed one after
+    another (a server's step: one token of each decoding sequence and a chunk of a prompt).
+
+    q: (T, Hq, D), sequence s's queries are rows q_starts[s] .. q_starts[s + 1] - 1, the newest
+    positions of its seq_lens[s] keys (bottom-right causal). q_starts: (S + 1,) int, from 0 to T;
+    block_tables (S, max_blocks), seq_lens (S,) as in paged_attention (validate: check the
+    values of block_tables, seq_lens and q_starts). Returns (T, Hq, Dv). float32 on the CPU runs
+    the C++ kernel in one call; anything else, paged_attention per sequence. Each sequence's
+    result is what it gets alone (batch invariance).
+    """
+    if not isinstance(q, Tensor) or q.dim() != 3 or 0 in q.shape:
+        raise ValueError(f"q must be a 3-D tensor (T, Hq, D) with T, Hq, D >= 1; got {_describe(q)}")
+    _check_index(block_tables, "block_tables", 2, "(S, max_blocks)", q.device)
+    _check_index(q_starts, "q_starts", 1, "(S + 1,)", q.device)
+    sequences = block_tables.shape[0]
+    if q_starts.shape[0] != sequences + 1:
+        raise ValueError(
+            f"q_starts must have S + 1 = {sequences + 1} entries for block_tables of {sequences} rows; "
+            f"got {tuple(q_starts.shape)}"
+        )
+    # paged_attention's checks, on one query per sequence
+    one_each = q[:1, None].expand(sequences, -1, -1, -1).transpose(1, 2)  # (S, Hq, 1, D)
+    _check_paged(one_each, k_pool, v_pool, block_tables, seq_lens, None, None, None, validate)
+    bounds = q_starts.tolist()
+    if validate and (bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"q_starts must rise from 0 to T = {q.shape[0]} (q's rows); got {bounds}")
+    scale = check_scale(scale, q.shape[-1])
+    if _cpu_kernel_runs(q):
+        with torch.no_grad():
+            return _run_cpu_kernel(q.contiguous(), k_pool, v_pool, block_tables, seq_lens, q_starts, None, scale)[0]
+    out = q.new_zeros(q.shape[0], q.shape[1], v_pool.shape[3])  # (T, Hq, Dv)
+    for s, (begin, end) in enumerate(zip(bounds, bounds[1:])):
+        if end > begin:
+            rows = q[begin:end].transpose(0, 1)[None]  # (1, Hq, n, D)
+            result = paged_attention(
+                rows, k_pool, v_pool, block_tables[s : s + 1], seq_lens[s : s + 1], scale=scale, validate=False
+            )
+            out[begin:end] = result[0].transpose(0, 1)
+    return out
 
 
 torch.library.register_fake("flashformer::paged_attention_cpu", _paged_fake, lib=extension.LIBRARY)

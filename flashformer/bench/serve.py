@@ -162,11 +162,14 @@ def servers(model: str, args) -> dict[str, list[str]]:
         ours += ["--threads", str(args.threads)]
     if args.quantize:
         ours += ["--quantize", args.quantize]
+    for flag in ("prefill_chunk", "prefill_budget"):
+        if getattr(args, flag, None):
+            ours += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     found = {
         f"flashformer (max batch {args.clients})": ours + ["--max-batch", str(args.clients)],
         "flashformer (one at a time)": ours + ["--max-batch", "1"],
     }
-    if Path(model).is_file() and importlib.util.find_spec("llama_cpp") is not None:
+    if not args.no_llama_cpp and Path(model).is_file() and importlib.util.find_spec("llama_cpp") is not None:
         threads = str(args.threads or 2)
         found["llama.cpp (llama-cpp-python server)"] = [
             sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", "{port}",
@@ -311,6 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="threads of every server")
     parser.add_argument("--quantize", choices=MODES, help="flashformer's servers load the model quantized so")
+    parser.add_argument("--prefill-chunk", type=int, help="flashformer serve's --prefill-chunk (default: its own)")
+    parser.add_argument("--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
 

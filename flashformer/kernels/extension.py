@@ -34,7 +34,8 @@ LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
 LIBRARY.define("quantized_kernel_isa(int request) -> int")
 LIBRARY.define(
     "paged_attention_cpu(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
-    "float scale, float softcap, Tensor? alibi_slopes, int window_left, int window_right) -> (Tensor, Tensor)"
+    "Tensor q_starts, float scale, float softcap, Tensor? alibi_slopes, int window_left, int window_right) "
+    "-> (Tensor, Tensor)"
 )
 
 _FALLBACKS: list[Callable[[], None]] = []

@@ -5,8 +5,9 @@ Each step the loop
 2. admits waiting sequences while the batch has room and the pool has the
    blocks their prompt needs;
 3. runs prefill chunks (a prompt is computed in fixed chunks of
-   `prefill_chunk` tokens, at most `prefill_budget` tokens per step, so a
-   long prompt never stalls everyone's next token for long);
+   `prefill_chunk` tokens, at most `prefill_budget` tokens per step while
+   other sequences are decoding, so a long prompt never stalls everyone's
+   next token for long; IDLE_BUDGET_FACTOR times that when none is);
 4. runs one decode step for every sequence past its prompt, together;
 5. samples each sequence's next token, streams its text to its client, and
    frees a finished sequence's blocks at once.
@@ -18,12 +19,15 @@ generated, one decode step each, so its cache is rebuilt by the very same
 operations as before and it continues with the same tokens.
 
 Batch invariance: a request gets the same tokens alone or among others.
-Its prompt is always computed alone (a batch of one) in the same chunks;
+With float matmuls (whose rows may round differently with the batch's size)
+a prompt is always computed alone (a batch of one) in the same chunks, and
 every decode step runs with the batch padded to max_batch rows, so the
-matmuls see the same shapes whoever else is running (a quantized model, whose
-kernels compute each row alone, skips the padding); attention reads each
-sequence's own blocks only (attention.paged); sampling draws from the
-sequence's own generator, seeded from the request.
+matmuls see the same shapes whoever else is running. A quantized model, whose
+kernels compute each row alone, runs one forward per step instead: the
+decoding sequences' tokens and the prompt chunks packed in one row (vLLM's
+chunked prefill), which reads the weights once for all of them. Either way
+attention reads each sequence's own blocks only (attention.paged), and
+sampling draws from the sequence's own generator, seeded from the request.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ from flashformer.serve.paged_cache import BlockPool, make_paged_caches
 from flashformer.serve.scheduler import Busy, SchedulerLoop
 
 __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
+
+# A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
+# multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
+# the first of them to get their second token without a long wait.
+IDLE_BUDGET_FACTOR = 8
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,7 @@ class Engine(SchedulerLoop):
         block_size: int = 16,
         context: int | None = None,
         prefill_chunk: int = 128,
-        prefill_budget: int = 256,
+        prefill_budget: int = 128,
         max_waiting: int = 256,
     ):
         super().__init__(max_waiting)
@@ -221,7 +230,20 @@ class Engine(SchedulerLoop):
         """One scheduler iteration (see the module docstring)."""
         self._drop_cancelled()
         self._admit()
-        budget = self.prefill_budget
+        if self.pad_decode:
+            self._separate_step()
+        else:
+            self._packed_step()
+        self.stats["steps"] += 1
+
+    def _budget(self) -> int:
+        """Prompt tokens this step may compute (see IDLE_BUDGET_FACTOR)."""
+        decoding = any(not s.in_prefill for s in self.running)
+        return self.prefill_budget * (1 if decoding else IDLE_BUDGET_FACTOR)
+
+    def _separate_step(self) -> None:
+        """Prompt chunks one forward each (a batch of one), then one decode step for all."""
+        budget = self._budget()
         for sequence in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
@@ -230,7 +252,59 @@ class Engine(SchedulerLoop):
         decoding = self._make_room(decoding)
         if decoding:
             self._decode(decoding)
-        self.stats["steps"] += 1
+
+    def _packed_step(self) -> None:
+        """For a model whose rows are computed alone: one forward over every decoding sequence's
+        next token and this step's prompt chunks, packed in one row (attention sees each
+        sequence's own tokens: PagedBatch), so the weights are read once for all of them."""
+        budget = self._budget()
+        decoding = self._make_room([s for s in self.running if not s.in_prefill and s.finish_reason is None])
+        work = [(s, s.computed, s.computed + 1) for s in decoding]  # (sequence, first token, end)
+        for sequence in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            start = sequence.computed
+            end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
+            work.append((sequence, start, end))
+            budget -= end - start
+        if not work:
+            return
+        bs = self.pool.block_size
+        tokens, slots, positions, starts = [], [], [], [0]
+        tables = torch.zeros((len(work), self.max_blocks), dtype=torch.int32)
+        for i, (sequence, start, end) in enumerate(work):
+            tokens += sequence.tokens[start:end]
+            positions += range(start, end)
+            slots += [sequence.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            starts.append(starts[-1] + end - start)
+            tables[i, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+        lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
+        device = self.device
+        self.batch.set(
+            tables.to(device),
+            lengths.to(device),
+            torch.tensor([slots], device=device),  # (1, T)
+            q_starts=torch.tensor(starts, device=device),
+        )
+        out = self.model(
+            torch.tensor([tokens], device=device),  # (1, T)
+            position_ids=torch.tensor([positions], device=device),
+            kv_caches=self.caches,
+            logits_to_keep=1,
+        )
+        self.batch.q_starts = None
+        ready = []  # sequences whose last token of this step is their newest: they get a new one
+        for i, (sequence, start, end) in enumerate(work):
+            if start < sequence.prompt_len:
+                self.stats["prompt_tokens"] += end - start
+            sequence.computed = end
+            if end == len(sequence.tokens):
+                ready.append((sequence, starts[i + 1] - 1))
+        if ready:
+            rows = torch.tensor([row for _, row in ready], device=device)
+            logits = self.model.project(out.last_hidden_state[0, rows][None])[0]  # (N, vocab)
+            for (sequence, _), row_logits in zip(ready, logits):
+                self._sample(sequence, row_logits)
 
     def _drop_cancelled(self) -> None:
         for sequence in [s for s in self.waiting if s.request.cancelled.is_set()]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashformer.attention.paged import paged_attention, write_kv
+from flashformer.attention.paged import packed_paged_attention, paged_attention, write_kv
 from flashformer.cache import cache_dtype
 
 
@@ -77,19 +77,29 @@ class PagedBatch:
     """What one forward pass reads and writes, shared by every layer's cache:
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (keys each row
     holds after this pass), slots (B, L) int64 (where the L new tokens of
-    each row go: block * block_size + offset, all distinct)."""
+    each row go: block * block_size + offset, all distinct).
+
+    Packed (q_starts given): the forward's input is one row of T tokens, the
+    new tokens of S sequences one after another (sequence s: tokens q_starts[s]
+    .. q_starts[s + 1] - 1); block_tables and seq_lens have S rows, slots is (1, T)."""
 
     def __init__(self):
-        self.block_tables = self.seq_lens = self.slots = None
+        self.block_tables = self.seq_lens = self.slots = self.q_starts = None
         self.real_rows = 0
 
     def set(
-        self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor, real_rows: int | None = None
+        self,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        slots: Tensor,
+        real_rows: int | None = None,
+        q_starts: Tensor | None = None,
     ) -> None:
         """real_rows: the rows that are sequences; the rest only pad the batch (their
         attention output is left zero: nothing reads it)."""
         self.block_tables, self.seq_lens, self.slots = block_tables, seq_lens, slots
         self.real_rows = block_tables.shape[0] if real_rows is None else real_rows
+        self.q_starts = q_starts
 
 
 class PagedKVCache:
@@ -110,6 +120,18 @@ class PagedKVCache:
         """q (B, Hq, L, D), k and v (B, Hk, L, D) the new tokens -> (B, Hq, L, D).
         (The batch's tables and slots were checked once, when set, not per layer.)"""
         write_kv(self.k, self.v, k, v, self.batch.slots, validate=False)
+        if self.batch.q_starts is not None:  # one row of T tokens from S sequences
+            out = packed_paged_attention(
+                q[0].transpose(0, 1),  # (T, Hq, D)
+                self.k,
+                self.v,
+                self.batch.block_tables,
+                self.batch.seq_lens,
+                self.batch.q_starts,
+                scale=scale,
+                validate=False,
+            )  # (T, Hq, Dv)
+            return out.transpose(0, 1)[None]  # (1, Hq, T, Dv)
         real = self.batch.real_rows
         tables, lengths = self.batch.block_tables[:real], self.batch.seq_lens[:real]
         out = paged_attention(q[:real], self.k, self.v, tables, lengths, scale=scale, validate=False)

@@ -2,13 +2,15 @@
 // operator flashformer::paged_attention_cpu that attention/paged.py runs for backend "cpu"
 // (its schema, argument checks and docs live there and in kernels/extension.py).
 //
-//   q (B, Hq, Lq, D) float32; k_pool (Hk, num_blocks, block_size, D), v_pool (..., Dv) float32;
-//   block_tables (B, max_blocks) int32/int64; seq_lens (B,) int32/int64. Query i of row b sits
-//   at key position seq_lens[b] - Lq + i and sees the keys at or before it (causal, bottom-right),
-//   within the window (window_left / window_right keys before / after; -1: unbounded).
-//   softcap > 0: scores become softcap * tanh(scores / softcap); alibi_slopes (B|1, Hq) adds
-//   -slope * |query position - key position|. Returns out (B, Hq, Lq, Dv) and lse (B, Hq, Lq);
-//   a query with no key gets 0 and -inf.
+//   q (T, Hq, D) float32: the queries of S sequences packed one after another, sequence s's
+//   rows q_starts[s] .. q_starts[s + 1] - 1 (q_starts (S + 1,) int64); k_pool (Hk, num_blocks,
+//   block_size, D), v_pool (..., Dv) float32; block_tables (S, max_blocks) int32/int64; seq_lens
+//   (S,) int32/int64. Query i of the n of sequence s sits at key position seq_lens[s] - n + i and
+//   sees the keys at or before it (causal, bottom-right), within the window (window_left /
+//   window_right keys before / after; -1: unbounded). softcap > 0: scores become
+//   softcap * tanh(scores / softcap); alibi_slopes (S|1, Hq) adds -slope * |query position - key
+//   position|. Returns out (T, Hq, Dv) and lse (T, Hq); a query with no key gets 0 and -inf.
+//   (A batch of B rows of Lq queries each is the case q_starts = 0, Lq, 2 Lq, ...)
 //
 // Why this shape:
 // - A decode step of a server attends every running sequence over its own blocks. Calling
@@ -47,25 +49,27 @@ struct Problem {
   const float* v;
   float* out;
   float* lse;
-  int64_t q_heads, kv_heads, q_len, dim, dim_v, num_blocks, block_size, max_blocks;
+  int64_t q_heads, kv_heads, dim, dim_v, num_blocks, block_size, max_blocks;
   float scale, softcap;
   const float* slopes;  // (B|1, Hq) or nullptr
   int64_t slope_rows;
   int64_t window_left, window_right;  // -1: unbounded
 };
 
-// Sequence b, KV head h: its G x Lq queries against its keys, block by block in order.
+// Sequence b, KV head h: its G x n queries (packed rows q0 .. q0 + n - 1) against its keys, block
+// by block in order.
 // Compiled for AVX2 and for any x86-64 CPU; the loader picks one per CPU, once.
 #if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const int64_t* table) {
-  const int64_t group = p.q_heads / p.kv_heads, rows = group * p.q_len;
+void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const int64_t* table, int64_t q0,
+                 int64_t n) {
+  const int64_t group = p.q_heads / p.kv_heads, rows = group * n;
   const float kInf = std::numeric_limits<float>::infinity();
   std::vector<float> m(rows, -kInf), l(rows, 0.f), acc(rows * p.dim_v, 0.f), s(rows * p.block_size);
   std::vector<int64_t> position(rows);
-  for (int64_t r = 0; r < rows; ++r) position[r] = seq_len - p.q_len + r % p.q_len;
-  const int64_t first_query = seq_len - p.q_len;  // the earliest query position of the task
+  for (int64_t r = 0; r < rows; ++r) position[r] = seq_len - n + r % n;
+  const int64_t first_query = seq_len - n;  // the earliest query position of the task
   const int64_t blocks = (seq_len + p.block_size - 1) / p.block_size;
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t key0 = j * p.block_size, keys = std::min(p.block_size, seq_len - key0);
@@ -74,8 +78,8 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
     const float* kb = p.k + (h * p.num_blocks + block) * p.block_size * p.dim;  // (block_size, D)
     const float* vb = p.v + (h * p.num_blocks + block) * p.block_size * p.dim_v;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t head = h * group + r / p.q_len, i = r % p.q_len;
-      const float* qr = p.q + ((b * p.q_heads + head) * p.q_len + i) * p.dim;
+      const int64_t head = h * group + r / n, i = r % n;
+      const float* qr = p.q + ((q0 + i) * p.q_heads + head) * p.dim;
       const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
       float* sr = s.data() + r * p.block_size;
       float block_max = -kInf;
@@ -110,8 +114,8 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = h * group + r / p.q_len, i = r % p.q_len;
-    const int64_t row = (b * p.q_heads + head) * p.q_len + i;
+    const int64_t head = h * group + r / n, i = r % n;
+    const int64_t row = (q0 + i) * p.q_heads + head;
     float* o = p.out + row * p.dim_v;
     if (l[r] == 0.f) {
       std::fill(o, o + p.dim_v, 0.f);
@@ -126,10 +130,11 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_pool,
                                                        const at::Tensor& v_pool, const at::Tensor& block_tables,
-                                                       const at::Tensor& seq_lens, double scale, double softcap,
+                                                       const at::Tensor& seq_lens, const at::Tensor& q_starts,
+                                                       double scale, double softcap,
                                                        const std::optional<at::Tensor>& alibi_slopes,
                                                        int64_t window_left, int64_t window_right) {
-  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: expected float32 (B, Hq, Lq, D), got ",
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q: expected float32 (T, Hq, D), got ",
               q_in.sizes(), " ", q_in.scalar_type());
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
                   v_pool.scalar_type() == at::kFloat,
@@ -137,13 +142,16 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, c
   const at::Tensor q = q_in.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lengths = seq_lens.to(at::kLong).contiguous();
-  const int64_t batch = q.size(0);
+  const at::Tensor starts = q_starts.to(at::kLong).contiguous();
+  const int64_t batch = tables.size(0), tokens = q.size(0);
+  TORCH_CHECK(lengths.numel() == batch && starts.numel() == batch + 1,
+              "seq_lens (S,) and q_starts (S + 1,) must match block_tables (S, max_blocks)");
   Problem p{};
-  p.q_heads = q.size(1), p.q_len = q.size(2), p.dim = q.size(3);
+  p.q_heads = q.size(1), p.dim = q.size(2);
   p.kv_heads = k_pool.size(0), p.num_blocks = k_pool.size(1), p.block_size = k_pool.size(2);
   p.dim_v = v_pool.size(3), p.max_blocks = tables.size(1);
-  at::Tensor out = at::empty({batch, p.q_heads, p.q_len, p.dim_v}, q.options());
-  at::Tensor lse = at::empty({batch, p.q_heads, p.q_len}, q.options());
+  at::Tensor out = at::empty({tokens, p.q_heads, p.dim_v}, q.options());
+  at::Tensor lse = at::empty({tokens, p.q_heads}, q.options());
   at::Tensor slopes;
   if (alibi_slopes) {
     slopes = alibi_slopes->to(at::kFloat).contiguous();
@@ -156,10 +164,16 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, c
   p.window_left = window_left, p.window_right = window_right;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(sp[b] <= sp[b + 1] && sp[b + 1] <= tokens, "q_starts: expected a non-decreasing run from 0 to ",
+                tokens, " (q's rows)");
+  }
+  TORCH_CHECK(sp[0] == 0 && sp[batch] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
   at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
-      attend_task(p, b, h, lp[b], tp + b * p.max_blocks);
+      attend_task(p, b, h, lp[b], tp + b * p.max_blocks, sp[b], sp[b + 1] - sp[b]);
     }
   });
   return {out, lse};
