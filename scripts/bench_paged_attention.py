@@ -5,8 +5,9 @@ One decode step of SmolLM2-135M attends 30 times (30 layers, 9 query heads,
 For batches of 1, 4 and 16 and sequences of 50, 1000, or 50..1000 keys this
 times the whole step's attention (30 calls) for:
 
-- paged/<backend>: flashformer.attention.paged_attention (per sequence: gather
-  + attention(); on CUDA also the Triton kernel at several split lengths);
+- paged/<backend>: flashformer.attention.paged_attention (on the CPU the C++
+  kernel, one call for the batch, and per sequence: gather + attention() with
+  SDPA or flash; on CUDA also the Triton kernel at several split lengths);
 - batched (not invariant): every sequence's blocks gathered, padded to the
   longest, one attention() call with a key padding mask — the obvious batched
   formulation, measured to show what per-sequence calls cost; its bitwise
@@ -133,6 +134,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = args.device
     variants = {"paged/auto": lambda s: s.paged("auto"), "paged/flash": lambda s: s.paged("flash")}
+    if device == "cpu":  # auto is the C++ kernel when built; name each way
+        variants = {
+            "paged/cpu (one call)": lambda s: s.paged("cpu"),
+            "paged/torch (per sequence, SDPA)": lambda s: s.paged("torch"),
+            "paged/flash": lambda s: s.paged("flash"),
+        }
     if device == "cuda":
         for split_len in (64, 128, 256, 512):
             variants[f"paged/triton split {split_len}"] = lambda s, n=split_len: _triton(s, n)
