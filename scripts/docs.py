@@ -98,11 +98,11 @@ MEASURED = {
         "generate_model",
     ),
     "generate-smollm2-int8": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize int8 --threads 2',
+        'flashformer bench generate --model "$SMOLLM2" --quantize int8 --batches 1,8 --threads 2',
         "generate_model",
     ),
     "generate-smollm2-int4": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize int4 --threads 2',
+        'flashformer bench generate --model "$SMOLLM2" --quantize int4 --batches 1,8 --threads 2',
         "generate_model",
     ),
     "serve-smollm2": ('flashformer bench serve "$SMOLLM2" --quantize gguf', "serve"),
