@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--quantize")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="storms in a row against one server")
     args = parser.parse_args()
     port = free_port()
     command = [sys.executable, "-m", "flashformer.cli", "serve", args.model, "--port", str(port),
@@ -119,7 +120,7 @@ def main() -> None:
         jobs += [("disconnect", QUESTIONS[i % len(QUESTIONS)]) for i in range(disconnects)]
         jobs += [("bad", "model" if i % 2 else "max_tokens") for i in range(bads)]
         report = {"requests": len(jobs), "valid": valid_count, "disconnecting": disconnects, "bad": bads}
-        for round_seed in (1, 2):
+        for round_seed in range(1, args.rounds + 1):
             before = rss_kib(process.pid)
             started = time.perf_counter()
             results = asyncio.run(storm(url, name, jobs, round_seed))
