@@ -314,8 +314,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="threads of every server")
     parser.add_argument("--quantize", choices=MODES, help="flashformer's servers load the model quantized so")
-    parser.add_argument("--prefill-chunk", type=int, help="flashformer serve's --prefill-chunk (default: its own)")
-    parser.add_argument("--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)")
+    parser.add_argument(
+        "--prefill-chunk", type=int, help="flashformer serve's --prefill-chunk (default: its own)"
+    )
+    parser.add_argument(
+        "--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)"
+    )
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 

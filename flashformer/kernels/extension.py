@@ -61,7 +61,13 @@ def load() -> str:
             # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
             # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
             # The included files' hash is a flag: torch rebuilds when the flags change.
-            extra_cflags=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"],
+            extra_cflags=[
+                "-O3",
+                "-DNDEBUG",
+                "-fopenmp",
+                "-ffp-contract=off",
+                f"-DFF_INCLUDES={_includes_hash()}",
+            ],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

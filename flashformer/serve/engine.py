@@ -148,7 +148,8 @@ class Engine(SchedulerLoop):
 
     max_batch: sequences decoded together (and the fixed batch of every decode step);
     num_blocks, block_size: the KV pool; context: the most tokens a sequence may hold;
-    max_waiting: sequences that may wait before submit() raises Busy.
+    prefill_chunk, prefill_budget: a prompt's chunk and the prompt tokens a step may compute
+    while others decode; max_waiting: sequences that may wait before submit() raises Busy.
     """
 
     def __init__(
@@ -292,7 +293,6 @@ class Engine(SchedulerLoop):
             kv_caches=self.caches,
             logits_to_keep=1,
         )
-        self.batch.q_starts = None
         ready = []  # sequences whose last token of this step is their newest: they get a new one
         for i, (sequence, start, end) in enumerate(work):
             if start < sequence.prompt_len:
