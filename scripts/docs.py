@@ -93,18 +93,13 @@ MEASURED = {
         "generate",
     ),
     "generate-smollm2": ('flashformer bench generate --model "$SMOLLM2" --threads 2', "generate_model"),
-    "generate-smollm2-gguf": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize gguf --batches 1,8 --threads 2',
-        "generate_model",
-    ),
-    "generate-smollm2-int8": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize int8 --batches 1,8 --threads 2',
-        "generate_model",
-    ),
-    "generate-smollm2-int4": (
-        'flashformer bench generate --model "$SMOLLM2" --quantize int4 --batches 1,8 --threads 2',
-        "generate_model",
-    ),
+    **{
+        f"generate-smollm2-{mode}": (
+            f'flashformer bench generate --model "$SMOLLM2" --quantize {mode} --batches 1,8 --threads 2',
+            "generate_model",
+        )
+        for mode in ("gguf", "int8", "int4")
+    },
     "serve-smollm2": ('flashformer bench serve "$SMOLLM2" --quantize gguf', "serve"),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),

@@ -128,9 +128,8 @@ def _triton_takes(q: Tensor, k_pool: Tensor, v_pool: Tensor, rules: ScoreRules) 
     return unsupported(q, k_pool, v_pool, rules) is None
 
 
-CPU_KERNEL_MAX_Q_LEN = (
-    8  # "auto" on the CPU: the kernel for decode steps, per-sequence SDPA for prompt chunks
-)
+# "auto" on the CPU: the kernel for decode steps, per-sequence SDPA for prompt chunks
+CPU_KERNEL_MAX_Q_LEN = 8
 
 
 def _cpu_kernel_takes(q: Tensor) -> bool:
@@ -158,13 +157,8 @@ def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: Score
     return out, lse.view(batch, q_len, q_heads).transpose(1, 2)  # (B, Hq, Lq)
 
 
-def _run_cpu_kernel(
-    q, k_pool, v_pool, block_tables, seq_lens, q_starts, rules: ScoreRules | None, scale: float
-):
-    """q (T, Hq, D) packed (q_starts) -> out (T, Hq, Dv), lse (T, Hq). rules: softcap, ALiBi and
-    window, or None for plain causal attention."""
-    if rules is None:
-        rules = ScoreRules(batch=block_tables.shape[0], q_heads=q.shape[1], q_len=1, k_len=1, causal=True)
+def _run_cpu_kernel(q, k_pool, v_pool, block_tables, seq_lens, q_starts, rules: ScoreRules, scale: float):
+    """q (T, Hq, D) packed (q_starts) -> out (T, Hq, Dv), lse (T, Hq); rules: softcap, ALiBi, window."""
     slopes = rules.alibi_slopes  # (B|1, Hq, 1, 1) or None
     return torch.ops.flashformer.paged_attention_cpu(
         q,
@@ -218,18 +212,18 @@ def packed_paged_attention(
         )
     # paged_attention's checks, on one query per sequence
     one_each = q[:1, None].expand(sequences, -1, -1, -1).transpose(1, 2)  # (S, Hq, 1, D)
-    _check_paged(one_each, k_pool, v_pool, block_tables, seq_lens, None, None, None, validate)
-    bounds = q_starts.tolist()
-    if validate and (
-        bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:]))
-    ):
-        raise ValueError(f"q_starts must rise from 0 to T = {q.shape[0]} (q's rows); got {bounds}")
+    rules = _check_paged(one_each, k_pool, v_pool, block_tables, seq_lens, None, None, None, validate)
+    if validate:
+        bounds = q_starts.tolist()
+        if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"q_starts must rise from 0 to T = {q.shape[0]} (q's rows); got {bounds}")
     scale = check_scale(scale, q.shape[-1])
     if _cpu_kernel_runs(q):
         with torch.no_grad():
             return _run_cpu_kernel(
-                q.contiguous(), k_pool, v_pool, block_tables, seq_lens, q_starts, None, scale
+                q.contiguous(), k_pool, v_pool, block_tables, seq_lens, q_starts, rules, scale
             )[0]
+    bounds = q_starts.tolist()
     out = q.new_zeros(q.shape[0], q.shape[1], v_pool.shape[3])  # (T, Hq, Dv)
     for s, (begin, end) in enumerate(zip(bounds, bounds[1:])):
         if end > begin:

@@ -41,9 +41,11 @@ LIBRARY.define(
 _FALLBACKS: list[Callable[[], None]] = []
 
 
-def on_fallback(register: Callable[[], None]) -> None:
-    """register() runs if the extension cannot be loaded: it gives the operators PyTorch kernels."""
+def on_fallback(register: Callable[[], None]) -> Callable[[], None]:
+    """register() runs if the extension cannot be loaded: it gives the operators PyTorch kernels.
+    A decorator: returns register."""
     _FALLBACKS.append(register)
+    return register
 
 
 @functools.cache

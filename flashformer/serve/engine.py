@@ -242,13 +242,23 @@ class Engine(SchedulerLoop):
         decoding = any(not s.in_prefill for s in self.running)
         return self.prefill_budget * (1 if decoding else IDLE_BUDGET_FACTOR)
 
-    def _separate_step(self) -> None:
-        """Prompt chunks one forward each (a batch of one), then one decode step for all."""
-        budget = self._budget()
+    def _prefill_plan(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """This step's prompt chunks, (sequence, start, end), in admission order within the budget;
+        chunk boundaries are fixed multiples of prefill_chunk."""
+        plan = []
         for sequence in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
-            budget -= self._prefill_chunk(sequence)
+            start = sequence.computed
+            end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
+            plan.append((sequence, start, end))
+            budget -= end - start
+        return plan
+
+    def _separate_step(self) -> None:
+        """Prompt chunks one forward each (a batch of one), then one decode step for all."""
+        for sequence, start, end in self._prefill_plan(self._budget()):
+            self._prefill_chunk(sequence, start, end)
         decoding = [s for s in self.running if not s.in_prefill and s.finish_reason is None]
         decoding = self._make_room(decoding)
         if decoding:
@@ -260,31 +270,24 @@ class Engine(SchedulerLoop):
         sequence's own tokens: PagedBatch), so the weights are read once for all of them."""
         budget = self._budget()
         decoding = self._make_room([s for s in self.running if not s.in_prefill and s.finish_reason is None])
-        work = [(s, s.computed, s.computed + 1) for s in decoding]  # (sequence, first token, end)
-        for sequence in [s for s in self.running if s.in_prefill]:
-            if budget <= 0:
-                break
-            start = sequence.computed
-            end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
-            work.append((sequence, start, end))
-            budget -= end - start
+        work = [(s, s.computed, s.computed + 1) for s in decoding]  # (sequence, start, end)
+        work += self._prefill_plan(budget)
         if not work:
             return
-        bs = self.pool.block_size
-        tokens, slots, positions, starts = [], [], [], [0]
-        tables = torch.zeros((len(work), self.max_blocks), dtype=torch.int32)
+        tokens, positions, owners, starts = [], [], [], [0]  # owners: each token's row of work
         for i, (sequence, start, end) in enumerate(work):
             tokens += sequence.tokens[start:end]
             positions += range(start, end)
-            slots += [sequence.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            owners += [i] * (end - start)
             starts.append(starts[-1] + end - start)
-            tables[i, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+        tables = self._block_tables([sequence for sequence, _, _ in work], len(work))
+        slots = kv_slots(tables[owners], torch.tensor(positions)[:, None], self.pool.block_size)  # (T, 1)
         lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
         device = self.device
         self.batch.set(
             tables.to(device),
             lengths.to(device),
-            torch.tensor([slots], device=device),  # (1, T)
+            slots.view(1, -1).to(device),  # (1, T)
             q_starts=torch.tensor(starts, device=device),
         )
         out = self.model(
@@ -330,11 +333,9 @@ class Engine(SchedulerLoop):
             sequence.blocks, sequence.computed = blocks, 0
             self.running.append(sequence)
 
-    def _prefill_chunk(self, sequence: Sequence) -> int:
-        """Compute the next chunk of the prompt (a batch of one); after the last chunk of a
-        fresh sequence, sample its first token. Returns the tokens computed."""
-        start = sequence.computed
-        end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
+    def _prefill_chunk(self, sequence: Sequence, start: int, end: int) -> None:
+        """Compute prompt tokens start .. end - 1 (a batch of one); after the last chunk of a
+        fresh sequence, sample its first token."""
         tokens = torch.tensor([sequence.tokens[start:end]], device=self.device)  # (1, C)
         positions = torch.arange(start, end, device=self.device)[None]  # (1, C)
         self._set_batch([sequence], [end], [list(range(start, end))])
@@ -343,7 +344,6 @@ class Engine(SchedulerLoop):
         self.stats["prompt_tokens"] += end - start
         if end == sequence.prompt_len and len(sequence.tokens) == sequence.prompt_len:
             self._sample(sequence, logits[0, -1])
-        return end - start
 
     def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
         """Give every decoding sequence a slot for its next token, preempting the newest
@@ -401,11 +401,10 @@ class Engine(SchedulerLoop):
         layers then skip their checks); rows past the sequences (padding) read and write a
         scratch slot of their own."""
         rows = rows or len(sequences)
-        tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32)
+        tables = self._block_tables(sequences, rows)
         lengths = torch.ones(rows, dtype=torch.int32)
         where = torch.zeros((rows, len(positions[0])), dtype=torch.int64)
-        for r, (sequence, length, at) in enumerate(zip(sequences, seq_lens, positions)):
-            tables[r, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+        for r, (length, at) in enumerate(zip(seq_lens, positions)):
             lengths[r] = length
             where[r] = torch.tensor(at)
         slots = kv_slots(tables, where, self.pool.block_size)  # (rows, L)
@@ -413,6 +412,13 @@ class Engine(SchedulerLoop):
             block, slot = self.pool.scratch_slot(r)
             tables[r, 0], slots[r] = block, slot
         self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device), len(sequences))
+
+    def _block_tables(self, sequences, rows: int) -> torch.Tensor:
+        """(rows, max_blocks) int32: row r lists sequence r's blocks; rows past them are zeros."""
+        tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32)
+        for r, sequence in enumerate(sequences):
+            tables[r, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+        return tables
 
     # ---- tokens out ----
 

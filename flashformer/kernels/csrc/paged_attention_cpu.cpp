@@ -56,6 +56,12 @@ struct Problem {
   int64_t window_left, window_right;  // -1: unbounded
 };
 
+// A thread's working memory, reused by its tasks: (rows,) max and sum, (rows, Dv) accumulators,
+// (rows, block_size) scores.
+struct Scratch {
+  std::vector<float> m, l, acc, s;
+};
+
 // Sequence b, KV head h: its G x n queries (packed rows q0 .. q0 + n - 1) against its keys, block
 // by block in order.
 // Compiled for AVX2 and for any x86-64 CPU; the loader picks one per CPU, once.
@@ -63,13 +69,15 @@ struct Problem {
 __attribute__((target_clones("avx2", "default")))
 #endif
 void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const int64_t* table, int64_t q0,
-                 int64_t n) {
+                 int64_t n, Scratch& scratch) {
   const int64_t group = p.q_heads / p.kv_heads, rows = group * n;
   const float kInf = std::numeric_limits<float>::infinity();
-  std::vector<float> m(rows, -kInf), l(rows, 0.f), acc(rows * p.dim_v, 0.f), s(rows * p.block_size);
-  std::vector<int64_t> position(rows);
-  for (int64_t r = 0; r < rows; ++r) position[r] = seq_len - n + r % n;
-  const int64_t first_query = seq_len - n;  // the earliest query position of the task
+  std::vector<float>&m = scratch.m, &l = scratch.l, &acc = scratch.acc, &s = scratch.s;
+  m.assign(rows, -kInf);
+  l.assign(rows, 0.f);
+  acc.assign(rows * p.dim_v, 0.f);
+  s.resize(rows * p.block_size);
+  const int64_t first_query = seq_len - n;  // row r's query sits at first_query + r % n
   const int64_t blocks = (seq_len + p.block_size - 1) / p.block_size;
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t key0 = j * p.block_size, keys = std::min(p.block_size, seq_len - key0);
@@ -78,20 +86,20 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
     const float* kb = p.k + (h * p.num_blocks + block) * p.block_size * p.dim;  // (block_size, D)
     const float* vb = p.v + (h * p.num_blocks + block) * p.block_size * p.dim_v;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t head = h * group + r / n, i = r % n;
+      const int64_t head = h * group + r / n, i = r % n, position = first_query + i;
       const float* qr = p.q + ((q0 + i) * p.q_heads + head) * p.dim;
       const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
       float* sr = s.data() + r * p.block_size;
       float block_max = -kInf;
       for (int64_t t = 0; t < keys; ++t) {
         const int64_t key = key0 + t;
-        const bool seen = key <= position[r] && (p.window_left < 0 || key >= position[r] - p.window_left) &&
-                          (p.window_right < 0 || key <= position[r] + p.window_right);
+        const bool seen = key <= position && (p.window_left < 0 || key >= position - p.window_left) &&
+                          (p.window_right < 0 || key <= position + p.window_right);
         float score = -kInf;
         if (seen) {
           score = dot(qr, kb + t * p.dim, p.dim) * p.scale;
           if (p.softcap > 0.f) score = p.softcap * std::tanh(score / p.softcap);
-          if (p.slopes) score -= slope * static_cast<float>(std::abs(position[r] - key));
+          if (p.slopes) score -= slope * static_cast<float>(std::abs(position - key));
         }
         sr[t] = score;
         block_max = std::max(block_max, score);
@@ -171,9 +179,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, c
   }
   TORCH_CHECK(sp[0] == 0 && sp[batch] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
   at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
-      attend_task(p, b, h, lp[b], tp + b * p.max_blocks, sp[b], sp[b + 1] - sp[b]);
+      attend_task(p, b, h, lp[b], tp + b * p.max_blocks, sp[b], sp[b + 1] - sp[b], scratch);
     }
   });
   return {out, lse};
