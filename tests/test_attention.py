@@ -309,3 +309,94 @@ def test_dropout_hash_matches_a_pure_python_reference():
                 for j in range(1000, 1019):
                     kept = mix32_reference(row ^ mix32_reference(j)) >= dropout_threshold(p)
                     assert bool(keep[b, h, i - 5, j - 1000]) == kept
+
+
+# ---- backend "cpu": the C++ kernel for a few queries over cached keys ----
+
+HAS_CPU_KERNEL = __import__("flashformer.kernels.extension", fromlist=["cpp_kernels"]).cpp_kernels()
+needs_cpu_kernel = pytest.mark.skipif(
+    not HAS_CPU_KERNEL, reason="the C++ CPU kernels could not be built here"
+)
+CPU_KERNEL_FEATURES = ["plain", "causal", "window", "causal_window", "padding", "alibi", "softcap"]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("feature", CPU_KERNEL_FEATURES)
+@pytest.mark.parametrize("shape_index", range(len(SHAPES)))
+def test_cpu_backend_within_error_budget(shape_index, feature):
+    """Forward only (the kernel has no backward): out and LSE within 2x eager float32's error."""
+    inputs = make_inputs(SHAPES[shape_index], FEATURES[feature])
+    with torch.no_grad():
+        reference = run_forward(rounded_to(inputs, torch.float32), torch.float64, "eager")
+        eager32 = run_forward(inputs, torch.float32, "eager")
+        got = run_forward(inputs, torch.float32, "cpu")
+    assert_within_budget(got, eager32, reference, f"cpu/{feature}")
+
+
+def run_forward(inputs, dtype, backend):
+    q, k, v = (t.to(dtype) for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = flashformer.attention(q, k, v, backend=backend, return_lse=True, **inputs.kwargs)
+    return out.double(), lse.double()
+
+
+@needs_cpu_kernel
+def test_auto_takes_the_cpu_kernel_for_a_decode_step_over_a_cache_view():
+    """A decode step reads a static cache's view (strided, not copied): auto runs the kernel, and
+    each row's result is the same bits alone as in a batch of rows of other lengths' caches."""
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 4, 3, 90, 32, generator=gen)  # (k|v, B, Hk, max_len, D)
+    q = torch.randn(4, 6, 1, 32, generator=gen)
+    k, v = cache[0, :, :, :57], cache[1, :, :, :57]  # the first 57 positions are written
+    padding = torch.ones(4, 57, dtype=torch.bool)
+    padding[1, :13] = False  # a left-padded row
+    with torch.no_grad():
+        auto = flashformer.attention(q, k, v, causal=True, key_padding_mask=padding)
+        named = flashformer.attention(q, k, v, causal=True, key_padding_mask=padding, backend="cpu")
+        torch_out = flashformer.attention(q, k, v, causal=True, key_padding_mask=padding, backend="torch")
+        assert torch.equal(auto, named)
+        assert max_err(named, torch_out) < 1e-5
+        for b in range(4):
+            alone = flashformer.attention(
+                q[b : b + 1],
+                k[b : b + 1],
+                v[b : b + 1],
+                causal=True,
+                key_padding_mask=padding[b : b + 1],
+                backend="cpu",
+            )
+            assert torch.equal(alone, named[b : b + 1])
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize(
+    "kwargs, dtype, grad, pattern",
+    [
+        ({"mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}, torch.float32, False, "masks and biases"),
+        ({"bias": torch.zeros(1, 1, 4, 4)}, torch.float32, False, "masks and biases"),
+        ({"dropout_p": 0.1}, torch.float32, False, "dropout"),
+        ({}, torch.float32, True, "gradients"),
+        ({}, torch.bfloat16, False, "float32 on the CPU"),
+    ],
+)
+def test_cpu_backend_refuses_what_it_cannot_do(kwargs, dtype, grad, pattern):
+    q = torch.randn(1, 1, 4, 8, dtype=dtype, requires_grad=grad)
+    with pytest.raises(NotImplementedError, match=pattern):
+        flashformer.attention(q, q, q, backend="cpu", **kwargs)
+
+
+@needs_cpu_kernel
+def test_cpu_backend_compiles_into_one_graph():
+    """A compiled decode step keeps the kernel inside its graph (its fake gives the real strides):
+    fullgraph=True fails on any graph break."""
+    gen = torch.Generator().manual_seed(6)
+    cache = torch.randn(2, 2, 3, 40, 16, generator=gen)
+    q = torch.randn(2, 6, 1, 16, generator=gen)
+
+    def step(q, cache, length: int):
+        return flashformer.attention(q * 2, cache[0, :, :, :length], cache[1, :, :, :length], causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got, want = compiled(q, cache, 25), step(q, cache, 25)
+    assert got.stride() == want.stride()
+    assert torch.equal(got, want)

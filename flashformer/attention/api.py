@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from flashformer.attention import cpu_kernel
 from flashformer.attention.checks import (
     check_and_describe,
     check_dropout,
@@ -22,7 +23,7 @@ from flashformer.attention.reference import eager_attention
 from flashformer.attention.torch_sdpa import needs_materialized_mask, sdpa_attention
 from flashformer.kernels.cpu import attention_compute_dtype
 
-BACKENDS = ("auto", "eager", "flash", "triton", "torch")
+BACKENDS = ("auto", "eager", "flash", "triton", "torch", "cpu")
 
 
 def attention(
@@ -86,6 +87,8 @@ def attention(
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         backend = choose_backend(q, k, v, rules, dropout_p, return_lse, return_probs)
     _refuse_unsupported(backend, rules, dropout_p, return_lse, return_probs)
+    if backend == "cpu" and (missing := cpu_kernel.unsupported(q, k, v, rules, dropout_p)) is not None:
+        raise NotImplementedError(f"backend='cpu' does not support {missing}")
 
     probs = None
     if backend == "eager":
@@ -94,6 +97,8 @@ def attention(
         out, lse = flash_attention(q, k, v, rules, scale, dropout_p, dropout_seed)
     elif backend == "torch":
         out, lse = sdpa_attention(q, k, v, rules, scale), None
+    elif backend == "cpu":
+        out, lse = cpu_kernel.cpu_attention(q, k, v, rules, scale)
     else:  # triton; imported here so that flashformer never needs Triton unless asked for it
         from flashformer.attention.triton import triton_attention
 
@@ -110,7 +115,12 @@ def choose_backend(
     """The fastest exact backend for this request on this device.
 
     On the CPU (measured with the backends timed in turns; the figures are in
-    docs/benchmarks.md, "How auto chooses"):
+    docs/benchmarks.md, "How auto chooses" and "Decode attention on the CPU"):
+    - up to cpu_kernel.MAX_Q_LEN queries a row in float32 without gradients
+      (a decode step), with no mask or bias beyond causal, key padding,
+      window, ALiBi and softcap: the C++ kernel ("cpu"), 1.0-2.2x SDPA's speed
+      and one task per (row, KV head), so a row's result does not depend on
+      the batch.
     - what SDPA takes as is (no mask, causal with Lq == Lk, key padding, a
       given mask or bias tensor): torch is faster at every n measured.
     - what SDPA needs an (Lq, Lk) mask or bias built for (ALiBi, bias
@@ -133,6 +143,8 @@ def choose_backend(
 
         if unsupported(q, k, v, rules) is None:
             return "triton"
+    if rules.q_len <= cpu_kernel.MAX_Q_LEN and cpu_kernel.unsupported(q, k, v, rules, dropout_p) is None:
+        return "cpu"
     if dropout_p > 0 or return_lse or rules.softcap is not None:
         return "flash"
     if needs_materialized_mask(rules) and rules.q_len * rules.k_len > 512 * 512:

@@ -24,7 +24,7 @@ Backends:
 - "triton": the split-KV decoding kernel (triton/decode.py) reading each key
   tile's rows through the block table; nothing is gathered. Splits have a fixed
   length and are combined in order, up to each sequence's own last split.
-- "cpu": a C++ kernel (kernels/csrc/paged_attention_cpu.cpp), float32, one
+- "cpu": the C++ kernel of attention/cpu_kernel.py, float32, one
   call for the whole batch: a task per (sequence, KV head) reads the
   sequence's blocks in place, in order, once for all its query heads (GQA),
   with an online softmax block by block.
@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashformer.attention import cpu_kernel
 from flashformer.attention.api import attention
 from flashformer.attention.checks import FLOAT_DTYPES, check_alibi, check_scale, check_softcap, check_window
 from flashformer.attention.masks import ScoreRules
@@ -137,46 +138,15 @@ def _cpu_kernel_takes(q: Tensor) -> bool:
     CPU_KERNEL_MAX_Q_LEN queries a row. (SmolLM2's shapes, 2 threads: 16 decoding sequences of
     100-400 keys 0.3-0.5 ms against 1.5-3.8 ms per sequence; a prompt chunk of 128 queries over
     128 keys 0.85 ms against SDPA's 0.46 ms: its queries loop over the keys one row at a time.)"""
-    return q.shape[2] <= CPU_KERNEL_MAX_Q_LEN and _cpu_kernel_runs(q)
-
-
-def _cpu_kernel_runs(q: Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype == torch.float32 and extension.load() == "cpp"
+    return q.shape[2] <= CPU_KERNEL_MAX_Q_LEN and cpu_kernel.cpu_kernel_runs(q)
 
 
 def _cpu_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, rules: ScoreRules, scale: float):
     if q.device.type != "cpu" or q.dtype != torch.float32:
         raise ValueError(f"backend='cpu' takes float32 CPU tensors; got q {q.dtype} on {q.device}")
-    if extension.load() != "cpp":
+    if not extension.cpp_kernels():
         raise RuntimeError("backend='cpu' needs flashformer's C++ CPU kernels, which could not be built here")
-    batch, q_heads, q_len, _ = q.shape
-    packed = q.transpose(1, 2).reshape(batch * q_len, q_heads, q.shape[3])  # (B * Lq, Hq, D)
-    starts = torch.arange(0, batch * q_len + 1, q_len, device=q.device)  # (B + 1,)
-    out, lse = _run_cpu_kernel(packed, k_pool, v_pool, block_tables, seq_lens, starts, rules, scale)
-    out = out.view(batch, q_len, q_heads, -1).transpose(1, 2)  # (B, Hq, Lq, Dv)
-    return out, lse.view(batch, q_len, q_heads).transpose(1, 2)  # (B, Hq, Lq)
-
-
-def _run_cpu_kernel(q, k_pool, v_pool, block_tables, seq_lens, q_starts, rules: ScoreRules, scale: float):
-    """q (T, Hq, D) packed (q_starts) -> out (T, Hq, Dv), lse (T, Hq); rules: softcap, ALiBi, window."""
-    slopes = rules.alibi_slopes  # (B|1, Hq, 1, 1) or None
-    return torch.ops.flashformer.paged_attention_cpu(
-        q,
-        k_pool.contiguous(),
-        v_pool.contiguous(),
-        block_tables,
-        seq_lens,
-        q_starts,
-        scale,
-        0.0 if rules.softcap is None else float(rules.softcap),
-        None if slopes is None else slopes[:, :, 0, 0],
-        -1 if rules.window_left is None else rules.window_left,
-        -1 if rules.window_right is None else rules.window_right,
-    )
-
-
-def _paged_fake(q, k_pool, v_pool, block_tables, seq_lens, q_starts, scale, softcap, alibi, left, right):
-    return q.new_empty(*q.shape[:2], v_pool.shape[3]), q.new_empty(q.shape[:2])
+    return cpu_kernel.run_batched(q, k_pool, v_pool, block_tables, seq_lens, rules, scale)
 
 
 def packed_paged_attention(
@@ -218,11 +188,9 @@ def packed_paged_attention(
         if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"q_starts must rise from 0 to T = {q.shape[0]} (q's rows); got {bounds}")
     scale = check_scale(scale, q.shape[-1])
-    if _cpu_kernel_runs(q):
+    if cpu_kernel.cpu_kernel_runs(q):
         with torch.no_grad():
-            return _run_cpu_kernel(
-                q.contiguous(), k_pool, v_pool, block_tables, seq_lens, q_starts, rules, scale
-            )[0]
+            return cpu_kernel.run_packed(q, k_pool, v_pool, block_tables, seq_lens, q_starts, rules, scale)[0]
     bounds = q_starts.tolist()
     out = q.new_zeros(q.shape[0], q.shape[1], v_pool.shape[3])  # (T, Hq, Dv)
     for s, (begin, end) in enumerate(zip(bounds, bounds[1:])):
@@ -239,9 +207,6 @@ def packed_paged_attention(
             )
             out[begin:end] = result[0].transpose(0, 1)
     return out
-
-
-torch.library.register_fake("flashformer::paged_attention_cpu", _paged_fake, lib=extension.LIBRARY)
 
 
 def _attend_each_sequence(

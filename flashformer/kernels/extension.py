@@ -5,8 +5,8 @@ It implements the operators defined here (their schemas are Python's, so torch.c
 the fallbacks see them whether or not the build succeeds):
 - int4_linear, int8_linear, quantized_kernel_isa: the quantized layers (quantized.py,
   csrc/quantized_cpu.cpp and quantized_x86.inc);
-- paged_attention_cpu: attention of a batch over a paged KV cache, one call for every
-  sequence (attention/paged.py, csrc/paged_attention_cpu.cpp).
+- paged_attention_cpu, attention_cpu: attention of a batch over a paged or a static KV cache,
+  one call for every sequence (attention/cpu_kernel.py, csrc/paged_attention_cpu.cpp).
 
 Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and runs
 the fallbacks its users registered with on_fallback: PyTorch code, exact and slower.
@@ -34,8 +34,13 @@ LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
 LIBRARY.define("quantized_kernel_isa(int request) -> int")
 LIBRARY.define(
     "paged_attention_cpu(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
-    "Tensor q_starts, float scale, float softcap, Tensor? alibi_slopes, int window_left, int window_right) "
+    "Tensor q_starts, float scale, float softcap, bool causal, Tensor? alibi_slopes, Tensor? key_padding, "
+    "int window_left, int window_right) "
     "-> (Tensor, Tensor)"
+)
+LIBRARY.define(
+    "attention_cpu(Tensor q, Tensor k, Tensor v, float scale, float softcap, bool causal, Tensor? alibi_slopes, "
+    "Tensor? key_padding, int window_left, int window_right) -> (Tensor, Tensor)"
 )
 
 _FALLBACKS: list[Callable[[], None]] = []
@@ -82,6 +87,13 @@ def load() -> str:
         )
         return _fall_back()
     return "cpp"
+
+
+@torch.compiler.assume_constant_result
+def cpp_kernels() -> bool:
+    """Whether the C++ kernels run here (load() == "cpp"): a constant to torch.compile, so that
+    a compiled step that asks traces no file access and keeps one graph."""
+    return load() == "cpp"
 
 
 def _fall_back() -> str:

@@ -1,23 +1,29 @@
-// Attention of a batch of sequences over a paged KV cache, on the CPU, in one call: the
-// operator flashformer::paged_attention_cpu that attention/paged.py runs for backend "cpu"
-// (its schema, argument checks and docs live there and in kernels/extension.py).
+// Attention of a batch of sequences over cached keys, on the CPU, in one call: the operators
+// flashformer::paged_attention_cpu (paged_attention's backend "cpu", a paged KV cache) and
+// flashformer::attention_cpu (attention()'s backend "cpu", a static cache's view; at the end of this
+// file), which attention/cpu_kernel.py runs. Their schemas live in kernels/extension.py, the
+// argument checks and docs in attention/cpu_kernel.py.
 //
 //   q (T, Hq, D) float32: the queries of S sequences packed one after another, sequence s's
 //   rows q_starts[s] .. q_starts[s + 1] - 1 (q_starts (S + 1,) int64); k_pool (Hk, num_blocks,
-//   block_size, D), v_pool (..., Dv) float32; block_tables (S, max_blocks) int32/int64; seq_lens
-//   (S,) int32/int64. Query i of the n of sequence s sits at key position seq_lens[s] - n + i and
-//   sees the keys at or before it (causal, bottom-right), within the window (window_left /
-//   window_right keys before / after; -1: unbounded). softcap > 0: scores become
-//   softcap * tanh(scores / softcap); alibi_slopes (S|1, Hq) adds -slope * |query position - key
-//   position|. Returns out (T, Hq, Dv) and lse (T, Hq); a query with no key gets 0 and -inf.
-//   (A batch of B rows of Lq queries each is the case q_starts = 0, Lq, 2 Lq, ...)
+//   block_size, D), v_pool (..., Dv) float32, any strides but a contiguous last dim;
+//   block_tables (S, max_blocks) int32/int64; seq_lens (S,) int32/int64. Query i of the n of
+//   sequence s sits at key position seq_lens[s] - n + i; causal: it sees the keys at or before
+//   it (bottom-right). window_left / window_right: keys kept before / after it (-1: unbounded);
+//   key_padding (S, >= seq_len) bool: False drops sequence s's key at that position; softcap > 0:
+//   scores become softcap * tanh(scores / softcap); alibi_slopes (S|1, Hq) adds
+//   -slope * |query position - key position|. Returns out (T, Hq, Dv) and lse (T, Hq); a query
+//   with no key gets 0 and -inf.
+//   A batch of B rows of Lq queries each is the case q_starts = 0, Lq, 2 Lq, ...; a static cache
+//   (B, Hk, L, D) is the pool k.transpose(0, 1) with one block per sequence (block_tables[b] = b,
+//   block_size = L).
 //
 // Why this shape:
-// - A decode step of a server attends every running sequence over its own blocks. Calling
-//   attention() once per sequence and layer costs a gather and tens of microseconds of
-//   dispatch each (16 sequences x 30 layers a step); this is one call per layer.
+// - A decode step attends every sequence over its own keys. SDPA's CPU kernels cost ~35 us a
+//   call for one query and more per row of a batch; a server calling attention() once per
+//   sequence pays a gather and tens of microseconds of dispatch each. This is one call per layer.
 // - One task per (sequence, KV head): its G = Hq / Hk query heads (GQA) and Lq queries share
-//   every key and value read; the blocks are read in place through the table, never gathered.
+//   every key and value read, key by key; the blocks are read in place, never gathered.
 // - Batch invariance by construction: a task's arithmetic (which keys, in which order, the
 //   block-by-block online softmax) depends on its own sequence only, and one thread computes
 //   it. A sequence alone and in any batch gives the same bits.
@@ -34,13 +40,76 @@
 
 namespace {
 
-// The dot product of two rows of n floats (a fixed order for a given n and CPU: the compiler's
-// vector reduction, the same for every call).
-__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) sum += a[j] * b[j];
-  return sum;
+// Eight floats in a vector register (GCC's vector extension: AVX2 in the avx2 clone, two SSE
+// registers in the default one, the same operations in the same order in both).
+typedef float v8 __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline v8 load8(const float* p) {
+  v8 x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+__attribute__((always_inline)) inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof(x)); }
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// Lane i of the result: the sum of a[i]'s eight lanes (a transposing tree of pair sums, the same
+// order for every lane and every call).
+__attribute__((always_inline)) inline v8 lane_sums(const v8* a) {
+  v8 pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i) {
+    const v8 x = a[2 * i], y = a[2 * i + 1];
+    pairs[i] = __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v8 x = pairs[2 * i], y = pairs[2 * i + 1];
+    quads[i] = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return __builtin_shufflevector(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Dot products of one row q with eight rows k[i], n floats each: eight lanes of partial sums per
+// key, their lane sums, then the tail past a multiple of 8 in order. A key's result depends on q,
+// its row and n only, never on which keys share the call.
+__attribute__((always_inline)) inline v8 dots8(const float* q, const float* const* k, int64_t n) {
+  v8 acc[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 x = load8(q + j);
+    for (int i = 0; i < 8; ++i) acc[i] += x * load8(k[i] + j);
+  }
+  v8 sums = lane_sums(acc);
+  for (int i = 0; i < 8; ++i) {
+    for (int64_t t = j; t < n; ++t) sums[i] += q[t] * k[i][t];
+  }
+  return sums;
+}
+
+// exp(x) for x <= 0 (softmax weights), 0 where x is -inf: 2^n e^r with n = round(x / ln 2),
+// r = x - n ln 2 (ln 2 in two parts) and e^r's Taylor polynomial to r^7 (|r| <= 0.35: relative
+// error < 1e-8, under float32's rounding). x below -87 is taken as -87 (a weight < 2e-38).
+__attribute__((always_inline)) inline v8 exp8(v8 x) {
+  const auto masked = x == -__builtin_inff();
+  x = x < -87.f ? v8{} - 87.f : x;
+  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round half down (x <= 0)
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
+  v8 poly = v8{} + 1.f / 5040.f;
+  poly = poly * r + 1.f / 720.f;
+  poly = poly * r + 1.f / 120.f;
+  poly = poly * r + 1.f / 24.f;
+  poly = poly * r + 1.f / 6.f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.f;
+  poly = poly * r + 1.f;
+  v8 two_n;
+  const v8i bits = (n + 127) << 23;
+  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+  return masked ? v8{} : poly * two_n;
 }
 
 struct Problem {
@@ -49,21 +118,28 @@ struct Problem {
   const float* v;
   float* out;
   float* lse;
-  int64_t q_heads, kv_heads, dim, dim_v, num_blocks, block_size, max_blocks;
+  int64_t q_heads, kv_heads, dim, dim_v, block_size, max_blocks;
+  int64_t k_head_stride, k_block_stride, k_pos_stride;  // elements; the last dim is contiguous
+  int64_t v_head_stride, v_block_stride, v_pos_stride;
   float scale, softcap;
+  bool causal;
   const float* slopes;  // (B|1, Hq) or nullptr
   int64_t slope_rows;
+  const bool* key_padding;  // (B, padding_len) or nullptr
+  int64_t padding_len;
   int64_t window_left, window_right;  // -1: unbounded
 };
 
-// A thread's working memory, reused by its tasks: (rows,) max and sum, (rows, Dv) accumulators,
-// (rows, block_size) scores.
+// A thread's working memory, reused by its tasks: (rows,) running max and sum, (rows, Dv)
+// accumulators, (rows, block_size + 8) scores, then weights, of the block.
 struct Scratch {
   std::vector<float> m, l, acc, s;
 };
 
 // Sequence b, KV head h: its G x n queries (packed rows q0 .. q0 + n - 1) against its keys, block
-// by block in order.
+// by block in order, with an online softmax. Within a block: scores eight keys at a time, every
+// query row using the eight while they are in L1; then each row's weights and its weighted sum of
+// values, 64 columns of the accumulator in registers.
 // Compiled for AVX2 and for any x86-64 CPU; the loader picks one per CPU, once.
 #if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
@@ -71,54 +147,96 @@ __attribute__((target_clones("avx2", "default")))
 void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const int64_t* table, int64_t q0,
                  int64_t n, Scratch& scratch) {
   const int64_t group = p.q_heads / p.kv_heads, rows = group * n;
+  const int64_t ld = (p.block_size + 7) / 8 * 8;  // a row of scores, padded to whole vectors
   const float kInf = std::numeric_limits<float>::infinity();
   std::vector<float>&m = scratch.m, &l = scratch.l, &acc = scratch.acc, &s = scratch.s;
   m.assign(rows, -kInf);
   l.assign(rows, 0.f);
   acc.assign(rows * p.dim_v, 0.f);
-  s.resize(rows * p.block_size);
+  s.resize(rows * ld);
   const int64_t first_query = seq_len - n;  // row r's query sits at first_query + r % n
+  const bool* padding = p.key_padding ? p.key_padding + b * p.padding_len : nullptr;
+  const bool plain_rules = padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
+                           p.slopes == nullptr;
   const int64_t blocks = (seq_len + p.block_size - 1) / p.block_size;
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t key0 = j * p.block_size, keys = std::min(p.block_size, seq_len - key0);
     if (p.window_left >= 0 && key0 + keys - 1 < first_query - p.window_left) continue;  // before every window
     const int64_t block = table[j];
-    const float* kb = p.k + (h * p.num_blocks + block) * p.block_size * p.dim;  // (block_size, D)
-    const float* vb = p.v + (h * p.num_blocks + block) * p.block_size * p.dim_v;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t head = h * group + r / n, i = r % n, position = first_query + i;
-      const float* qr = p.q + ((q0 + i) * p.q_heads + head) * p.dim;
-      const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
-      float* sr = s.data() + r * p.block_size;
-      float block_max = -kInf;
-      for (int64_t t = 0; t < keys; ++t) {
-        const int64_t key = key0 + t;
-        const bool seen = key <= position && (p.window_left < 0 || key >= position - p.window_left) &&
-                          (p.window_right < 0 || key <= position + p.window_right);
-        float score = -kInf;
-        if (seen) {
-          score = dot(qr, kb + t * p.dim, p.dim) * p.scale;
-          if (p.softcap > 0.f) score = p.softcap * std::tanh(score / p.softcap);
-          if (p.slopes) score -= slope * static_cast<float>(std::abs(position - key));
-        }
-        sr[t] = score;
-        block_max = std::max(block_max, score);
+    const float* kb = p.k + h * p.k_head_stride + block * p.k_block_stride;  // (block_size, D), rows k_pos_stride apart
+    const float* vb = p.v + h * p.v_head_stride + block * p.v_block_stride;
+    // scaled scores, eight keys at a time (a last partial eight repeats its last key)
+    for (int64_t t0 = 0; t0 < keys; t0 += 8) {
+      const float* kt[8];
+      for (int i = 0; i < 8; ++i) kt[i] = kb + std::min(t0 + i, keys - 1) * p.k_pos_stride;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = p.q + ((q0 + r % n) * p.q_heads + h * group + r / n) * p.dim;
+        store8(s.data() + r * ld + t0, dots8(qr, kt, p.dim) * p.scale);
       }
-      if (block_max == -kInf) continue;  // no key of this block for this query
+    }
+    // the rules: which keys each query sees, softcap, ALiBi (none apply to a plain decode step's
+    // keys, which all sit at or before its query)
+    if (!plain_rules || (p.causal && key0 + keys - 1 > first_query)) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t head = h * group + r / n, position = first_query + r % n;
+        const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
+        float* sr = s.data() + r * ld;
+        for (int64_t t = 0; t < keys; ++t) {
+          const int64_t key = key0 + t;
+          const bool seen = (padding == nullptr || padding[key]) && (!p.causal || key <= position) &&
+                            (p.window_left < 0 || key >= position - p.window_left) &&
+                            (p.window_right < 0 || key <= position + p.window_right);
+          float score = -kInf;
+          if (seen) {
+            score = sr[t];
+            if (p.softcap > 0.f) score = p.softcap * std::tanh(score / p.softcap);
+            if (p.slopes) score -= slope * static_cast<float>(std::abs(position - key));
+          }
+          sr[t] = score;
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s.data() + r * ld;
+      float block_max = -kInf;
+      for (int64_t t = 0; t < keys; ++t) block_max = std::max(block_max, sr[t]);
+      if (block_max == -kInf) continue;  // no key of this block for this query: nothing changes
       const float new_max = std::max(m[r], block_max);
       const float rescale = std::exp(m[r] - new_max);  // 0 for the first block seen
-      float* ar = acc.data() + r * p.dim_v;
-      float sum = 0.f;
-      for (int64_t d = 0; d < p.dim_v; ++d) ar[d] *= rescale;
-      for (int64_t t = 0; t < keys; ++t) {
-        const float weight = std::exp(sr[t] - new_max);  // 0 for a key not seen
-        sum += weight;
-        const float* vt = vb + t * p.dim_v;
-#pragma omp simd
-        for (int64_t d = 0; d < p.dim_v; ++d) ar[d] += weight * vt[d];
-      }
-      l[r] = l[r] * rescale + sum;
       m[r] = new_max;
+      for (int64_t t = keys; t < (keys + 7) / 8 * 8; ++t) sr[t] = -kInf;  // the partial eight's repeats
+      v8 sum8 = {};
+      for (int64_t t = 0; t < keys; t += 8) {
+        const v8 w = exp8(load8(sr + t) - new_max);  // scores become weights
+        store8(sr + t, w);
+        sum8 += w;
+      }
+      float sum = 0.f;
+      for (int i = 0; i < 8; ++i) sum += sum8[i];
+      l[r] = l[r] * rescale + sum;
+      // acc[r] = rescale * acc[r] + weights . v, key by key
+      float* ar = acc.data() + r * p.dim_v;
+      int64_t d0 = 0;
+      for (; d0 + 64 <= p.dim_v; d0 += 64) {
+        v8 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = load8(ar + d0 + 8 * i) * rescale;
+        for (int64_t t = 0; t < keys; ++t) {
+          const float w = sr[t];
+          if (w == 0.f) continue;
+          const float* vt = vb + t * p.v_pos_stride + d0;
+          for (int i = 0; i < 8; ++i) a[i] += w * load8(vt + 8 * i);
+        }
+        for (int i = 0; i < 8; ++i) store8(ar + d0 + 8 * i, a[i]);
+      }
+      if (d0 < p.dim_v) {
+        for (int64_t d = d0; d < p.dim_v; ++d) ar[d] *= rescale;
+        for (int64_t t = 0; t < keys; ++t) {
+          const float w = sr[t];
+          if (w == 0.f) continue;
+          const float* vt = vb + t * p.v_pos_stride;
+          for (int64_t d = d0; d < p.dim_v; ++d) ar[d] += w * vt[d];
+        }
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -136,55 +254,116 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_pool,
-                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
-                                                       const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                                                       double scale, double softcap,
-                                                       const std::optional<at::Tensor>& alibi_slopes,
-                                                       int64_t window_left, int64_t window_right) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q: expected float32 (T, Hq, D), got ",
-              q_in.sizes(), " ", q_in.scalar_type());
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
+// Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
+// with a contiguous last dim, and each of the S sequences' block table (max_blocks entries), key
+// count and first query row. Writes out (T, Hq, Dv) and lse (T, Hq): tensors whose memory is laid
+// out so (the callers choose their shapes and strides).
+void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                          int64_t sequences, const int64_t* tables, int64_t max_blocks,
+                                          const int64_t* lengths, const int64_t* starts, double scale, double softcap,
+                                          bool causal, const std::optional<at::Tensor>& alibi_slopes,
+                                          const std::optional<at::Tensor>& key_padding, int64_t window_left,
+                                          int64_t window_right, at::Tensor& out, at::Tensor& lse) {
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.scalar_type() == at::kFloat &&
                   v_pool.scalar_type() == at::kFloat,
-              "k_pool, v_pool: expected contiguous float32 pools");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor lengths = seq_lens.to(at::kLong).contiguous();
-  const at::Tensor starts = q_starts.to(at::kLong).contiguous();
-  const int64_t batch = tables.size(0), tokens = q.size(0);
-  TORCH_CHECK(lengths.numel() == batch && starts.numel() == batch + 1,
-              "seq_lens (S,) and q_starts (S + 1,) must match block_tables (S, max_blocks)");
+              "k, v: expected float32 tensors of 4 dims, got ", k_pool.sizes(), " ", k_pool.scalar_type(), " and ",
+              v_pool.sizes(), " ", v_pool.scalar_type());
+  const at::Tensor k = k_pool.stride(3) == 1 ? k_pool : k_pool.contiguous();
+  const at::Tensor v = v_pool.stride(3) == 1 ? v_pool : v_pool.contiguous();
+  const int64_t tokens = q.size(0);
   Problem p{};
   p.q_heads = q.size(1), p.dim = q.size(2);
-  p.kv_heads = k_pool.size(0), p.num_blocks = k_pool.size(1), p.block_size = k_pool.size(2);
-  p.dim_v = v_pool.size(3), p.max_blocks = tables.size(1);
-  at::Tensor out = at::empty({tokens, p.q_heads, p.dim_v}, q.options());
-  at::Tensor lse = at::empty({tokens, p.q_heads}, q.options());
-  at::Tensor slopes;
+  p.kv_heads = k.size(0), p.block_size = k.size(2);
+  p.dim_v = v.size(3), p.max_blocks = max_blocks;
+  p.k_head_stride = k.stride(0), p.k_block_stride = k.stride(1), p.k_pos_stride = k.stride(2);
+  p.v_head_stride = v.stride(0), p.v_block_stride = v.stride(1), p.v_pos_stride = v.stride(2);
+  at::Tensor slopes, padding;
   if (alibi_slopes) {
     slopes = alibi_slopes->to(at::kFloat).contiguous();
     p.slopes = slopes.data_ptr<float>();
     p.slope_rows = slopes.size(0);
   }
-  p.q = q.data_ptr<float>(), p.k = k_pool.data_ptr<float>(), p.v = v_pool.data_ptr<float>();
-  p.out = out.data_ptr<float>(), p.lse = lse.data_ptr<float>();
-  p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap);
-  p.window_left = window_left, p.window_right = window_right;
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
-  const int64_t* sp = starts.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(sp[b] <= sp[b + 1] && sp[b + 1] <= tokens, "q_starts: expected a non-decreasing run from 0 to ",
-                tokens, " (q's rows)");
+  if (key_padding) {
+    padding = key_padding->to(at::kBool).contiguous();
+    TORCH_CHECK(padding.dim() == 2 && padding.size(0) == sequences, "key_padding: expected (S, L) bool for ",
+                sequences, " sequences, got ", padding.sizes());
+    p.key_padding = padding.data_ptr<bool>();
+    p.padding_len = padding.size(1);
   }
-  TORCH_CHECK(sp[0] == 0 && sp[batch] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
-  at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  p.q = q.data_ptr<float>(), p.k = k.data_ptr<float>(), p.v = v.data_ptr<float>();
+  p.out = out.data_ptr<float>(), p.lse = lse.data_ptr<float>();
+  p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap), p.causal = causal;
+  p.window_left = window_left, p.window_right = window_right;
+  for (int64_t b = 0; b < sequences; ++b) {
+    TORCH_CHECK(starts[b] <= starts[b + 1] && starts[b + 1] <= tokens,
+                "q_starts: expected a non-decreasing run from 0 to ", tokens, " (q's rows)");
+    TORCH_CHECK(!key_padding || lengths[b] <= p.padding_len, "key_padding: ", p.padding_len,
+                " positions for a sequence of ", lengths[b], " keys");
+  }
+  TORCH_CHECK(starts[0] == 0 && starts[sequences] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
+  at::parallel_for(0, sequences * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
-      attend_task(p, b, h, lp[b], tp + b * p.max_blocks, sp[b], sp[b + 1] - sp[b], scratch);
+      attend_task(p, b, h, lengths[b], tables + b * max_blocks, starts[b], starts[b + 1] - starts[b], scratch);
     }
   });
+}
+
+// The paged operator: q (T, Hq, D) packed, pools, block_tables (S, max_blocks), seq_lens (S,),
+// q_starts (S + 1,).
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_pool,
+                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
+                                                       const at::Tensor& seq_lens, const at::Tensor& q_starts,
+                                                       double scale, double softcap, bool causal,
+                                                       const std::optional<at::Tensor>& alibi_slopes,
+                                                       const std::optional<at::Tensor>& key_padding,
+                                                       int64_t window_left, int64_t window_right) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q: expected float32 (T, Hq, D), got ",
+              q_in.sizes(), " ", q_in.scalar_type());
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lengths = seq_lens.to(at::kLong).contiguous();
+  const at::Tensor starts = q_starts.to(at::kLong).contiguous();
+  const int64_t sequences = tables.size(0);
+  TORCH_CHECK(lengths.numel() == sequences && starts.numel() == sequences + 1,
+              "seq_lens (S,) and q_starts (S + 1,) must match block_tables (S, max_blocks)");
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options());
+  attend(q, k_pool, v_pool, sequences, tables.data_ptr<int64_t>(), tables.size(1), lengths.data_ptr<int64_t>(),
+         starts.data_ptr<int64_t>(), scale, softcap, causal, alibi_slopes, key_padding, window_left, window_right, out,
+         lse);
+  return {out, lse};
+}
+
+// The static-cache operator: q (B, Hq, Lq, D), k (B, Hk, Lk, D) and v (B, Hk, Lk, Dv) in any
+// strides with a contiguous last dim (a cache's view is read in place), Lq queries a row at the
+// last Lq of its Lk positions. Returns out (B, Hq, Lq, Dv) and lse (B, Hq, Lq), laid out in memory
+// as (B, Lq, Hq, ...): merging the heads afterwards is free.
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 double scale, double softcap, bool causal,
+                                                 const std::optional<at::Tensor>& alibi_slopes,
+                                                 const std::optional<at::Tensor>& key_padding, int64_t window_left,
+                                                 int64_t window_right) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: expected float32 (B, Hq, Lq, D), got ", q.sizes(),
+              " ", q.scalar_type());
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
+                  k.size(2) == v.size(2),
+              "k, v: expected (B, Hk, Lk, D) and (B, Hk, Lk, Dv) for q ", q.sizes(), ", got ", k.sizes(), " and ",
+              v.sizes());
+  const int64_t batch = q.size(0), q_len = q.size(2), k_len = k.size(2);
+  std::vector<int64_t> tables(batch), lengths(batch, k_len), starts(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) {
+    if (b < batch) tables[b] = b;
+    starts[b] = b * q_len;
+  }
+  const at::Tensor packed = q.transpose(1, 2).reshape({batch * q_len, q.size(1), q.size(3)}).contiguous();
+  const int64_t heads = q.size(1), dim_v = v.size(3);
+  at::Tensor out = at::empty_strided({batch, heads, q_len, dim_v}, {q_len * heads * dim_v, dim_v, heads * dim_v, 1},
+                                     q.options());
+  at::Tensor lse = at::empty_strided({batch, heads, q_len}, {q_len * heads, 1, heads}, q.options());
+  attend(packed, k.transpose(0, 1), v.transpose(0, 1), batch, tables.data(), 1, lengths.data(), starts.data(), scale,
+         softcap, causal, alibi_slopes, key_padding, window_left, window_right, out, lse);
   return {out, lse};
 }
 
@@ -192,4 +371,5 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, c
 
 TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("attention_cpu", &attention_cpu);
 }
