@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from flashformer.cache import make_caches
+from flashformer.kernels import extension
 from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS
 from flashformer.sampling import GenerationSettings
 
@@ -209,6 +210,8 @@ def compiled(step, device_type: str):
     dtype or model compiles again). dynamic=True from the start would also
     make the layers' float attributes symbolic, which breaks the graph.
     """
+    if device_type == "cpu":
+        extension.load()  # the C++ kernels (attention's "cpu" backend) before tracing, see cpp_kernels
     return torch.compile(step, options=CPU_DECODE_STEP_OPTIONS if device_type == "cpu" else None)
 
 

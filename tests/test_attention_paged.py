@@ -505,7 +505,9 @@ def test_packed_sequences_get_what_each_gets_alone(cpu_kernel, monkeypatch):
     each sequence's rows equal paged_attention of that sequence alone (the same bits with the
     C++ kernel; within float32 rounding of the float64 reference either way)."""
     if not cpu_kernel:
-        monkeypatch.setattr(importlib.import_module("flashformer.attention.cpu_kernel"), "cpu_kernel_runs", lambda q: False)
+        monkeypatch.setattr(
+            importlib.import_module("flashformer.attention.cpu_kernel"), "cpu_kernel_runs", lambda q: False
+        )
     lengths, counts = [40, 23, 17, 9], [1, 7, 0, 9]
     q_heads, kv_heads, dim = 6, 2, 16
     case = PagedCase(lengths, kv_heads, dim, torch.float32, seed=11)

@@ -53,6 +53,15 @@ def on_fallback(register: Callable[[], None]) -> Callable[[], None]:
     return register
 
 
+_loaded_as: str | None = None  # load()'s answer, once it has run
+
+
+def _loaded(answer: str) -> str:
+    global _loaded_as
+    _loaded_as = answer
+    return answer
+
+
 @functools.cache
 def load() -> str:
     """Make the operators runnable, once per process: "cpp" when the C++ kernels are built (or
@@ -86,20 +95,23 @@ def load() -> str:
             stacklevel=2,
         )
         return _fall_back()
-    return "cpp"
+    return _loaded("cpp")
 
 
-@torch.compiler.assume_constant_result
 def cpp_kernels() -> bool:
-    """Whether the C++ kernels run here (load() == "cpp"): a constant to torch.compile, so that
-    a compiled step that asks traces no file access and keeps one graph."""
+    """Whether the C++ kernels run here (load() == "cpp"). Under torch.compile it reads what an
+    earlier load() found, without loading (tracing a build would break the graph): a compiled
+    step whose kernels were not loaded before takes the other paths, and recompiles once they
+    are (the answer is guarded as a constant). decoding.compiled() loads them first."""
+    if torch.compiler.is_compiling():
+        return _loaded_as == "cpp"
     return load() == "cpp"
 
 
 def _fall_back() -> str:
     for register in _FALLBACKS:
         register()
-    return "torch"
+    return _loaded("torch")
 
 
 def _includes_hash() -> str:
