@@ -86,9 +86,9 @@ def attention(
         compute_dtype = attention_compute_dtype(q)
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         backend = choose_backend(q, k, v, rules, dropout_p, return_lse, return_probs)
+    elif backend == "cpu" and (missing := cpu_kernel.unsupported(q, k, v, rules, dropout_p)) is not None:
+        raise NotImplementedError(f"backend='cpu' does not support {missing}")  # auto asked already
     _refuse_unsupported(backend, rules, dropout_p, return_lse, return_probs)
-    if backend == "cpu" and (missing := cpu_kernel.unsupported(q, k, v, rules, dropout_p)) is not None:
-        raise NotImplementedError(f"backend='cpu' does not support {missing}")
 
     probs = None
     if backend == "eager":

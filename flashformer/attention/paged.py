@@ -41,10 +41,11 @@ construction: sequence b's computation sees a fresh copy of its own keys and
 queries and the same shapes whatever the batch; so does the "cpu" kernel, whose
 task for sequence b reads only b's blocks, in an order set by b's length. The Triton kernel gets it from
 its fixed splits and in-order combine (no tile size, split or reduction order
-depends on the other rows). A batched CPU formulation (one padded call for the
-whole batch) is faster only when all lengths are equal, and not invariant: its
-reductions' length and blocking follow the longest sequence (docs/benchmarks.md,
-"Paged attention on the CPU").
+depends on the other rows). A padded CPU formulation (every sequence's blocks
+gathered, one attention() call with a key padding mask) copies the keys and
+computes the padding; through SDPA it was not invariant either, its reductions'
+length following the longest sequence (docs/benchmarks.md, "Paged attention on
+the CPU").
 """
 
 from __future__ import annotations

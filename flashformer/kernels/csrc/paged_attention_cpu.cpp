@@ -118,7 +118,7 @@ struct Problem {
   const float* v;
   float* out;
   float* lse;
-  int64_t q_heads, kv_heads, dim, dim_v, block_size, max_blocks;
+  int64_t q_heads, kv_heads, dim, dim_v, block_size;
   int64_t k_head_stride, k_block_stride, k_pos_stride;  // elements; the last dim is contiguous
   int64_t v_head_stride, v_block_stride, v_pos_stride;
   float scale, softcap;
@@ -274,7 +274,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   Problem p{};
   p.q_heads = q.size(1), p.dim = q.size(2);
   p.kv_heads = k.size(0), p.block_size = k.size(2);
-  p.dim_v = v.size(3), p.max_blocks = max_blocks;
+  p.dim_v = v.size(3);
   p.k_head_stride = k.stride(0), p.k_block_stride = k.stride(1), p.k_pos_stride = k.stride(2);
   p.v_head_stride = v.stride(0), p.v_block_stride = v.stride(1), p.v_pos_stride = v.stride(2);
   at::Tensor slopes, padding;
