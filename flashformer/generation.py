@@ -96,11 +96,15 @@ def check_prompt(model, input_ids, attention_mask, s: GenerationSettings) -> Non
 # ---- greedy and sampling ----
 
 
+@torch.no_grad()  # on the generator: each step runs without autograd, the caller's mode untouched
 def stream_tokens(
     session, s: GenerationSettings, history: TokenHistory | None, generator, logits_out: list | None = None
 ) -> Iterator[Tensor]:
     """Yield the next token of every row (B,) per step, until max_new_tokens
-    or every row has produced an eos (finished rows then get pad_token_id)."""
+    or every row has produced an eos (finished rows then get pad_token_id).
+    Inference only, whoever calls it (generate, stream, a chat session): a
+    compiled step traced with gradients on would also build a backward graph,
+    which a quantized model's layers refuse."""
     process = LogitsProcessor(s, session.input_ids.device)
     unfinished = tokens = None
     for index in range(s.max_new_tokens):

@@ -343,3 +343,21 @@ def test_the_decode_step_traces_as_one_graph(pair):
 
     torch._dynamo.reset()
     assert torch.equal(first_step(traced=True), first_step(traced=False))
+
+
+def test_stream_tokens_runs_without_autograd_whoever_calls_it(pair):
+    """A chat session calls stream_tokens directly, outside generate()'s no_grad: its steps must
+    not record autograd (a compiled step would trace a backward graph, which quantized layers
+    refuse), and the caller's grad mode is left as it was between tokens."""
+    from flashformer.decoding import make_session
+    from flashformer.generation import stream_tokens
+    from flashformer.sampling import GenerationSettings
+
+    _, _, ours = pair
+    ids, mask, _ = left_padded()
+    settings = GenerationSettings(max_new_tokens=3, decoder_start_token_id=0)
+    logits = []
+    assert torch.is_grad_enabled()
+    for _ in stream_tokens(make_session(ours, ids, mask, settings), settings, None, None, logits):
+        assert torch.is_grad_enabled()
+    assert len(logits) == 3 and not any(t.requires_grad for t in logits)
