@@ -3,6 +3,7 @@ gguf's quantizer and dequantizer, and float64 products of the dequantized weight
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -212,8 +213,10 @@ def test_every_isa_gives_the_scalar_bits(source):
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
     x = torch.randn(11, 320)  # 11 rows: a full VNNI tile of 8 and a tail of 3; AVX2's 4 + 4 + 3
-    for activations in ("int8", "float32"):
-        lin, _ = make_linear(source, torch.randn(42, 320), torch.randn(42), activations)
+    # 42 output rows: int4's 6 groups of 8, the last partial, make 3 pairs for VNNI's two-group
+    # pass; 50: 7 groups, the odd last one alone
+    for activations, out_features in itertools.product(("int8", "float32"), (42, 50)):
+        lin, _ = make_linear(source, torch.randn(out_features, 320), torch.randn(out_features), activations)
         results = {}
         try:
             for isa in isas:
@@ -222,9 +225,9 @@ def test_every_isa_gives_the_scalar_bits(source):
         finally:
             kernel_isa("best")
         for isa in isas[1:]:
-            assert torch.equal(results[isa][0], results["scalar"][0]), (activations, isa)
-            assert torch.equal(results[isa][1], results["scalar"][1]), (activations, isa)
-        assert torch.equal(results["scalar"][1][0], results["scalar"][0][0]), activations
+            assert torch.equal(results[isa][0], results["scalar"][0]), (activations, out_features, isa)
+            assert torch.equal(results[isa][1], results["scalar"][1]), (activations, out_features, isa)
+        assert torch.equal(results["scalar"][1][0], results["scalar"][0][0]), (activations, out_features)
 
 
 def test_fallback_matches_reference():

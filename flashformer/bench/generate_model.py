@@ -14,7 +14,8 @@ first token) and the prefill time of the chat prompt; prompt-processing
 tokens/s on a 512-token prompt; the bytes of weights a decode step reads and
 the GB/s that makes, against the memory bandwidth measured in the same run
 (a large float32 sum). With --batches, flashformer's aggregate decode
-tokens/s at each batch size (the same prompt in every row) too.
+tokens/s at each batch size (the same prompt in every row) too, every size
+(batch 1 included) timed in the same turns: their ratios are the batch gains.
 """
 
 from __future__ import annotations
@@ -197,19 +198,20 @@ def timing_worker(point: dict) -> dict:
         name: result["weight_bytes_per_token"][name] * rate / 1e9
         for name, rate in result["decode_tokens_per_s"].items()
     }
-    batches = {}
-    for batch in point.get("batches", [1]):
-        if batch == 1:
-            continue
-        batch_ids = ids.expand(batch, -1).contiguous()
-        one = time_in_turns({"b": lambda b=batch_ids: flashformer_generate(1, True, b)}, rounds=rounds)["b"]
-        full = time_in_turns({"b": lambda b=batch_ids: flashformer_generate(new, True, b)}, rounds=rounds)[
-            "b"
-        ]
-        batches[str(batch)] = batch * (new - 1) / (full - one)
-    if batches:
-        batches["1"] = result["decode_tokens_per_s"]["flashformer+compile"]
-        result["batch_decode_tokens_per_s"] = batches
+    if len(point.get("batches", [1])) > 1:
+        # every batch size timed in the same turns (its full generation and its prefill alone), so
+        # that a noisy neighbour weighs on their ratio's two sides alike
+        sizes = sorted(set(point["batches"]) | {1})
+        batch_works = {}
+        for batch in sizes:
+            batch_ids = ids.expand(batch, -1).contiguous()
+            batch_works[f"{batch} one"] = lambda b=batch_ids: flashformer_generate(1, True, b)
+            batch_works[f"{batch} full"] = lambda b=batch_ids: flashformer_generate(new, True, b)
+        batch_times = time_in_turns(batch_works, rounds=rounds)
+        result["batch_decode_tokens_per_s"] = {
+            str(batch): batch * (new - 1) / (batch_times[f"{batch} full"] - batch_times[f"{batch} one"])
+            for batch in sizes
+        }
         tokens_by_batch = [
             flashformer_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]
         ]

@@ -72,22 +72,62 @@ __attribute__((always_inline)) inline v8 lane_sums(const v8* a) {
          __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// Dot products of one row q with eight rows k[i], n floats each: eight lanes of partial sums per
-// key, their lane sums, then the tail past a multiple of 8 in order. A key's result depends on q,
-// its row and n only, never on which keys share the call.
-__attribute__((always_inline)) inline v8 dots8(const float* q, const float* const* k, int64_t n) {
-  v8 acc[8] = {};
+// Dot products of R query rows q[r] with eight key rows k[i], n floats each: eight lanes of partial
+// sums per (row, key), their lane sums, then the tail past a multiple of 8 in order. Each key's
+// eight floats are loaded once for the R rows. A (row, key)'s result depends on the two rows and
+// n only, never on which rows or keys share the call.
+template <int R>
+__attribute__((always_inline)) inline void dots8(const float* const* q, const float* const* k, int64_t n,
+                                                 float scale, float* const* out) {
+  v8 acc[R][8] = {};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const v8 x = load8(q + j);
-    for (int i = 0; i < 8; ++i) acc[i] += x * load8(k[i] + j);
+    v8 x[R];
+    for (int r = 0; r < R; ++r) x[r] = load8(q[r] + j);
+    for (int i = 0; i < 8; ++i) {
+      const v8 key = load8(k[i] + j);
+      for (int r = 0; r < R; ++r) acc[r][i] += x[r] * key;
+    }
   }
-  v8 sums = lane_sums(acc);
-  for (int i = 0; i < 8; ++i) {
-    for (int64_t t = j; t < n; ++t) sums[i] += q[t] * k[i][t];
+  for (int r = 0; r < R; ++r) {
+    v8 sums = lane_sums(acc[r]);
+    for (int i = 0; i < 8; ++i) {
+      for (int64_t t = j; t < n; ++t) sums[i] += q[r][t] * k[i][t];
+    }
+    store8(out[r], sums * scale);
   }
-  return sums;
 }
+
+// acc[r] = rescale[r] * acc[r] + sum over keys t of w[r][t] * v[t], for R rows and 64 columns
+// (d0 .. d0 + 63) in registers; each value row's eight floats are loaded once for the R rows.
+// A key whose weight is 0 for every row is skipped (a masked key adds nothing).
+template <int R>
+__attribute__((always_inline)) inline void weighted_values64(float* const* acc, const float* rescale,
+                                                             const float* const* w, const float* v,
+                                                             int64_t v_stride, int64_t keys, int64_t d0) {
+  v8 a[R][8];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 8; ++i) a[r][i] = load8(acc[r] + d0 + 8 * i) * rescale[r];
+  }
+  for (int64_t t = 0; t < keys; ++t) {
+    float wt[R];
+    bool any = false;
+    for (int r = 0; r < R; ++r) wt[r] = w[r][t], any |= wt[r] != 0.f;
+    if (!any) continue;
+    const float* vt = v + t * v_stride + d0;
+    for (int i = 0; i < 8; ++i) {
+      const v8 value = load8(vt + 8 * i);
+      for (int r = 0; r < R; ++r) a[r][i] += wt[r] * value;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 8; ++i) store8(acc[r] + d0 + 8 * i, a[r][i]);
+  }
+}
+
+// Query rows per pass of dots8 and weighted_values64: 3 rows x 8 accumulators fit the 32 vector
+// registers of AVX-512 (SmolLM2's 3 query heads per KV head share every load).
+constexpr int64_t kRowsPerPass = 3;
 
 // exp(x) for x <= 0 (softmax weights), 0 where x is -inf: 2^n e^r with n = round(x / ln 2),
 // r = x - n ln 2 (ln 2 in two parts) and e^r's Taylor polynomial to r^7 (|r| <= 0.35: relative
@@ -130,27 +170,29 @@ struct Problem {
   int64_t window_left, window_right;  // -1: unbounded
 };
 
-// A thread's working memory, reused by its tasks: (rows,) running max and sum, (rows, Dv)
+// A thread's working memory, reused by its tasks: (rows,) running max, sum and rescale, (rows, Dv)
 // accumulators, (rows, block_size + 8) scores, then weights, of the block.
 struct Scratch {
-  std::vector<float> m, l, acc, s;
+  std::vector<float> m, l, rescale, acc, s;
 };
 
 // Sequence b, KV head h: its G x n queries (packed rows q0 .. q0 + n - 1) against its keys, block
 // by block in order, with an online softmax. Within a block: scores eight keys at a time, every
 // query row using the eight while they are in L1; then each row's weights and its weighted sum of
 // values, 64 columns of the accumulator in registers.
-// Compiled for AVX2 and for any x86-64 CPU; the loader picks one per CPU, once.
+// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 and any x86-64 CPU, the same
+// operations in the same order in each; the loader picks one per CPU, once.
 #if defined(__x86_64__)
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
 void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const int64_t* table, int64_t q0,
                  int64_t n, Scratch& scratch) {
   const int64_t group = p.q_heads / p.kv_heads, rows = group * n;
   const int64_t ld = (p.block_size + 7) / 8 * 8;  // a row of scores, padded to whole vectors
   const float kInf = std::numeric_limits<float>::infinity();
-  std::vector<float>&m = scratch.m, &l = scratch.l, &acc = scratch.acc, &s = scratch.s;
+  std::vector<float>&m = scratch.m, &l = scratch.l, &rescale = scratch.rescale, &acc = scratch.acc, &s = scratch.s;
   m.assign(rows, -kInf);
+  rescale.resize(rows);
   l.assign(rows, 0.f);
   acc.assign(rows * p.dim_v, 0.f);
   s.resize(rows * ld);
@@ -165,13 +207,33 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
     const int64_t block = table[j];
     const float* kb = p.k + h * p.k_head_stride + block * p.k_block_stride;  // (block_size, D), rows k_pos_stride apart
     const float* vb = p.v + h * p.v_head_stride + block * p.v_block_stride;
-    // scaled scores, eight keys at a time (a last partial eight repeats its last key)
+    // scaled scores, eight keys at a time (a last partial eight repeats its last key); the keys
+    // 16 ahead and these eight keys' values are fetched meanwhile (the cache streams from memory)
     for (int64_t t0 = 0; t0 < keys; t0 += 8) {
       const float* kt[8];
       for (int i = 0; i < 8; ++i) kt[i] = kb + std::min(t0 + i, keys - 1) * p.k_pos_stride;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = p.q + ((q0 + r % n) * p.q_heads + h * group + r / n) * p.dim;
-        store8(s.data() + r * ld + t0, dots8(qr, kt, p.dim) * p.scale);
+      for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
+        for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(vb + t * p.v_pos_stride + c, 0, 2);
+        if (t + 16 < keys) {
+          for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(kb + (t + 16) * p.k_pos_stride + c, 0, 3);
+        }
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+        const float* qr[kRowsPerPass];
+        float* out[kRowsPerPass];
+        const int64_t pass = std::min(kRowsPerPass, rows - r0);
+        for (int64_t r = 0; r < pass; ++r) {
+          qr[r] = p.q + ((q0 + (r0 + r) % n) * p.q_heads + h * group + (r0 + r) / n) * p.dim;
+          out[r] = s.data() + (r0 + r) * ld + t0;
+        }
+        // (no lambda or helper in between: they would not be compiled for this clone's target)
+        if (pass == 3) {
+          dots8<3>(qr, kt, p.dim, p.scale, out);
+        } else if (pass == 2) {
+          dots8<2>(qr, kt, p.dim, p.scale, out);
+        } else {
+          dots8<1>(qr, kt, p.dim, p.scale, out);
+        }
       }
     }
     // the rules: which keys each query sees, softcap, ALiBi (none apply to a plain decode step's
@@ -196,15 +258,21 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
         }
       }
     }
+    // each row's weights (in place of its scores), running max and sum; a row with no key in this
+    // block keeps its state (rescale 1, weights 0)
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s.data() + r * ld;
       float block_max = -kInf;
       for (int64_t t = 0; t < keys; ++t) block_max = std::max(block_max, sr[t]);
-      if (block_max == -kInf) continue;  // no key of this block for this query: nothing changes
-      const float new_max = std::max(m[r], block_max);
-      const float rescale = std::exp(m[r] - new_max);  // 0 for the first block seen
-      m[r] = new_max;
       for (int64_t t = keys; t < (keys + 7) / 8 * 8; ++t) sr[t] = -kInf;  // the partial eight's repeats
+      if (block_max == -kInf) {
+        rescale[r] = 1.f;
+        std::fill(sr, sr + keys, 0.f);
+        continue;
+      }
+      const float new_max = std::max(m[r], block_max);
+      rescale[r] = std::exp(m[r] - new_max);  // 0 for the first block seen
+      m[r] = new_max;
       v8 sum8 = {};
       for (int64_t t = 0; t < keys; t += 8) {
         const v8 w = exp8(load8(sr + t) - new_max);  // scores become weights
@@ -213,28 +281,32 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
       }
       float sum = 0.f;
       for (int i = 0; i < 8; ++i) sum += sum8[i];
-      l[r] = l[r] * rescale + sum;
-      // acc[r] = rescale * acc[r] + weights . v, key by key
-      float* ar = acc.data() + r * p.dim_v;
+      l[r] = l[r] * rescale[r] + sum;
+    }
+    // acc[r] = rescale * acc[r] + weights . v, key by key, a few rows sharing each value row
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+      float* ar[kRowsPerPass];
+      const float* wr[kRowsPerPass];
+      const int64_t pass = std::min(kRowsPerPass, rows - r0);
+      for (int64_t r = 0; r < pass; ++r) ar[r] = acc.data() + (r0 + r) * p.dim_v, wr[r] = s.data() + (r0 + r) * ld;
+      const float* rs = rescale.data() + r0;
       int64_t d0 = 0;
       for (; d0 + 64 <= p.dim_v; d0 += 64) {
-        v8 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = load8(ar + d0 + 8 * i) * rescale;
-        for (int64_t t = 0; t < keys; ++t) {
-          const float w = sr[t];
-          if (w == 0.f) continue;
-          const float* vt = vb + t * p.v_pos_stride + d0;
-          for (int i = 0; i < 8; ++i) a[i] += w * load8(vt + 8 * i);
+        if (pass == 3) {
+          weighted_values64<3>(ar, rs, wr, vb, p.v_pos_stride, keys, d0);
+        } else if (pass == 2) {
+          weighted_values64<2>(ar, rs, wr, vb, p.v_pos_stride, keys, d0);
+        } else {
+          weighted_values64<1>(ar, rs, wr, vb, p.v_pos_stride, keys, d0);
         }
-        for (int i = 0; i < 8; ++i) store8(ar + d0 + 8 * i, a[i]);
       }
-      if (d0 < p.dim_v) {
-        for (int64_t d = d0; d < p.dim_v; ++d) ar[d] *= rescale;
+      for (int64_t r = 0; r < pass && d0 < p.dim_v; ++r) {
+        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] *= rs[r];
         for (int64_t t = 0; t < keys; ++t) {
-          const float w = sr[t];
+          const float w = wr[r][t];
           if (w == 0.f) continue;
           const float* vt = vb + t * p.v_pos_stride;
-          for (int64_t d = d0; d < p.dim_v; ++d) ar[d] += w * vt[d];
+          for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * vt[d];
         }
       }
     }

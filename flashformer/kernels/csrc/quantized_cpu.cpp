@@ -104,11 +104,12 @@ struct Int8Rows {
   std::vector<int8_t> q;  // (M, blocks, 32)
   std::vector<float> d;   // (M, blocks)
   std::vector<float> s;   // (M, blocks): d * sum_j q[j], what an int4 block's minimum multiplies
+  std::vector<int32_t> offset;  // (M, blocks): -128 * sum_j q[j], VNNI's int8 kernel's starting sum
 };
 
 // ---- scalar kernels (any CPU; the reference order of operations) ----
 
-void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s) {
+void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* offset) {
   float amax = 0.f;
   for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float scale = amax / 127.f;
@@ -121,6 +122,7 @@ void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s) {
   }
   *d = scale;
   *s = scale * static_cast<float>(sum);
+  *offset = -128 * sum;
 }
 
 // The 8-lane horizontal sum in the order of hsum8 below.
@@ -133,16 +135,10 @@ inline void store_rows(const float* acc, float* out, int64_t nrows, const float*
   for (int64_t r = 0; r < nrows; ++r) out[r] = bias ? acc[r] + bias[r] : acc[r];
 }
 
-// The int8-activation kernels. int4: for an x row and an output row, block b's whole integer dot
-// product P, then acc = fma(d_w * d_x, P, acc) and acc = fma(m_w, s_x, acc) (the block's minimum
-// times the x block's sum), over the blocks in order. int8: block b's integer dot product taken as
-// 4 partial sums P[k] (inputs 8k..8k+7, the lanes AVX2 leaves them in); 4 float accumulators take
-// acc[k] = fma(d_w * d_x, P[k], acc[k]) over the blocks in order (d_x alone for per-row scales);
-// the row's result is (acc[0] + acc[1]) + (acc[2] + acc[3]), times a per-row scale.
-inline float sum_partials(const float* acc) {
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
+// The int8-activation kernels: for an x row and an output row, block b's whole integer dot
+// product P (exact: |P| < 2^24), then acc = fma(d_w * d_x, P, acc) over the blocks in order, and
+// for int4 acc = fma(m_w, s_x, acc) after each block (the block's minimum times the x block's sum).
+// int8 with per-row scales: acc = fma(d_x, P, acc), and the row's scale multiplies the sum.
 void int4_int8act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa,
                          int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
   for (int t = 0; t < tile; ++t) {
@@ -169,26 +165,21 @@ template <bool kPerBlock>
 void int8_int8act_scalar(int tile, const int8_t* qw, const void* scales, int64_t nb, const Int8Rows& xa,
                          int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
   for (int t = 0; t < tile; ++t) {
-    float acc[kGroupRows][4] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t xb = (m0 + t) * nb + b;
-      const int8_t* xq = xa.q.data() + xb * kBlock;
-      for (int r = 0; r < kGroupRows; ++r) {
+    float res[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t xb = (m0 + t) * nb + b;
+        const int8_t* xq = xa.q.data() + xb * kBlock;
         const int8_t* w = qw + (b * kGroupRows + r) * kBlock;
+        int product = 0;
+        for (int j = 0; j < kBlock; ++j) product += w[j] * xq[j];
         const float scale = kPerBlock
             ? half_to_float(static_cast<const uint16_t*>(scales)[b * kGroupRows + r]) * xa.d[xb]
             : xa.d[xb];
-        for (int k = 0; k < 4; ++k) {
-          int partial = 0;
-          for (int j = 8 * k; j < 8 * k + 8; ++j) partial += w[j] * xq[j];
-          acc[r][k] = std::fma(scale, static_cast<float>(partial), acc[r][k]);
-        }
+        acc = std::fma(scale, static_cast<float>(product), acc);
       }
-    }
-    float res[kGroupRows];
-    for (int r = 0; r < kGroupRows; ++r) {
-      res[r] = sum_partials(acc[r]);
-      if (!kPerBlock) res[r] *= static_cast<const float*>(scales)[r];
+      res[r] = kPerBlock ? acc : acc * static_cast<const float*>(scales)[r];
     }
     store_rows(res, out + t * ldo, nrows, bias);
   }
@@ -290,16 +281,17 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
   xa.q.resize(n * kBlock);
   xa.d.resize(n);
   xa.s.resize(n);
+  xa.offset.resize(n);
   const int isa = use_isa().load();
   at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
 #if FF_X86
       if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
-        avx2::quantize_block(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i]);
+        avx2::quantize_block(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i], &xa.offset[i]);
         continue;
       }
 #endif
-      quantize_block_scalar(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i]);
+      quantize_block_scalar(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i], &xa.offset[i]);
     }
   });
   (void)isa;
@@ -412,6 +404,31 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
     int4_int8act_scalar(tile, w, s, nb, xa, m0, o, n, nrows, bg);
   };
   const int64_t tile_rows = row_tile(isa, int8_activations);
+#if FF_X86
+  // VNNI: two groups a pass on 512-bit vectors (the same bits as one at a time); an odd last
+  // group goes alone.
+  if (isa == kVnni && int8_activations) {
+    const int64_t pairs = (groups + 1) / 2;
+    at::parallel_for(0, pairs, group_grain(nb, rows, 2 * kInt4Rows), [&](int64_t p0, int64_t p1) {
+      for (int64_t pair = p0; pair < p1; ++pair) {
+        const int64_t g = 2 * pair;
+        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+          const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+          if (g + 1 == groups) {
+            whole_group(g, m0, tile);
+            continue;
+          }
+          const uint8_t* w = qw + g * nb * kInt4BlockBytes;
+          const uint16_t* s = sc + g * nb * kInt4BlockScales;
+          vnni::int4_int8act_pair_rows(tile, w, w + nb * kInt4BlockBytes, s, s + nb * kInt4BlockScales, nb, xa, m0,
+                                       op + m0 * n + g * kInt4Rows, n, std::min(2 * kInt4Rows, n - g * kInt4Rows),
+                                       bp ? bp + g * kInt4Rows : nullptr);
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (int8_activations) {
@@ -442,6 +459,29 @@ void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const voi
   };
   if (int8_activations) {
     const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
+#if FF_X86
+    if (isa == kVnni) {  // four groups a pass (a last partial four repeats its last group)
+      at::parallel_for(0, (groups + 3) / 4, group_grain(nb, rows, 4 * kGroupRows), [&](int64_t q0, int64_t q1) {
+        for (int64_t quad = q0; quad < q1; ++quad) {
+          const int64_t g = 4 * quad;
+          const int8_t* gw[4];
+          const void* gs[4];
+          for (int i = 0; i < 4; ++i) {
+            const int64_t gi = std::min(g + i, groups - 1);
+            gw[i] = qw + gi * nb * kGroupRows * kBlock;
+            gs[i] = group_scales(gi);
+          }
+          const int64_t nrows = std::min(4 * kGroupRows, n - g * kGroupRows);
+          for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+            vnni::int8_int8act_quad_rows<kPerBlock>(static_cast<int>(std::min(tile_rows, rows - m0)), gw, gs, nb, xa,
+                                                    m0, op + m0 * n + g * kGroupRows, n, nrows,
+                                                    bp ? bp + g * kGroupRows : nullptr);
+          }
+        }
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
@@ -452,9 +492,8 @@ void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const voi
           float* o = op + m0 * n + g * kGroupRows;
           const float* bg = bp ? bp + g * kGroupRows : nullptr;
 #if FF_X86
-          if (isa != kScalar) {
-            (isa == kVnni ? vnni::int8_int8act_rows<kPerBlock> : avx2::int8_int8act_rows<kPerBlock>)(
-                tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
+          if (isa == kAvx2) {
+            avx2::int8_int8act_rows<kPerBlock>(tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
             continue;
           }
 #endif
