@@ -103,8 +103,8 @@ __attribute__((always_inline)) inline void dots8(const float* const* q, const fl
 // A key whose weight is 0 for every row is skipped (a masked key adds nothing).
 template <int R>
 __attribute__((always_inline)) inline void weighted_values64(float* const* acc, const float* rescale,
-                                                             const float* const* w, const float* v,
-                                                             int64_t v_stride, int64_t keys, int64_t d0) {
+                                                             const float* const* w, const float* const* v,
+                                                             int64_t keys, int64_t d0) {
   v8 a[R][8];
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < 8; ++i) a[r][i] = load8(acc[r] + d0 + 8 * i) * rescale[r];
@@ -114,7 +114,7 @@ __attribute__((always_inline)) inline void weighted_values64(float* const* acc, 
     bool any = false;
     for (int r = 0; r < R; ++r) wt[r] = w[r][t], any |= wt[r] != 0.f;
     if (!any) continue;
-    const float* vt = v + t * v_stride + d0;
+    const float* vt = v[t] + d0;
     for (int i = 0; i < 8; ++i) {
       const v8 value = load8(vt + 8 * i);
       for (int r = 0; r < R; ++r) a[r][i] += wt[r] * value;
@@ -152,6 +152,12 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
   return masked ? v8{} : poly * two_n;
 }
 
+// Queries of one sequence per task (see attend): 16 x SmolLM2's 3 query heads a KV head = 48 rows.
+constexpr int64_t kQuerySlice = 16;
+// Keys per step of the online softmax: consecutive positions whatever blocks hold them (a paged
+// cache's 16-key blocks would pay a row's max, rescale and sums every 16 keys).
+constexpr int64_t kSpan = 64;
+
 struct Problem {
   const float* q;
   const float* k;
@@ -176,8 +182,9 @@ struct Scratch {
   std::vector<float> m, l, rescale, acc, s;
 };
 
-// Sequence b, KV head h: its G x n queries (packed rows q0 .. q0 + n - 1) against its keys, block
-// by block in order, with an online softmax. Within a block: scores eight keys at a time, every
+// Sequence b, KV head h: G x n of its queries (packed rows q0 .. q0 + n - 1, at key positions
+// first_query .. first_query + n - 1) against its first `visible` keys, block by block in order,
+// with an online softmax. Within a block: scores eight keys at a time, every
 // query row using the eight while they are in L1; then each row's weights and its weighted sum of
 // values, 64 columns of the accumulator in registers.
 // Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 and any x86-64 CPU, the same
@@ -185,10 +192,10 @@ struct Scratch {
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
-void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const int64_t* table, int64_t q0,
-                 int64_t n, Scratch& scratch) {
+void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_t first_query, const int64_t* table,
+                 int64_t q0, int64_t n, Scratch& scratch) {
   const int64_t group = p.q_heads / p.kv_heads, rows = group * n;
-  const int64_t ld = (p.block_size + 7) / 8 * 8;  // a row of scores, padded to whole vectors
+  const int64_t ld = kSpan;  // a row of scores
   const float kInf = std::numeric_limits<float>::infinity();
   std::vector<float>&m = scratch.m, &l = scratch.l, &rescale = scratch.rescale, &acc = scratch.acc, &s = scratch.s;
   m.assign(rows, -kInf);
@@ -196,26 +203,29 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
   l.assign(rows, 0.f);
   acc.assign(rows * p.dim_v, 0.f);
   s.resize(rows * ld);
-  const int64_t first_query = seq_len - n;  // row r's query sits at first_query + r % n
+  // row r's query sits at first_query + r % n
   const bool* padding = p.key_padding ? p.key_padding + b * p.padding_len : nullptr;
   const bool plain_rules = padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
                            p.slopes == nullptr;
-  const int64_t blocks = (seq_len + p.block_size - 1) / p.block_size;
-  for (int64_t j = 0; j < blocks; ++j) {
-    const int64_t key0 = j * p.block_size, keys = std::min(p.block_size, seq_len - key0);
+  const float* key_rows[kSpan];  // the span's keys and values, wherever their blocks are
+  const float* value_rows[kSpan];
+  for (int64_t key0 = 0; key0 < visible; key0 += kSpan) {
+    const int64_t keys = std::min(kSpan, visible - key0);
     if (p.window_left >= 0 && key0 + keys - 1 < first_query - p.window_left) continue;  // before every window
-    const int64_t block = table[j];
-    const float* kb = p.k + h * p.k_head_stride + block * p.k_block_stride;  // (block_size, D), rows k_pos_stride apart
-    const float* vb = p.v + h * p.v_head_stride + block * p.v_block_stride;
+    for (int64_t t = 0; t < keys; ++t) {
+      const int64_t block = table[(key0 + t) / p.block_size], offset = (key0 + t) % p.block_size;
+      key_rows[t] = p.k + h * p.k_head_stride + block * p.k_block_stride + offset * p.k_pos_stride;
+      value_rows[t] = p.v + h * p.v_head_stride + block * p.v_block_stride + offset * p.v_pos_stride;
+    }
     // scaled scores, eight keys at a time (a last partial eight repeats its last key); the keys
     // 16 ahead and these eight keys' values are fetched meanwhile (the cache streams from memory)
     for (int64_t t0 = 0; t0 < keys; t0 += 8) {
       const float* kt[8];
-      for (int i = 0; i < 8; ++i) kt[i] = kb + std::min(t0 + i, keys - 1) * p.k_pos_stride;
+      for (int i = 0; i < 8; ++i) kt[i] = key_rows[std::min(t0 + i, keys - 1)];
       for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
-        for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(vb + t * p.v_pos_stride + c, 0, 2);
+        for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(value_rows[t] + c, 0, 2);
         if (t + 16 < keys) {
-          for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(kb + (t + 16) * p.k_pos_stride + c, 0, 3);
+          for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(key_rows[t + 16] + c, 0, 3);
         }
       }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
@@ -238,7 +248,12 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
     }
     // the rules: which keys each query sees, softcap, ALiBi (none apply to a plain decode step's
     // keys, which all sit at or before its query)
-    if (!plain_rules || (p.causal && key0 + keys - 1 > first_query)) {
+    if (plain_rules && p.causal && key0 + keys - 1 > first_query) {  // causal alone: each row's tail
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t seen = std::max<int64_t>(0, first_query + r % n - key0 + 1);
+        if (seen < keys) std::fill(s.data() + r * ld + seen, s.data() + r * ld + keys, -kInf);
+      }
+    } else if (!plain_rules || (p.causal && key0 + keys - 1 > first_query)) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = h * group + r / n, position = first_query + r % n;
         const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
@@ -259,12 +274,17 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
       }
     }
     // each row's weights (in place of its scores), running max and sum; a row with no key in this
-    // block keeps its state (rescale 1, weights 0)
+    // span keeps its state (rescale 1, weights 0)
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s.data() + r * ld;
-      float block_max = -kInf;
-      for (int64_t t = 0; t < keys; ++t) block_max = std::max(block_max, sr[t]);
       for (int64_t t = keys; t < (keys + 7) / 8 * 8; ++t) sr[t] = -kInf;  // the partial eight's repeats
+      v8 max8 = load8(sr);
+      for (int64_t t = 8; t < keys; t += 8) {
+        const v8 x = load8(sr + t);
+        max8 = x > max8 ? x : max8;
+      }
+      float block_max = max8[0];
+      for (int i = 1; i < 8; ++i) block_max = std::max(block_max, max8[i]);
       if (block_max == -kInf) {
         rescale[r] = 1.f;
         std::fill(sr, sr + keys, 0.f);
@@ -293,11 +313,11 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
       int64_t d0 = 0;
       for (; d0 + 64 <= p.dim_v; d0 += 64) {
         if (pass == 3) {
-          weighted_values64<3>(ar, rs, wr, vb, p.v_pos_stride, keys, d0);
+          weighted_values64<3>(ar, rs, wr, value_rows, keys, d0);
         } else if (pass == 2) {
-          weighted_values64<2>(ar, rs, wr, vb, p.v_pos_stride, keys, d0);
+          weighted_values64<2>(ar, rs, wr, value_rows, keys, d0);
         } else {
-          weighted_values64<1>(ar, rs, wr, vb, p.v_pos_stride, keys, d0);
+          weighted_values64<1>(ar, rs, wr, value_rows, keys, d0);
         }
       }
       for (int64_t r = 0; r < pass && d0 < p.dim_v; ++r) {
@@ -305,8 +325,7 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t seq_len, const 
         for (int64_t t = 0; t < keys; ++t) {
           const float w = wr[r][t];
           if (w == 0.f) continue;
-          const float* vt = vb + t * p.v_pos_stride;
-          for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * vt[d];
+          for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * value_rows[t][d];
         }
       }
     }
@@ -373,11 +392,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
                 " positions for a sequence of ", lengths[b], " keys");
   }
   TORCH_CHECK(starts[0] == 0 && starts[sequences] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
-  at::parallel_for(0, sequences * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (sequence, KV head, slice of up to kQuerySlice of its queries). A prompt chunk's
+  // queries are split so that its work spreads over the threads, and under causal masking a
+  // slice visits only the keys up to its last query (the keys past it are masked for all of its
+  // rows, so a row's result is the same in any slice). The slices depend on the sequence alone.
+  struct Task {
+    int64_t b, h, first_query, visible, q0, n;
+  };
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < sequences; ++b) {
+    const int64_t n = starts[b + 1] - starts[b];
+    for (int64_t i0 = 0; i0 < n; i0 += kQuerySlice) {
+      const int64_t count = std::min(kQuerySlice, n - i0), first_query = lengths[b] - n + i0;
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        tasks.push_back({b, h, first_query, causal ? first_query + count : lengths[b], starts[b] + i0, count});
+      }
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
-      attend_task(p, b, h, lengths[b], tables + b * max_blocks, starts[b], starts[b + 1] - starts[b], scratch);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& t = tasks[i];
+      attend_task(p, t.b, t.h, t.visible, t.first_query, tables + t.b * max_blocks, t.q0, t.n, scratch);
     }
   });
 }
