@@ -212,10 +212,11 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
   for (int64_t key0 = 0; key0 < visible; key0 += kSpan) {
     const int64_t keys = std::min(kSpan, visible - key0);
     if (p.window_left >= 0 && key0 + keys - 1 < first_query - p.window_left) continue;  // before every window
-    for (int64_t t = 0; t < keys; ++t) {
-      const int64_t block = table[(key0 + t) / p.block_size], offset = (key0 + t) % p.block_size;
-      key_rows[t] = p.k + h * p.k_head_stride + block * p.k_block_stride + offset * p.k_pos_stride;
-      value_rows[t] = p.v + h * p.v_head_stride + block * p.v_block_stride + offset * p.v_pos_stride;
+    int64_t j = key0 / p.block_size, offset = key0 % p.block_size;  // (one division a span)
+    for (int64_t t = 0; t < keys; ++t, ++offset) {
+      if (offset == p.block_size) ++j, offset = 0;
+      key_rows[t] = p.k + h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride;
+      value_rows[t] = p.v + h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride;
     }
     // scaled scores, eight keys at a time (a last partial eight repeats its last key); the keys
     // 16 ahead and these eight keys' values are fetched meanwhile (the cache streams from memory)
