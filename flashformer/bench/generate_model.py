@@ -123,16 +123,41 @@ def timing_worker(point: dict) -> dict:
     started = time.perf_counter()
     ours, tokenizer = flashformer.load(path, quantize=quantize, activations=point.get("activations", "int8"))
     result["load_s"] = {"flashformer": time.perf_counter() - started}
+    new = point["new_tokens"]
+    messages = [{"role": "user", "content": point["question"]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = torch.tensor([prompt])  # (1, P)
+    rounds = point["rounds"]
+
+    def ours_generate(n: int, compile: bool, batch_ids: torch.Tensor) -> list[int]:
+        """flashformer's greedy tokens of row 0."""
+        out = ours.generate(batch_ids, max_new_tokens=n, eos_token_id=[], compile=compile)
+        return out[0, batch_ids.shape[1] :].tolist()
+
+    # flashformer's batch sizes first, before the other contenders share the process
+    # (llama.cpp's runtime brings threads of its own)
+    if len(point.get("batches", [1])) > 1:
+        # every batch size timed in the same turns (its full generation and its prefill alone), so
+        # that a noisy neighbour weighs on their ratio's two sides alike
+        sizes = sorted(set(point["batches"]) | {1})
+        batch_works = {}
+        for batch in sizes:
+            batch_ids = ids.expand(batch, -1).contiguous()
+            batch_works[f"{batch} one"] = lambda b=batch_ids: ours_generate(1, True, b)
+            batch_works[f"{batch} full"] = lambda b=batch_ids: ours_generate(new, True, b)
+        batch_times = time_in_turns(batch_works, rounds=rounds)
+        result["batch_decode_tokens_per_s"] = {
+            str(batch): batch * (new - 1) / (batch_times[f"{batch} full"] - batch_times[f"{batch} one"])
+            for batch in sizes
+        }
+        tokens_by_batch = [ours_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]]
+        result["same_tokens_every_batch"] = all(t == tokens_by_batch[0] for t in tokens_by_batch)
+
     started = time.perf_counter()
     theirs = load_transformers(path).eval()
     result["load_s"]["transformers"] = time.perf_counter() - started
     theirs.generation_config.eos_token_id = None  # no early stop: every run makes all its tokens
-    new = point["new_tokens"]
     llama = llama_cpp_contender(path, threads, PROMPT_PROCESSING_TOKENS + new + 64)
-
-    messages = [{"role": "user", "content": point["question"]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = torch.tensor([prompt])  # (1, P)
     long_prompt = (prompt * (PROMPT_PROCESSING_TOKENS // len(prompt) + 1))[:PROMPT_PROCESSING_TOKENS]
     long_ids = torch.tensor([long_prompt])
     result["prompt_tokens"] = len(prompt)
@@ -145,8 +170,7 @@ def timing_worker(point: dict) -> dict:
         return out[0, batch_ids.shape[1] :].tolist()
 
     def flashformer_generate(n=new, compile=False, batch_ids=ids):
-        out = ours.generate(batch_ids, max_new_tokens=n, eos_token_id=[], compile=compile)
-        return out[0, batch_ids.shape[1] :].tolist()
+        return ours_generate(n, compile, batch_ids)
 
     works = {
         "transformers": transformers_generate,
@@ -169,7 +193,6 @@ def timing_worker(point: dict) -> dict:
     }
     result["text"] = {name: tokenizer.decode(tokens)[:300] for name, tokens in outputs.items()}
 
-    rounds = point["rounds"]
     prefill = time_in_turns({name: lambda w=work: w(1) for name, work in works.items()}, rounds=rounds)
     times = time_in_turns(works, rounds=rounds, warmup=False)
     processing = {
@@ -198,24 +221,6 @@ def timing_worker(point: dict) -> dict:
         name: result["weight_bytes_per_token"][name] * rate / 1e9
         for name, rate in result["decode_tokens_per_s"].items()
     }
-    if len(point.get("batches", [1])) > 1:
-        # every batch size timed in the same turns (its full generation and its prefill alone), so
-        # that a noisy neighbour weighs on their ratio's two sides alike
-        sizes = sorted(set(point["batches"]) | {1})
-        batch_works = {}
-        for batch in sizes:
-            batch_ids = ids.expand(batch, -1).contiguous()
-            batch_works[f"{batch} one"] = lambda b=batch_ids: flashformer_generate(1, True, b)
-            batch_works[f"{batch} full"] = lambda b=batch_ids: flashformer_generate(new, True, b)
-        batch_times = time_in_turns(batch_works, rounds=rounds)
-        result["batch_decode_tokens_per_s"] = {
-            str(batch): batch * (new - 1) / (batch_times[f"{batch} full"] - batch_times[f"{batch} one"])
-            for batch in sizes
-        }
-        tokens_by_batch = [
-            flashformer_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]
-        ]
-        result["same_tokens_every_batch"] = all(t == tokens_by_batch[0] for t in tokens_by_batch)
     result["load_after"] = os.getloadavg()[0]
     return result
 
