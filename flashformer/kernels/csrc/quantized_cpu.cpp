@@ -28,8 +28,9 @@
 //   weights, more instructions per weight.
 // - Output rows are interleaved (8 for int4, 4 for int8) so a group is one sequential stream and
 //   one pass over an x block serves several rows; a tile of x rows (up to 8) shares each block's
-//   unpacking. The int4 kernel transposes a block so that each output row owns a 32-bit lane:
-//   its whole block product forms there, with no horizontal sums (quantized_x86.inc).
+//   unpacking. The int4 kernels (and VNNI's int8 kernel) transpose a block so that each output
+//   row owns a 32-bit lane: its whole block product forms there, with no horizontal sums
+//   (quantized_x86.inc). Side-by-side groups are prefetched: the hardware misses short streams.
 // - Batch invariance: every (x row, output row) pair goes through the same operations in the
 //   same order whatever M, the tile of x rows it falls in, or the thread that computes it; the
 //   float accumulation is over blocks in order. So a row's result does not depend on its batch.
