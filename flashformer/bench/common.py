@@ -44,9 +44,13 @@ def machine_info() -> dict:
     }
 
 
-def run_worker(module: str, point: dict, timeout_s: float) -> dict:
-    """Run `python -m module --worker JSON` in a fresh process; returns its JSON result."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONUNBUFFERED="1")
+def run_worker(module: str, point: dict, timeout_s: float, memory: bool = True) -> dict:
+    """Run `python -m module --worker JSON` in a fresh process; returns its JSON result.
+    memory=False: a worker that only times, with glibc's own allocation thresholds, as users
+    run (handing every allocation above 64 KiB to the system costs fresh page faults each time)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     command = [sys.executable, "-m", module, "--worker", json.dumps(point)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
