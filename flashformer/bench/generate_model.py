@@ -129,7 +129,7 @@ def timing_worker(point: dict) -> dict:
     ids = torch.tensor([prompt])  # (1, P)
     rounds = point["rounds"]
 
-    def ours_generate(n: int, compile: bool, batch_ids: torch.Tensor) -> list[int]:
+    def flashformer_generate(n: int = new, compile: bool = False, batch_ids: torch.Tensor = ids) -> list[int]:
         """flashformer's greedy tokens of row 0."""
         out = ours.generate(batch_ids, max_new_tokens=n, eos_token_id=[], compile=compile)
         return out[0, batch_ids.shape[1] :].tolist()
@@ -143,14 +143,16 @@ def timing_worker(point: dict) -> dict:
         batch_works = {}
         for batch in sizes:
             batch_ids = ids.expand(batch, -1).contiguous()
-            batch_works[f"{batch} one"] = lambda b=batch_ids: ours_generate(1, True, b)
-            batch_works[f"{batch} full"] = lambda b=batch_ids: ours_generate(new, True, b)
+            batch_works[f"{batch} one"] = lambda b=batch_ids: flashformer_generate(1, True, b)
+            batch_works[f"{batch} full"] = lambda b=batch_ids: flashformer_generate(new, True, b)
         batch_times = time_in_turns(batch_works, rounds=rounds)
         result["batch_decode_tokens_per_s"] = {
             str(batch): batch * (new - 1) / (batch_times[f"{batch} full"] - batch_times[f"{batch} one"])
             for batch in sizes
         }
-        tokens_by_batch = [ours_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]]
+        tokens_by_batch = [
+            flashformer_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]
+        ]
         result["same_tokens_every_batch"] = all(t == tokens_by_batch[0] for t in tokens_by_batch)
 
     started = time.perf_counter()
@@ -168,9 +170,6 @@ def timing_worker(point: dict) -> dict:
                 batch_ids, attention_mask=torch.ones_like(batch_ids), max_new_tokens=n, do_sample=False
             )
         return out[0, batch_ids.shape[1] :].tolist()
-
-    def flashformer_generate(n=new, compile=False, batch_ids=ids):
-        return ours_generate(n, compile, batch_ids)
 
     works = {
         "transformers": transformers_generate,

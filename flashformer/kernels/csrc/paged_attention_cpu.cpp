@@ -254,7 +254,7 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
         const int64_t seen = std::max<int64_t>(0, first_query + r % n - key0 + 1);
         if (seen < keys) std::fill(s.data() + r * ld + seen, s.data() + r * ld + keys, -kInf);
       }
-    } else if (!plain_rules || (p.causal && key0 + keys - 1 > first_query)) {
+    } else if (!plain_rules) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = h * group + r / n, position = first_query + r % n;
         const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
