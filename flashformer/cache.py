@@ -49,7 +49,7 @@ class KVCache:
                 f"the KV cache holds {self.max_len} tokens (max_len); writing {k.shape[2]} new tokens "
                 f"after cache_position={cache_position} needs {end}"
             )
-        self.k[:, :, cache_position:end] = k
+        self.k[:, :, cache_position:end] = k  # (rounded to a float16 cache)
         self.v[:, :, cache_position:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -71,9 +71,13 @@ class KVCache:
 
 
 def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
-    """The dtype the layers' keys and values will have: autocast's where it
-    is on for the device (the projections then compute in it), otherwise the
-    parameters'."""
+    """The dtype the layers' keys and values will be stored in: the model's
+    kv_cache_dtype attribute where set (a quantized model's float16 cache, as
+    llama.cpp keeps one: half the bytes a decode step reads; attention widens
+    it to float32 exactly), else autocast's where it is on for the device (the
+    projections then compute in it), otherwise the parameters'."""
+    if getattr(model, "kv_cache_dtype", None) is not None:
+        return model.kv_cache_dtype
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return next(model.parameters()).dtype

@@ -367,6 +367,41 @@ def test_auto_takes_the_cpu_kernel_for_a_decode_step_over_a_cache_view():
             assert torch.equal(alone, named[b : b + 1])
 
 
+@pytest.mark.parametrize("backend", ["auto", "eager", "flash", "torch"] + (["cpu"] if HAS_CPU_KERNEL else []))
+@pytest.mark.parametrize("feature", ["causal", "causal_window", "padding", "alibi"])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_a_float16_cache_gives_what_its_float32_widening_gives(backend, feature, q_len):
+    """float32 queries over a float16 KV cache (a quantized model keeps one, as llama.cpp does):
+    every backend computes what it computes on the cache widened to float32, bit for bit (the
+    C++ kernel widens span by span as it reads: rows 0-63, 64-127 and a partial span here)."""
+    gen = torch.Generator().manual_seed(21)
+    cache = torch.randn(2, 3, 2, 160, 16, generator=gen).half()  # (k|v, B, Hk, max_len, D)
+    k, v = cache[0, :, :, :150], cache[1, :, :, :150]  # a view of the written positions
+    q = torch.randn(3, 6, q_len, 16, generator=gen)
+    kwargs = {"causal": feature != "padding"}
+    if "window" in feature:
+        kwargs["window"] = (70, 0)
+    if feature == "padding":
+        kwargs["key_padding_mask"] = torch.arange(150)[None] >= torch.tensor([[0], [31], [97]])
+    if feature == "alibi":
+        kwargs["alibi_slopes"] = torch.rand(3, 6, generator=gen)
+    with torch.no_grad():
+        got = flashformer.attention(q, k, v, backend=backend, **kwargs)
+        widened = flashformer.attention(q, k.float(), v.float(), backend=backend, **kwargs)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, widened)
+
+
+def test_mixed_dtypes_other_than_a_float16_cache_are_refused_naming_them():
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match=r"got q torch.bfloat16, k torch.float16, v torch.float16"):
+        flashformer.attention(q.bfloat16(), q.half(), q.half())
+    with pytest.raises(TypeError, match=r"got q torch.float32, k torch.float16, v torch.float32"):
+        flashformer.attention(q, q.half(), q)
+    with pytest.raises(TypeError, match=r"got q torch.float16, k torch.float32, v torch.float32"):
+        flashformer.attention(q.half(), q, q)
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize(
     "kwargs, dtype, grad, pattern",

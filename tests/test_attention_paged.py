@@ -288,6 +288,44 @@ def test_prefill_in_chunks_then_decode_equals_causal_attention_over_the_whole_se
     assert (got - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_float16_pools_give_what_their_float32_widening_gives(backend, feature):
+    """float32 queries over float16 pools (a quantized model's cache): every backend computes what
+    it computes on the pools widened to float32, bit for bit; sequences of 70 keys cross the C++
+    kernel's 64-key spans, which it widens as it reads them."""
+    q_heads, kv_heads = HEADS["gqa"]
+    case = PagedCase(LENGTHS, kv_heads, 16, torch.float16, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(len(LENGTHS), q_heads, 2, 16, generator=gen).to(DEVICE)
+    kwargs = feature_kwargs(FEATURES[feature], q_heads, len(LENGTHS), gen)
+    args = (case.block_tables, case.seq_lens)
+    got = paged_attention(q, case.k_pool, case.v_pool, *args, backend=backend, **kwargs)
+    widened = paged_attention(q, case.k_pool.float(), case.v_pool.float(), *args, backend=backend, **kwargs)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, widened)
+
+
+def test_write_kv_rounds_float32_into_float16_pools_and_refuses_other_mixes():
+    k_pool, v_pool = torch.zeros(2, 3, BLOCK_SIZE, 5, dtype=torch.float16), torch.zeros(2, 3, BLOCK_SIZE, 6)
+    k_new, v_new = torch.randn(1, 2, 2, 5), torch.randn(1, 2, 2, 6)
+    write_kv(k_pool, v_pool.half(), k_new, v_new, torch.tensor([[3, 7]]))
+    assert torch.equal(k_pool[:, 0, 3], k_new[0, :, 0].half())
+    assert torch.equal(k_pool[:, 1, 3], k_new[0, :, 1].half())
+    with pytest.raises(
+        TypeError, match=r"k_new must have its pool's dtype and device \(torch.float16 on cpu\)"
+    ):
+        write_kv(k_pool, v_pool.half(), k_new.bfloat16(), v_new, torch.tensor([[3, 7]]))
+    with pytest.raises(TypeError, match=r"got q torch.float32, k_pool torch.float16, v_pool torch.float32"):
+        paged_attention(
+            torch.randn(1, 2, 1, 5),
+            k_pool,
+            torch.zeros(2, 3, BLOCK_SIZE, 5),
+            torch.tensor([[0]]),
+            torch.tensor([2]),
+        )
+
+
 def test_write_kv_takes_a_packed_batch_and_refuses_bad_slots():
     k_pool = torch.zeros(2, 3, BLOCK_SIZE, 5)
     v_pool = torch.zeros(2, 3, BLOCK_SIZE, 6)
@@ -360,7 +398,8 @@ BAD_ARGUMENTS = {
     "pool dtype": (
         {"v_pool": torch.zeros(2, 5, BLOCK_SIZE, 8, dtype=torch.float16)},
         TypeError,
-        r"q, k_pool and v_pool must share a dtype; got q torch.float32, k_pool torch.float32, v_pool torch.float16",
+        r"q, k_pool and v_pool must share a dtype \(or be float32 q with float16 k_pool and v_pool\); "
+        r"got q torch.float32, k_pool torch.float32, v_pool torch.float16",
     ),
     "pool device": (
         {"q": torch.zeros(2, 4, 1, 8, device="meta")},

@@ -179,3 +179,16 @@ def test_cache_dtype_follows_autocast_then_the_parameters():
         out = model.generate(ids, max_new_tokens=3, eos_token_id=[])  # the trainer's bf16 sampling path
     assert out.shape == (1, 7)
     assert cache_dtype(model.to(torch.bfloat16), cpu) == torch.bfloat16
+
+
+def test_a_model_may_ask_for_its_own_cache_dtype():
+    """model.kv_cache_dtype (a quantized model's float16 cache) wins over autocast and the parameters."""
+    model = model_of("gpt2-tiny")
+    model.kv_cache_dtype = torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cache_dtype(model, torch.device("cpu")) == torch.float16
+    assert make_caches(model, 2, 8)[0].v.dtype == torch.float16
+    ids = torch.randint(3, 97, (2, 5))
+    out = model.generate(ids, max_new_tokens=4, eos_token_id=[], do_sample=False)
+    model.kv_cache_dtype = None
+    assert out.shape == (2, 9) and cache_dtype(model, torch.device("cpu")) == torch.float32

@@ -84,6 +84,25 @@ def test_greedy_tokens_are_the_same_every_run_and_every_batch_size(folder):
     assert torch.equal(alone, again) and torch.equal(alone[0], batched[0])
 
 
+def test_int8_activations_keep_a_float16_kv_cache_which_adds_less_error_than_the_weights(folder):
+    """With int8 activations the KV cache is float16, llama.cpp's default (half the bytes a decode
+    step reads); float32 activations keep float32. Rounding the cached keys and values moves the
+    logits less than rounding the weights to 4 bits does."""
+    from flashformer.cache import make_caches
+
+    assert flashformer.from_pretrained(folder, quantize="int4", activations="float32").kv_cache_dtype is None
+    model = flashformer.from_pretrained(folder, quantize="int4")
+    assert model.kv_cache_dtype == torch.float16
+    half_caches = make_caches(model, 3, 32)
+    assert half_caches[0].k.dtype == half_caches[0].v.dtype == torch.float16
+    with torch.no_grad():
+        over_half = model(IDS, kv_caches=half_caches, cache_position=0).logits
+        model.kv_cache_dtype = None
+        over_float = model(IDS, kv_caches=make_caches(model, 3, 32), cache_position=0).logits
+        float_logits = flashformer.from_pretrained(folder)(IDS).logits
+    assert 0 < (over_half - over_float).abs().mean() < (over_float - float_logits).abs().mean()
+
+
 def test_a_quantized_model_refuses_training_and_saving(folder, tmp_path):
     model = flashformer.from_pretrained(folder, quantize="int8")
     with pytest.raises(RuntimeError, match="quantized \\(int8\\) and cannot be trained"):

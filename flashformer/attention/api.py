@@ -48,7 +48,9 @@ def attention(
     """Exact scaled dot-product attention, softmax(scale * q @ k^T + bias) @ v.
 
     Shapes: q (B, Hq, Lq, D); k (B, Hk, Lk, D); v (B, Hk, Lk, Dv); Hq % Hk == 0
-    (MHA, GQA, MQA). Returns out (B, Hq, Lq, Dv) in q's dtype; with
+    (MHA, GQA, MQA). k and v have q's dtype, or are float16 with a float32 q (a
+    half-size KV cache): they are then widened to float32, exactly, and the
+    "cpu" backend widens them as it reads them (no float32 copy). Returns out (B, Hq, Lq, Dv) in q's dtype; with
     return_lse also lse (B, Hq, Lq) (float32; float64 for float64 inputs);
     with return_probs (eager backend only) also the attention probabilities
     (B, Hq, Lq, Lk) before dropout.
@@ -83,12 +85,13 @@ def attention(
 
     out_dtype = q.dtype
     if backend == "auto":
-        compute_dtype = attention_compute_dtype(q)
-        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+        q = q.to(attention_compute_dtype(q))
         backend = choose_backend(q, k, v, rules, dropout_p, return_lse, return_probs)
     elif backend == "cpu" and (missing := cpu_kernel.unsupported(q, k, v, rules, dropout_p)) is not None:
         raise NotImplementedError(f"backend='cpu' does not support {missing}")  # auto asked already
     _refuse_unsupported(backend, rules, dropout_p, return_lse, return_probs)
+    if backend != "cpu":  # the kernel reads a float16 cache in place; the others take q's dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
 
     probs = None
     if backend == "eager":
@@ -138,7 +141,7 @@ def choose_backend(
     """
     if return_probs:
         return "eager"
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and k.dtype == q.dtype:  # (a float16 cache for float32 q: widened, below)
         from flashformer.attention.triton import unsupported
 
         if unsupported(q, k, v, rules) is None:

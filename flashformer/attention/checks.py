@@ -18,6 +18,17 @@ from flashformer.attention.masks import ScoreRules
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_kv_dtypes(q_dtype, k_dtype, v_dtype, k_name: str, v_name: str) -> None:
+    """k and v share q's dtype, or are both float16 with a float32 q: a half-size KV cache, which
+    attention widens to float32 (exactly) as it reads it."""
+    if k_dtype == v_dtype and (k_dtype == q_dtype or (q_dtype == torch.float32 and k_dtype == torch.float16)):
+        return
+    raise TypeError(
+        f"q, {k_name} and {v_name} must share a dtype (or be float32 q with float16 {k_name} and {v_name}); "
+        f"got q {q_dtype}, {k_name} {k_dtype}, {v_name} {v_dtype}"
+    )
+
+
 def check_and_describe(q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -28,8 +39,7 @@ def check_and_describe(q, k, v, causal, key_padding_mask, mask, bias, alibi_slop
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64; got {t.dtype}")
         if 0 in t.shape:
             raise ValueError(f"{name} must not have an empty dimension; got shape {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    check_kv_dtypes(q.dtype, k.dtype, v.dtype, "k", "v")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
     batch, q_heads, q_len, dim = q.shape

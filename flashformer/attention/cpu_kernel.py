@@ -13,7 +13,9 @@ Both entry points use it: attention()'s backend "cpu" (a static KV cache,
 api.py) and paged_attention's (paged.py). It computes float32 on the CPU, in
 inference only (no backward), with the rules a decoder's attention needs:
 causal (bottom-right), a key padding mask, windows, softcap and ALiBi; not
-general masks, biases or dropout.
+general masks, biases or dropout. Keys and values may be float16 (a half-size
+cache: half the bytes a decode step streams); each span of 64 keys is widened
+to float32 once per task, so the result is the float32 widening's, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, dropout_p: f
     """The first feature of this request the kernel lacks (for NotImplementedError), or None."""
     if q.device.type != "cpu" or q.dtype != torch.float32:
         return f"{q.dtype} tensors on {q.device} (it takes float32 on the CPU)"
+    if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.float16):
+        return f"k {k.dtype} and v {v.dtype} (it takes float32, or a float16 cache)"
     if rules.mask is not None or rules.bias is not None or rules.bias_fn is not None:
         return "masks and biases other than causal, key padding, window and ALiBi"
     if dropout_p > 0:

@@ -55,7 +55,14 @@ from torch import Tensor
 
 from flashformer.attention import cpu_kernel
 from flashformer.attention.api import attention
-from flashformer.attention.checks import FLOAT_DTYPES, check_alibi, check_scale, check_softcap, check_window
+from flashformer.attention.checks import (
+    FLOAT_DTYPES,
+    check_alibi,
+    check_kv_dtypes,
+    check_scale,
+    check_softcap,
+    check_window,
+)
 from flashformer.attention.masks import ScoreRules
 from flashformer.kernels import extension
 
@@ -83,7 +90,7 @@ def paged_attention(
     q: (B, Hq, Lq, D), query i of row b at key position seq_lens[b] - Lq + i
     (the same Lq for every row; Lq = 1 for a decode step). k_pool (Hk,
     num_blocks, block_size, D), v_pool (Hk, num_blocks, block_size, Dv), in q's
-    dtype and on its device, Hq % Hk == 0 (MHA, GQA, MQA). block_tables:
+    dtype (or float16 pools for a float32 q, as in attention()) and on its device, Hq % Hk == 0 (MHA, GQA, MQA). block_tables:
     (B, max_blocks) int32/int64; seq_lens: (B,) int32/int64, each in
     [0, max_blocks * block_size]. A query with no key (seq_lens[b] < Lq, or
     an empty sequence) gets output 0 and lse -inf.
@@ -107,6 +114,8 @@ def paged_attention(
         backend = "triton"
     if backend == "auto" and _cpu_kernel_takes(q):
         backend = "cpu"
+    if backend == "triton" and k_pool.dtype != q.dtype:  # its kernel reads q's dtype: a widened copy
+        k_pool, v_pool = k_pool.to(q.dtype), v_pool.to(q.dtype)
     with torch.no_grad():
         if backend == "triton":  # imported here so that flashformer never needs Triton unless asked for it
             from flashformer.attention.triton import triton_paged_attention
@@ -123,7 +132,7 @@ def paged_attention(
 
 def _triton_takes(q: Tensor, k_pool: Tensor, v_pool: Tensor, rules: ScoreRules) -> bool:
     """backend="auto" runs the Triton kernel on CUDA tensors it supports."""
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or k_pool.dtype != q.dtype:
         return False
     from flashformer.attention.triton import unsupported
 
@@ -298,7 +307,8 @@ def write_kv(
     k_new: (B, Hk, L, D), v_new: (B, Hk, L, Dv) (the layout of MultiHeadAttention's
     k and v; a packed batch of T tokens is B = 1, L = T); slots: (B, L)
     int32/int64, slot = block * block_size + offset (kv_slots), all distinct.
-    k_new and v_new must have the pools' dtype and device. validate: check that
+    k_new and v_new must have the pools' dtype (or float32 for float16 pools: rounded to them)
+    and device. validate: check that
     the slots are distinct and inside the pool (a device sync on CUDA).
     """
     _check_pools(k_pool, v_pool)
@@ -311,7 +321,8 @@ def write_kv(
                 f"{name} (B, Hk, L, D) must have the heads and head dim of its pool (Hk, num_blocks, "
                 f"block_size, D); got {name} {tuple(new.shape)}, pool {tuple(pool.shape)}"
             )
-        if new.dtype != pool.dtype or new.device != pool.device:
+        rounded = pool.dtype == torch.float16 and new.dtype == torch.float32
+        if (new.dtype != pool.dtype and not rounded) or new.device != pool.device:
             raise TypeError(
                 f"{name} must have its pool's dtype and device ({pool.dtype} on {pool.device}); "
                 f"got {new.dtype} on {new.device}"
@@ -337,8 +348,8 @@ def write_kv(
             raise ValueError("slots must be distinct: two new tokens were given the same slot")
     slots = slots.reshape(-1).long()
     blocks, offsets = slots // block_size, slots % block_size  # (B*L,)
-    k_pool[:, blocks, offsets] = k_new.transpose(0, 1).reshape(kv_heads, -1, k_new.shape[3])
-    v_pool[:, blocks, offsets] = v_new.transpose(0, 1).reshape(kv_heads, -1, v_new.shape[3])
+    k_pool[:, blocks, offsets] = k_new.transpose(0, 1).reshape(kv_heads, -1, k_new.shape[3]).to(k_pool.dtype)
+    v_pool[:, blocks, offsets] = v_new.transpose(0, 1).reshape(kv_heads, -1, v_new.shape[3]).to(v_pool.dtype)
 
 
 # ---- argument checks ----
@@ -355,11 +366,7 @@ def _check_paged(q, k_pool, v_pool, block_tables, seq_lens, alibi_slopes, window
     _check_pools(k_pool, v_pool)
     batch, q_heads, q_len, dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_pool.shape
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise TypeError(
-            f"q, k_pool and v_pool must share a dtype; got q {q.dtype}, k_pool {k_pool.dtype}, "
-            f"v_pool {v_pool.dtype}"
-        )
+    check_kv_dtypes(q.dtype, k_pool.dtype, v_pool.dtype, "k_pool", "v_pool")
     if k_pool.device != q.device or v_pool.device != q.device:
         raise ValueError(
             f"q, k_pool and v_pool must be on one device; got {q.device}, {k_pool.device}, {v_pool.device}"

@@ -6,7 +6,8 @@
 //
 //   q (T, Hq, D) float32: the queries of S sequences packed one after another, sequence s's
 //   rows q_starts[s] .. q_starts[s + 1] - 1 (q_starts (S + 1,) int64); k_pool (Hk, num_blocks,
-//   block_size, D), v_pool (..., Dv) float32, any strides but a contiguous last dim;
+//   block_size, D), v_pool (..., Dv) float32 or both float16 (a half-size cache, widened exactly to
+//   float32 as it is read), any strides but a contiguous last dim;
 //   block_tables (S, max_blocks) int32/int64; seq_lens (S,) int32/int64. Query i of the n of
 //   sequence s sits at key position seq_lens[s] - n + i; causal: it sees the keys at or before
 //   it (bottom-right). window_left / window_right: keys kept before / after it (-1: unbounded);
@@ -30,7 +31,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -40,8 +46,8 @@
 
 namespace {
 
-// Eight floats in a vector register (GCC's vector extension: AVX2 in the avx2 clone, two SSE
-// registers in the default one, the same operations in the same order in both).
+// Eight floats in a vector register (GCC's vector extension: one AVX register in the x86-64-v3 and
+// v4 clones, two SSE registers in the default one).
 typedef float v8 __attribute__((vector_size(32)));
 
 __attribute__((always_inline)) inline v8 load8(const float* p) {
@@ -56,7 +62,8 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 // Lane i of the result: the sum of a[i]'s eight lanes (a transposing tree of pair sums, the same
 // order for every lane and every call).
-__attribute__((always_inline)) inline v8 lane_sums(const v8* a) {
+__attribute__((always_inline)) inline v8 lane_sums(v8 a0, v8 a1, v8 a2, v8 a3, v8 a4, v8 a5, v8 a6, v8 a7) {
+  const v8 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
   v8 pairs[4], quads[2];
   for (int i = 0; i < 4; ++i) {
     const v8 x = a[2 * i], y = a[2 * i + 1];
@@ -79,8 +86,23 @@ __attribute__((always_inline)) inline v8 lane_sums(const v8* a) {
 template <int R>
 __attribute__((always_inline)) inline void dots8(const float* const* q, const float* const* k, int64_t n,
                                                  float scale, float* const* out) {
-  v8 acc[R][8] = {};
+  // the first eight columns' products start the sums (no zeroed array: GCC would clear it in
+  // memory with a string store, a cost per call)
+  v8 acc[R][8];
   int64_t j = 0;
+  if (n >= 8) {
+    v8 x[R];
+    for (int r = 0; r < R; ++r) x[r] = load8(q[r]);
+    for (int i = 0; i < 8; ++i) {
+      const v8 key = load8(k[i]);
+      for (int r = 0; r < R; ++r) acc[r][i] = x[r] * key;
+    }
+    j = 8;
+  } else {
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 8; ++i) acc[r][i] = v8{};
+    }
+  }
   for (; j + 8 <= n; j += 8) {
     v8 x[R];
     for (int r = 0; r < R; ++r) x[r] = load8(q[r] + j);
@@ -90,7 +112,7 @@ __attribute__((always_inline)) inline void dots8(const float* const* q, const fl
     }
   }
   for (int r = 0; r < R; ++r) {
-    v8 sums = lane_sums(acc[r]);
+    v8 sums = lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3], acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
     for (int i = 0; i < 8; ++i) {
       for (int64_t t = j; t < n; ++t) sums[i] += q[r][t] * k[i][t];
     }
@@ -152,6 +174,33 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
   return masked ? v8{} : poly * two_n;
 }
 
+// rows x n float16 values (row i at src[i]) widened to float32 into dst (row i at dst + i * n);
+// the conversion is exact, so a float16 cache gives the bits its float32 widening would.
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) void widen_rows_f16c(const uint16_t* const* src, int64_t rows, int64_t n,
+                                                          float* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint16_t* row = src[i];
+    float* out = dst + i * n;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
+    }
+    for (; j < n; ++j) out[j] = c10::detail::fp16_ieee_to_fp32_value(row[j]);
+  }
+}
+#endif
+
+void widen_rows(const uint16_t* const* src, int64_t rows, int64_t n, float* dst) {
+#if defined(__x86_64__)
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (f16c) return widen_rows_f16c(src, rows, n, dst);
+#endif
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < n; ++j) dst[i * n + j] = c10::detail::fp16_ieee_to_fp32_value(src[i][j]);
+  }
+}
+
 // Queries of one sequence per task (see attend): 16 x SmolLM2's 3 query heads a KV head = 48 rows.
 constexpr int64_t kQuerySlice = 16;
 // Keys per step of the online softmax: consecutive positions whatever blocks hold them (a paged
@@ -160,8 +209,9 @@ constexpr int64_t kSpan = 64;
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // float, or float16 bits when half_kv
+  const void* v;
+  bool half_kv;
   float* out;
   float* lse;
   int64_t q_heads, kv_heads, dim, dim_v, block_size;
@@ -177,9 +227,10 @@ struct Problem {
 };
 
 // A thread's working memory, reused by its tasks: (rows,) running max, sum and rescale, (rows, Dv)
-// accumulators, (rows, block_size + 8) scores, then weights, of the block.
+// accumulators, (rows, kSpan) scores, then weights, of the span; a float16 cache's span of keys
+// (kSpan, D) and values (kSpan, Dv) widened to float32.
 struct Scratch {
-  std::vector<float> m, l, rescale, acc, s;
+  std::vector<float> m, l, rescale, acc, s, wide_k, wide_v;
 };
 
 // Sequence b, KV head h: G x n of its queries (packed rows q0 .. q0 + n - 1, at key positions
@@ -187,10 +238,12 @@ struct Scratch {
 // with an online softmax. Within a block: scores eight keys at a time, every
 // query row using the eight while they are in L1; then each row's weights and its weighted sum of
 // values, 64 columns of the accumulator in registers.
-// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 and any x86-64 CPU, the same
-// operations in the same order in each; the loader picks one per CPU, once.
+// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 with FMA (x86-64-v3) and any x86-64
+// CPU, the same operations in the same order in each; the first two fuse each multiply-add (one
+// rounding, twice the products a cycle), so they give the same bits as each other and the default
+// clone, which rounds twice, its own. The loader picks one per CPU, once.
 #if defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
 #endif
 void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_t first_query, const int64_t* table,
                  int64_t q0, int64_t n, Scratch& scratch) {
@@ -209,24 +262,66 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
                            p.slopes == nullptr;
   const float* key_rows[kSpan];  // the span's keys and values, wherever their blocks are
   const float* value_rows[kSpan];
+  const uint16_t* half_keys[kSpan];  // a float16 cache's rows, before widening
+  const uint16_t* half_values[kSpan];
+  const uint16_t* next_keys[kSpan];  // and the next span's, fetched while this one is computed
+  const uint16_t* next_values[kSpan];
+  if (p.half_kv) {
+    scratch.wide_k.resize(kSpan * p.dim);
+    scratch.wide_v.resize(kSpan * p.dim_v);
+  }
   for (int64_t key0 = 0; key0 < visible; key0 += kSpan) {
     const int64_t keys = std::min(kSpan, visible - key0);
     if (p.window_left >= 0 && key0 + keys - 1 < first_query - p.window_left) continue;  // before every window
     int64_t j = key0 / p.block_size, offset = key0 % p.block_size;  // (one division a span)
-    for (int64_t t = 0; t < keys; ++t, ++offset) {
-      if (offset == p.block_size) ++j, offset = 0;
-      key_rows[t] = p.k + h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride;
-      value_rows[t] = p.v + h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride;
+    int64_t k_at = h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride;
+    int64_t v_at = h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride;
+    for (int64_t t = 0; t < keys; ++t, ++offset, k_at += p.k_pos_stride, v_at += p.v_pos_stride) {
+      if (offset == p.block_size) {  // the next block of the table
+        ++j, offset = 0;
+        k_at = h * p.k_head_stride + table[j] * p.k_block_stride;
+        v_at = h * p.v_head_stride + table[j] * p.v_block_stride;
+      }
+      if (p.half_kv) {
+        half_keys[t] = static_cast<const uint16_t*>(p.k) + k_at;
+        half_values[t] = static_cast<const uint16_t*>(p.v) + v_at;
+        key_rows[t] = scratch.wide_k.data() + t * p.dim;
+        value_rows[t] = scratch.wide_v.data() + t * p.dim_v;
+      } else {
+        key_rows[t] = static_cast<const float*>(p.k) + k_at;
+        value_rows[t] = static_cast<const float*>(p.v) + v_at;
+      }
+    }
+    int64_t ahead = 0;  // rows of the next span to prefetch
+    if (p.half_kv) {  // the span's rows once, for every query row of the task
+      widen_rows(half_keys, keys, p.dim, scratch.wide_k.data());
+      widen_rows(half_values, keys, p.dim_v, scratch.wide_v.data());
+      ahead = std::min(kSpan, std::max<int64_t>(0, visible - key0 - kSpan));
+      int64_t jn = (key0 + kSpan) / p.block_size, on = (key0 + kSpan) % p.block_size;
+      for (int64_t t = 0; t < ahead; ++t, ++on) {
+        if (on == p.block_size) ++jn, on = 0;
+        next_keys[t] = static_cast<const uint16_t*>(p.k) + h * p.k_head_stride + table[jn] * p.k_block_stride +
+                       on * p.k_pos_stride;
+        next_values[t] = static_cast<const uint16_t*>(p.v) + h * p.v_head_stride + table[jn] * p.v_block_stride +
+                         on * p.v_pos_stride;
+      }
     }
     // scaled scores, eight keys at a time (a last partial eight repeats its last key); the keys
     // 16 ahead and these eight keys' values are fetched meanwhile (the cache streams from memory)
     for (int64_t t0 = 0; t0 < keys; t0 += 8) {
       const float* kt[8];
       for (int i = 0; i < 8; ++i) kt[i] = key_rows[std::min(t0 + i, keys - 1)];
-      for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
-        for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(value_rows[t] + c, 0, 2);
-        if (t + 16 < keys) {
-          for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(key_rows[t + 16] + c, 0, 3);
+      if (p.half_kv) {  // the rows are widened already: fetch the next span's meanwhile
+        for (int64_t t = t0; t < std::min(t0 + 8, ahead); ++t) {
+          for (int64_t c = 0; c < p.dim; c += 32) __builtin_prefetch(next_keys[t] + c, 0, 2);
+          for (int64_t c = 0; c < p.dim_v; c += 32) __builtin_prefetch(next_values[t] + c, 0, 2);
+        }
+      } else {
+        for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
+          for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(value_rows[t] + c, 0, 2);
+          if (t + 16 < keys) {
+            for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(key_rows[t + 16] + c, 0, 3);
+          }
         }
       }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
@@ -346,6 +441,21 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
   }
 }
 
+// Fetch the first span of a task's keys and values towards the cache (the task before it runs
+// meanwhile; within a task, attend_task fetches ahead itself).
+void prefetch_first_span(const Problem& p, const int64_t* table, int64_t h, int64_t visible) {
+  const int64_t keys = std::min(kSpan, visible), bytes = p.half_kv ? 2 : 4;
+  const char* k = static_cast<const char*>(p.k);
+  const char* v = static_cast<const char*>(p.v);
+  for (int64_t t = 0; t < keys; ++t) {
+    const int64_t j = t / p.block_size, offset = t % p.block_size;
+    const char* kr = k + (h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride) * bytes;
+    const char* vr = v + (h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride) * bytes;
+    for (int64_t c = 0; c < p.dim * bytes; c += 64) __builtin_prefetch(kr + c, 0, 2);
+    for (int64_t c = 0; c < p.dim_v * bytes; c += 64) __builtin_prefetch(vr + c, 0, 2);
+  }
+}
+
 // Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
 // with a contiguous last dim, and each of the S sequences' block table (max_blocks entries), key
 // count and first query row. Writes out (T, Hq, Dv) and lse (T, Hq): tensors whose memory is laid
@@ -356,10 +466,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
                                           bool causal, const std::optional<at::Tensor>& alibi_slopes,
                                           const std::optional<at::Tensor>& key_padding, int64_t window_left,
                                           int64_t window_right, at::Tensor& out, at::Tensor& lse) {
-  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.scalar_type() == at::kFloat &&
-                  v_pool.scalar_type() == at::kFloat,
-              "k, v: expected float32 tensors of 4 dims, got ", k_pool.sizes(), " ", k_pool.scalar_type(), " and ",
-              v_pool.sizes(), " ", v_pool.scalar_type());
+  const bool half_kv = k_pool.scalar_type() == at::kHalf;
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (half_kv || k_pool.scalar_type() == at::kFloat),
+              "k, v: expected float32 (or both float16) tensors of 4 dims, got ", k_pool.sizes(), " ",
+              k_pool.scalar_type(), " and ", v_pool.sizes(), " ", v_pool.scalar_type());
   const at::Tensor k = k_pool.stride(3) == 1 ? k_pool : k_pool.contiguous();
   const at::Tensor v = v_pool.stride(3) == 1 ? v_pool : v_pool.contiguous();
   const int64_t tokens = q.size(0);
@@ -382,7 +493,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     p.key_padding = padding.data_ptr<bool>();
     p.padding_len = padding.size(1);
   }
-  p.q = q.data_ptr<float>(), p.k = k.data_ptr<float>(), p.v = v.data_ptr<float>();
+  p.q = q.data_ptr<float>(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.half_kv = half_kv;
   p.out = out.data_ptr<float>(), p.lse = lse.data_ptr<float>();
   p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap), p.causal = causal;
   p.window_left = window_left, p.window_right = window_right;
@@ -414,6 +525,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
+      if (i + 1 < end) {
+        const Task& next = tasks[i + 1];
+        prefetch_first_span(p, tables + next.b * max_blocks, next.h, next.visible);
+      }
       attend_task(p, t.b, t.h, t.visible, t.first_query, tables + t.b * max_blocks, t.q0, t.n, scratch);
     }
   });
