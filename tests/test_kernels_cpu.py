@@ -148,3 +148,27 @@ def test_the_cpu_decode_step_options_are_inductor_options():
     import torch._inductor.config
 
     assert set(cpu.CPU_DECODE_STEP_OPTIONS) <= set(torch._inductor.config.get_config_copy())
+
+
+@pytest.mark.skipif(
+    not __import__("flashformer.kernels.extension", fromlist=["x"]).cpp_kernels(),
+    reason="the C++ CPU kernels could not be built here",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_decode_steps_reach_the_cpu_kernel(dtype, monkeypatch):
+    """In auto, a bf16 decode step widened on a CPU that emulates bf16 runs the C++ kernel on
+    float32 keys; a float16 cache read by float32 queries runs it on the cache as it is."""
+    import importlib
+
+    import flashformer
+
+    kernel = importlib.import_module("flashformer.attention.cpu_kernel")
+    seen, run = [], kernel.cpu_attention
+    monkeypatch.setattr(kernel, "cpu_attention", lambda q, k, *a: seen.append(k.dtype) or run(q, k, *a))
+    monkeypatch.setattr(cpu, "EMULATED_LOW_PRECISION", frozenset(cpu.LOW_PRECISION))
+    k, v = (torch.randn(2, 2, 40, 16).to(dtype) for _ in range(2))
+    q = torch.randn(2, 4, 1, 16)
+    with torch.no_grad():
+        out = flashformer.attention(q.to(dtype) if dtype == torch.bfloat16 else q, k, v, causal=True)
+    assert seen == [torch.float32 if dtype == torch.bfloat16 else torch.float16]
+    assert out.dtype == (dtype if dtype == torch.bfloat16 else torch.float32)

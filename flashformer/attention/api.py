@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from flashformer.attention import cpu_kernel
@@ -86,6 +87,8 @@ def attention(
     out_dtype = q.dtype
     if backend == "auto":
         q = q.to(attention_compute_dtype(q))
+        if not (q.dtype == torch.float32 and k.dtype == torch.float16):  # (a float16 cache stays as it is)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         backend = choose_backend(q, k, v, rules, dropout_p, return_lse, return_probs)
     elif backend == "cpu" and (missing := cpu_kernel.unsupported(q, k, v, rules, dropout_p)) is not None:
         raise NotImplementedError(f"backend='cpu' does not support {missing}")  # auto asked already
