@@ -441,21 +441,6 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
   }
 }
 
-// Fetch the first span of a task's keys and values towards the cache (the task before it runs
-// meanwhile; within a task, attend_task fetches ahead itself).
-void prefetch_first_span(const Problem& p, const int64_t* table, int64_t h, int64_t visible) {
-  const int64_t keys = std::min(kSpan, visible), bytes = p.half_kv ? 2 : 4;
-  const char* k = static_cast<const char*>(p.k);
-  const char* v = static_cast<const char*>(p.v);
-  for (int64_t t = 0; t < keys; ++t) {
-    const int64_t j = t / p.block_size, offset = t % p.block_size;
-    const char* kr = k + (h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride) * bytes;
-    const char* vr = v + (h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride) * bytes;
-    for (int64_t c = 0; c < p.dim * bytes; c += 64) __builtin_prefetch(kr + c, 0, 2);
-    for (int64_t c = 0; c < p.dim_v * bytes; c += 64) __builtin_prefetch(vr + c, 0, 2);
-  }
-}
-
 // Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
 // with a contiguous last dim, and each of the S sequences' block table (max_blocks entries), key
 // count and first query row. Writes out (T, Hq, Dv) and lse (T, Hq): tensors whose memory is laid
@@ -525,10 +510,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
-      if (i + 1 < end) {
-        const Task& next = tasks[i + 1];
-        prefetch_first_span(p, tables + next.b * max_blocks, next.h, next.visible);
-      }
       attend_task(p, t.b, t.h, t.visible, t.first_query, tables + t.b * max_blocks, t.q0, t.n, scratch);
     }
   });
