@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from flashformer.attention import cpu_kernel
@@ -17,6 +16,7 @@ from flashformer.attention.checks import (
     check_dropout,
     check_scale,
     dropout_seed_for,
+    is_float16_cache,
 )
 from flashformer.attention.flash import flash_attention
 from flashformer.attention.masks import ScoreRules
@@ -87,7 +87,7 @@ def attention(
     out_dtype = q.dtype
     if backend == "auto":
         q = q.to(attention_compute_dtype(q))
-        if not (q.dtype == torch.float32 and k.dtype == torch.float16):  # (a float16 cache stays as it is)
+        if not (q.is_cpu and is_float16_cache(q.dtype, k.dtype)):  # the CPU kernel may read that as it is
             k, v = k.to(q.dtype), v.to(q.dtype)
         backend = choose_backend(q, k, v, rules, dropout_p, return_lse, return_probs)
     elif backend == "cpu" and (missing := cpu_kernel.unsupported(q, k, v, rules, dropout_p)) is not None:
@@ -144,7 +144,7 @@ def choose_backend(
     """
     if return_probs:
         return "eager"
-    if q.device.type == "cuda" and k.dtype == q.dtype:  # (a float16 cache for float32 q: widened, below)
+    if q.device.type == "cuda":
         from flashformer.attention.triton import unsupported
 
         if unsupported(q, k, v, rules) is None:

@@ -18,10 +18,15 @@ from flashformer.attention.masks import ScoreRules
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def is_float16_cache(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether keys and values of kv_dtype are a half-size cache for float32 queries (a quantized
+    model's, as llama.cpp keeps one), which attention widens to float32, exactly, as it reads it."""
+    return q_dtype == torch.float32 and kv_dtype == torch.float16
+
+
 def check_kv_dtypes(q_dtype, k_dtype, v_dtype, k_name: str, v_name: str) -> None:
-    """k and v share q's dtype, or are both float16 with a float32 q: a half-size KV cache, which
-    attention widens to float32 (exactly) as it reads it."""
-    if k_dtype == v_dtype and (k_dtype == q_dtype or (q_dtype == torch.float32 and k_dtype == torch.float16)):
+    """k and v share q's dtype, or are both a float16 cache for a float32 q (is_float16_cache)."""
+    if k_dtype == v_dtype and (k_dtype == q_dtype or is_float16_cache(q_dtype, k_dtype)):
         return
     raise TypeError(
         f"q, {k_name} and {v_name} must share a dtype (or be float32 q with float16 {k_name} and {v_name}); "

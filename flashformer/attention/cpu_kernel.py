@@ -41,8 +41,6 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, dropout_p: f
     """The first feature of this request the kernel lacks (for NotImplementedError), or None."""
     if q.device.type != "cpu" or q.dtype != torch.float32:
         return f"{q.dtype} tensors on {q.device} (it takes float32 on the CPU)"
-    if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.float16):
-        return f"k {k.dtype} and v {v.dtype} (it takes float32, or a float16 cache)"
     if rules.mask is not None or rules.bias is not None or rules.bias_fn is not None:
         return "masks and biases other than causal, key padding, window and ALiBi"
     if dropout_p > 0:

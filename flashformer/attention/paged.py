@@ -62,6 +62,7 @@ from flashformer.attention.checks import (
     check_scale,
     check_softcap,
     check_window,
+    is_float16_cache,
 )
 from flashformer.attention.masks import ScoreRules
 from flashformer.kernels import extension
@@ -321,8 +322,9 @@ def write_kv(
                 f"{name} (B, Hk, L, D) must have the heads and head dim of its pool (Hk, num_blocks, "
                 f"block_size, D); got {name} {tuple(new.shape)}, pool {tuple(pool.shape)}"
             )
-        rounded = pool.dtype == torch.float16 and new.dtype == torch.float32
-        if (new.dtype != pool.dtype and not rounded) or new.device != pool.device:
+        if (
+            new.dtype != pool.dtype and not is_float16_cache(new.dtype, pool.dtype)
+        ) or new.device != pool.device:
             raise TypeError(
                 f"{name} must have its pool's dtype and device ({pool.dtype} on {pool.device}); "
                 f"got {new.dtype} on {new.device}"

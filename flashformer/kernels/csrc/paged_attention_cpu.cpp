@@ -174,13 +174,13 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
   return masked ? v8{} : poly * two_n;
 }
 
-// rows x n float16 values (row i at src[i]) widened to float32 into dst (row i at dst + i * n);
+// rows x n float16 values (row i at base + at[i]) widened to float32 into dst (row i at dst + i * n);
 // the conversion is exact, so a float16 cache gives the bits its float32 widening would.
 #if defined(__x86_64__)
-__attribute__((target("avx2,f16c"))) void widen_rows_f16c(const uint16_t* const* src, int64_t rows, int64_t n,
-                                                          float* dst) {
+__attribute__((target("avx2,f16c"))) void widen_rows_f16c(const uint16_t* base, const int64_t* at, int64_t rows,
+                                                          int64_t n, float* dst) {
   for (int64_t i = 0; i < rows; ++i) {
-    const uint16_t* row = src[i];
+    const uint16_t* row = base + at[i];
     float* out = dst + i * n;
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -191,13 +191,14 @@ __attribute__((target("avx2,f16c"))) void widen_rows_f16c(const uint16_t* const*
 }
 #endif
 
-void widen_rows(const uint16_t* const* src, int64_t rows, int64_t n, float* dst) {
+void widen_rows(const void* base, const int64_t* at, int64_t rows, int64_t n, float* dst) {
+  const uint16_t* half = static_cast<const uint16_t*>(base);
 #if defined(__x86_64__)
   static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (f16c) return widen_rows_f16c(src, rows, n, dst);
+  if (f16c) return widen_rows_f16c(half, at, rows, n, dst);
 #endif
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < n; ++j) dst[i * n + j] = c10::detail::fp16_ieee_to_fp32_value(src[i][j]);
+    for (int64_t j = 0; j < n; ++j) dst[i * n + j] = c10::detail::fp16_ieee_to_fp32_value(half[at[i] + j]);
   }
 }
 
@@ -233,6 +234,24 @@ struct Scratch {
   std::vector<float> m, l, rescale, acc, s, wide_k, wide_v;
 };
 
+// The element offsets of KV head h's keys (k_at) and values (v_at) at positions key0 .. key0 +
+// keys - 1, wherever the table's blocks put them (one division, then a step per key).
+__attribute__((always_inline)) inline void span_offsets(const Problem& p, const int64_t* table, int64_t h, int64_t key0,
+                                                        int64_t keys, int64_t* k_at, int64_t* v_at) {
+  if (keys <= 0) return;  // (the table may end here)
+  int64_t j = key0 / p.block_size, offset = key0 % p.block_size;
+  int64_t k = h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride;
+  int64_t v = h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride;
+  for (int64_t t = 0; t < keys; ++t, ++offset, k += p.k_pos_stride, v += p.v_pos_stride) {
+    if (offset == p.block_size) {  // the next block of the table
+      ++j, offset = 0;
+      k = h * p.k_head_stride + table[j] * p.k_block_stride;
+      v = h * p.v_head_stride + table[j] * p.v_block_stride;
+    }
+    k_at[t] = k, v_at[t] = v;
+  }
+}
+
 // Sequence b, KV head h: G x n of its queries (packed rows q0 .. q0 + n - 1, at key positions
 // first_query .. first_query + n - 1) against its first `visible` keys, block by block in order,
 // with an online softmax. Within a block: scores eight keys at a time, every
@@ -260,12 +279,12 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
   const bool* padding = p.key_padding ? p.key_padding + b * p.padding_len : nullptr;
   const bool plain_rules = padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
                            p.slopes == nullptr;
-  const float* key_rows[kSpan];  // the span's keys and values, wherever their blocks are
+  const float* key_rows[kSpan];  // the span's keys and values, as float32
   const float* value_rows[kSpan];
-  const uint16_t* half_keys[kSpan];  // a float16 cache's rows, before widening
-  const uint16_t* half_values[kSpan];
-  const uint16_t* next_keys[kSpan];  // and the next span's, fetched while this one is computed
-  const uint16_t* next_values[kSpan];
+  int64_t k_at[kSpan], v_at[kSpan];  // their offsets in the cache
+  int64_t next_k_at[kSpan], next_v_at[kSpan];  // a float16 cache: the next span's, fetched meanwhile
+  const uint16_t* half_k = static_cast<const uint16_t*>(p.k);
+  const uint16_t* half_v = static_cast<const uint16_t*>(p.v);
   if (p.half_kv) {
     scratch.wide_k.resize(kSpan * p.dim);
     scratch.wide_v.resize(kSpan * p.dim_v);
@@ -273,37 +292,21 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
   for (int64_t key0 = 0; key0 < visible; key0 += kSpan) {
     const int64_t keys = std::min(kSpan, visible - key0);
     if (p.window_left >= 0 && key0 + keys - 1 < first_query - p.window_left) continue;  // before every window
-    int64_t j = key0 / p.block_size, offset = key0 % p.block_size;  // (one division a span)
-    int64_t k_at = h * p.k_head_stride + table[j] * p.k_block_stride + offset * p.k_pos_stride;
-    int64_t v_at = h * p.v_head_stride + table[j] * p.v_block_stride + offset * p.v_pos_stride;
-    for (int64_t t = 0; t < keys; ++t, ++offset, k_at += p.k_pos_stride, v_at += p.v_pos_stride) {
-      if (offset == p.block_size) {  // the next block of the table
-        ++j, offset = 0;
-        k_at = h * p.k_head_stride + table[j] * p.k_block_stride;
-        v_at = h * p.v_head_stride + table[j] * p.v_block_stride;
-      }
-      if (p.half_kv) {
-        half_keys[t] = static_cast<const uint16_t*>(p.k) + k_at;
-        half_values[t] = static_cast<const uint16_t*>(p.v) + v_at;
+    span_offsets(p, table, h, key0, keys, k_at, v_at);
+    int64_t ahead = 0;  // rows of the next span to prefetch
+    if (p.half_kv) {  // the span's rows widened once, for every query row of the task
+      widen_rows(p.k, k_at, keys, p.dim, scratch.wide_k.data());
+      widen_rows(p.v, v_at, keys, p.dim_v, scratch.wide_v.data());
+      for (int64_t t = 0; t < keys; ++t) {
         key_rows[t] = scratch.wide_k.data() + t * p.dim;
         value_rows[t] = scratch.wide_v.data() + t * p.dim_v;
-      } else {
-        key_rows[t] = static_cast<const float*>(p.k) + k_at;
-        value_rows[t] = static_cast<const float*>(p.v) + v_at;
       }
-    }
-    int64_t ahead = 0;  // rows of the next span to prefetch
-    if (p.half_kv) {  // the span's rows once, for every query row of the task
-      widen_rows(half_keys, keys, p.dim, scratch.wide_k.data());
-      widen_rows(half_values, keys, p.dim_v, scratch.wide_v.data());
       ahead = std::min(kSpan, std::max<int64_t>(0, visible - key0 - kSpan));
-      int64_t jn = (key0 + kSpan) / p.block_size, on = (key0 + kSpan) % p.block_size;
-      for (int64_t t = 0; t < ahead; ++t, ++on) {
-        if (on == p.block_size) ++jn, on = 0;
-        next_keys[t] = static_cast<const uint16_t*>(p.k) + h * p.k_head_stride + table[jn] * p.k_block_stride +
-                       on * p.k_pos_stride;
-        next_values[t] = static_cast<const uint16_t*>(p.v) + h * p.v_head_stride + table[jn] * p.v_block_stride +
-                         on * p.v_pos_stride;
+      span_offsets(p, table, h, key0 + kSpan, ahead, next_k_at, next_v_at);
+    } else {
+      for (int64_t t = 0; t < keys; ++t) {
+        key_rows[t] = static_cast<const float*>(p.k) + k_at[t];
+        value_rows[t] = static_cast<const float*>(p.v) + v_at[t];
       }
     }
     // scaled scores, eight keys at a time (a last partial eight repeats its last key); the keys
@@ -313,8 +316,8 @@ void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_
       for (int i = 0; i < 8; ++i) kt[i] = key_rows[std::min(t0 + i, keys - 1)];
       if (p.half_kv) {  // the rows are widened already: fetch the next span's meanwhile
         for (int64_t t = t0; t < std::min(t0 + 8, ahead); ++t) {
-          for (int64_t c = 0; c < p.dim; c += 32) __builtin_prefetch(next_keys[t] + c, 0, 2);
-          for (int64_t c = 0; c < p.dim_v; c += 32) __builtin_prefetch(next_values[t] + c, 0, 2);
+          for (int64_t c = 0; c < p.dim; c += 32) __builtin_prefetch(half_k + next_k_at[t] + c, 0, 2);
+          for (int64_t c = 0; c < p.dim_v; c += 32) __builtin_prefetch(half_v + next_v_at[t] + c, 0, 2);
         }
       } else {
         for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
