@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flashformer.attention import attention
-from flashformer.bench.common import machine_info
+from flashformer.kernels.machine import machine_info
 
 HEADS = {"SmolLM2 9/3x64": (9, 3, 64), "GPT-2 12/12x64": (12, 12, 64), "Llama-3-8B 32/8x128": (32, 8, 128)}
 BACKENDS = ("cpu", "torch")

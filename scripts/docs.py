@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
-from flashformer import cli, costs, hf
+from flashformer import costs
 from flashformer.bench import attention as bench_attention
+from flashformer.cli import commands as cli
 from flashformer.costs import report
-from flashformer.tasks import study
+from flashformer.encoders import study
+from flashformer.model import hf
 from flashformer.viz import positional, tiles
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -3,7 +3,7 @@
     python scripts/encoder_study.py                        # all of it: about an hour on 2 CPU cores
     python scripts/encoder_study.py --tasks retrieval --runs a,b    # a part; the rest of the JSON is kept
 
-Each training is a `flashformer train` / `flashformer finetune` command (flashformer.tasks.study);
+Each training is a `flashformer train` / `flashformer finetune` command (flashformer.encoders.study);
 their folders go to --work, where finished runs are reused (delete one to redo it). The results go
 to docs/figures/measured/encoder-study.json, and `python scripts/docs.py --skip-bench` redraws
 docs/encoders.md's table and figure from it (this script does too, with --docs).
@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from flashformer.encoders import study
 from flashformer.files import write_json
-from flashformer.tasks import study
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "figures" / "measured" / "encoder-study.json"

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers import study_payload
 
-from flashformer import cli, hf
-from flashformer.hf import FAMILIES
+from flashformer.cli import commands as cli
+from flashformer.model import hf
+from flashformer.model.hf import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -44,22 +47,32 @@ def test_every_docs_page_has_the_markers_the_command_fills():
         assert f"<!-- generated: {name} -->" in text and f"<!-- end: {name} -->" in text, (page, name)
 
 
+def command_names() -> list[str]:
+    """Every command and sub-command of the table the parser is built from."""
+    names = []
+    for name, entry in cli.COMMANDS.items():
+        if isinstance(entry, cli.Command):
+            names.append(name)
+        else:
+            names += [f"{name} {sub}" for sub in entry[1]]
+    return names
+
+
 def test_cli_reference_holds_every_command():
     reference = cli.reference()
-    for command in (
-        "train",
-        "finetune",
-        "embed",
-        "generate",
-        "bench attention",
-        "bench model",
-        "bench train",
-        "bench generate",
-        "cost",
-        "viz attention",
-        "viz positional",
-    ):
-        assert f"### `flashformer {command}`" in reference
+    names = command_names()
+    assert len(names) >= 16 and "bench serve" in names and "eval perplexity" in names
+    for command in names:
+        assert f"### `flashformer {command}`" in reference, command
+
+
+def test_the_readme_has_no_placeholder_left():
+    """A word in capitals with underscores (SOME_SUMMARY) is a generator's marker left unfilled;
+    command-line metavariables and environment variables are written in code."""
+    prose = re.sub(r"`[^`]*`", "", (ROOT / "README.md").read_text())
+    prose = "\n".join(line for line in prose.splitlines() if not line.startswith("    "))
+    left = re.findall(r"\b[A-Z]+(?:_[A-Z]+)+\b", prose)
+    assert not left, f"README.md holds placeholders: {left}"
 
 
 def test_measured_section_tabulates_the_stored_runs(tmp_path):
@@ -128,12 +141,10 @@ def test_docs_figures_regenerates_a_copy_of_docs(tmp_path):
 
 
 def test_encoder_study_section_comes_from_the_stored_json(tmp_path):
-    from test_study import payload
-
     assert "No stored study" in docs.encoder_study_section(tmp_path)
     measured = tmp_path / "figures" / "measured"
     measured.mkdir(parents=True)
-    (measured / "encoder-study.json").write_text(json.dumps(payload()))
+    (measured / "encoder-study.json").write_text(json.dumps(study_payload()))
     section = docs.encoder_study_section(tmp_path)
     assert "| classification | accuracy | 0.110 |" in section and "classification accuracy +0.300" in section
     assert (measured / "encoder-study.png").stat().st_size > 0

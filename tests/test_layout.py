@@ -1,16 +1,21 @@
-"""The package's shape: dependencies point one way, and modules stay small.
+"""The package's shape: rooms importing one way, no cycles, small modules, and a module map
+that names every module.
 
-The import graph is read from the source with `ast`, imports inside
-functions included: a function-level import that closes a cycle is still a
-cycle (it only moves the failure from import time to call time).
+The room order and the module map are read from docs/architecture.md, so the page and the
+code cannot drift apart. The import graph is read from the source with `ast`, imports inside
+functions included: a function-level import that closes a cycle or reaches into a later room
+is still one (it only moves the failure from import time to call time).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "flashformer"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "flashformer"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_LINES = 600
 
 
@@ -38,6 +43,11 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return {t for t in targets if t in known}
 
 
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of the graph as a path [a, b, ..., a], or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -61,9 +71,94 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# ---- rooms ----
+
+
+def room_order() -> list[str]:
+    """The rooms in import order, from the page's `Room order:` line."""
+    match = re.search(r"^Room order: (.+)$", ARCHITECTURE.read_text(), re.M)
+    assert match, f"{ARCHITECTURE} has no 'Room order:' line"
+    return [room.strip() for room in match.group(1).split("→")]
+
+
+def is_reexport(path: Path) -> bool:
+    """A module that only re-exports: a docstring, imports and __all__."""
+    for node in ast.parse(path.read_text()).body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        names = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+        if not (docstring or names or isinstance(node, ast.Import | ast.ImportFrom)):
+            return False
+    return True
+
+
+def top_level() -> tuple[set[str], set[str]]:
+    """(helpers, re-exports): the top-level modules besides the package itself."""
+    helpers, reexports = set(), set()
+    for path in PACKAGE.glob("*.py"):
+        if path.name != "__init__.py":
+            (reexports if is_reexport(path) else helpers).add(f"flashformer.{path.stem}")
+    return helpers, reexports
+
+
+def room_of(module: str, helpers: set[str]) -> str:
+    if module in helpers:
+        return "helpers"
+    return module.split(".")[1]
+
+
+def test_every_room_is_in_the_order_and_every_folder_is_a_room():
+    order = room_order()
+    assert order[0] == "helpers" and len(set(order)) == len(order), order
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(order[1:]), f"rooms on the page {order[1:]}, folders {sorted(folders)}"
+
+
+def wrong_imports(graph: dict[str, set[str]], order: list[str], helpers: set[str], reexports: set[str]):
+    """Every import of the graph that goes against the room order, as sentences."""
+    # the package's own __init__ re-exports from several rooms: it stands after the last of them
+    package_rank = max(order.index(room_of(m, helpers)) for m in graph["flashformer"])
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        if module == "flashformer" or module in reexports:
+            continue
+        rank = order.index(room_of(module, helpers))
+        for target in sorted(targets):
+            if target in reexports:
+                wrong.append(f"{module} imports {target}, a re-export kept for old code")
+            elif target == "flashformer":
+                if package_rank > rank:
+                    wrong.append(f"{module} imports flashformer, which re-exports later rooms")
+            elif order.index(room_of(target, helpers)) > rank:
+                wrong.append(f"{module} ({room_of(module, helpers)}) imports {target}, a later room")
+    return wrong
+
+
+def test_a_room_imports_only_the_rooms_before_it():
+    wrong = wrong_imports(import_graph(), room_order(), *top_level())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_room_checker_finds_what_goes_against_the_order():
+    assert is_reexport(PACKAGE / "sentence_embeddings.py") and not is_reexport(PACKAGE / "files.py")
+    order = ["helpers", "text", "model", "cli"]
+    graph = {
+        "flashformer": {"flashformer.model.m"},
+        "flashformer.files": set(),
+        "flashformer.old": {"flashformer.model.m"},
+        "flashformer.text.t": {"flashformer.files"},
+        "flashformer.model.m": {"flashformer.text.t", "flashformer.cli.c"},  # a later room
+        "flashformer.cli.c": {"flashformer", "flashformer.model.m", "flashformer.old"},  # a re-export
+        "flashformer.text.u": {"flashformer"},  # the package re-exports the model room
+    }
+    assert wrong_imports(graph, order, {"flashformer.files"}, {"flashformer.old"}) == [
+        "flashformer.cli.c imports flashformer.old, a re-export kept for old code",
+        "flashformer.model.m (model) imports flashformer.cli.c, a later room",
+        "flashformer.text.u imports flashformer, which re-exports later rooms",
+    ]
+
+
 def test_the_import_graph_has_no_cycle():
-    found = modules()
-    graph = {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
+    graph = import_graph()
     assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph))
 
 
@@ -77,3 +172,45 @@ def test_no_module_passes_the_line_limit():
         name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules past {MAX_LINES} lines (split them by idea): {long}"
+
+
+# ---- the module map ----
+
+ENTRY = re.compile(r"^( *)([\w.]+(?:\.\w+|/))(?:\s|$)")
+
+
+def mapped_paths(text: str) -> set[str]:
+    """The files and folders the page's module map lists, as paths under flashformer/.
+
+    The map is the code block that starts with `flashformer/`: an entry is a name ending in
+    `.py`, another suffix or `/` at the indentation of its depth (2 spaces a level), followed by
+    its description; deeper-indented lines continue a description."""
+    block = re.search(r"```\nflashformer/\n(.*?)```", text, re.S)
+    assert block, "no module map (a code block starting with 'flashformer/')"
+    paths, stack = set(), []
+    for line in block.group(1).splitlines():
+        match = ENTRY.match(line)
+        if not match or len(match.group(1)) % 2 or len(match.group(1)) // 2 - 1 > len(stack):
+            continue
+        depth = len(match.group(1)) // 2 - 1
+        stack[depth:] = [match.group(2).rstrip("/")]
+        paths.add("/".join(stack))
+        for extra in line.split()[1:]:  # several files of one folder on one line: "a.py  b.py  desc"
+            if not re.fullmatch(r"\w+\.(py|cpp|inc|h|html|js|css)", extra):
+                break
+            paths.add("/".join([*stack[:-1], extra]))
+    return paths
+
+
+def test_the_map_parser_reads_depth_and_continuations():
+    text = "```\nflashformer/\n  a.py  b.py   two files\n  room/\n    c.py       c, with a long\n                 text.py continuing\n    sub/       d\n      e.py     e\n  f.py\n```\n"
+    assert mapped_paths(text) == {"a.py", "b.py", "room", "room/c.py", "room/sub", "room/sub/e.py", "f.py"}
+
+
+def test_the_module_map_names_every_module_and_nothing_else():
+    listed = mapped_paths(ARCHITECTURE.read_text())
+    actual = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    actual |= {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert not actual - listed, f"modules missing from docs/architecture.md's map: {sorted(actual - listed)}"
+    stale = {p for p in listed if not (PACKAGE / p).exists()}
+    assert not stale, f"docs/architecture.md's map lists what does not exist: {sorted(stale)}"

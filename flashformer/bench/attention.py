@@ -18,16 +18,11 @@ import torch
 
 import flashformer
 from flashformer import costs
-from flashformer.bench.common import (
-    bench_main,
-    machine_info,
-    measure_peak,
-    run_worker,
-    time_in_turns,
-)
+from flashformer.bench.common import bench_main, measure_peak, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.formatting import format_bytes, markdown_table
-from flashformer.positional import alibi_slopes, t5_relative_bucket
+from flashformer.kernels.machine import machine_info
+from flashformer.model.positional import alibi_slopes, t5_relative_bucket
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 BACKENDS = ["eager", "flash", "torch"]

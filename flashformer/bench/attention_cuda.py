@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import machine_info
 from flashformer.files import write_json
+from flashformer.kernels.machine import machine_info
 
 TOKENS, MODEL_DIM = 16384, 2048
 METHODS = ["triton", "flash", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"]

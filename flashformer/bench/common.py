@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,25 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
 
 
 def run_worker(module: str, point: dict, timeout_s: float, memory: bool = True) -> dict:

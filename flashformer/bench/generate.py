@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 
 from flashformer.bench import generate_model
-from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
+from flashformer.bench.common import bench_main, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
-from flashformer.quantize import MODES
+from flashformer.kernels.machine import machine_info
+from flashformer.model.quantize import MODES
 
 MODULE = "flashformer.bench.generate"
 CONTENDERS = ["transformers", "flashformer", "flashformer+compile"]

@@ -78,7 +78,7 @@ def memory_bandwidth() -> float:
 
 
 def gguf_bytes(path: Path) -> int:
-    from flashformer.gguf import read_file
+    from flashformer.checkpoints.gguf import read_file
 
     return sum(raw.data.nbytes for raw in read_file(path).tensors.values())
 
@@ -225,8 +225,9 @@ def timing_worker(point: dict) -> dict:
 
 
 def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s: float) -> dict:
-    from flashformer.bench.common import machine_info, run_worker
+    from flashformer.bench.common import run_worker
     from flashformer.files import write_json
+    from flashformer.kernels.machine import machine_info
 
     point = {
         "model": str(Path(model).resolve()),

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
+from flashformer.bench.common import bench_main, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.kernels import cpu
+from flashformer.kernels.machine import machine_info
 
 BATCH, LENGTH = 8, 256
 MODELS = ["gpt2", "bert"]

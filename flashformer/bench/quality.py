@@ -2,7 +2,7 @@
 
 The text: the first --files validation files of the default corpus (Python's
 standard library, split by file as `flashformer train` splits it), scored by
-flashformer.perplexity's sliding windows (--context, --stride). Contenders,
+flashformer.eval.perplexity's sliding windows (--context, --stride). Contenders,
 each its own load of the same file:
 
 - float32: the GGUF file dequantized (gguf's dequantizer);
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashformer.bench.common import machine_info
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
+from flashformer.kernels.machine import machine_info
 
 GGUF_CONTENDERS = {  # label -> (quantize, activations)
     "float32": (None, "int8"),
@@ -44,8 +44,8 @@ RUN_CONTENDERS = {"float32": (None, "int8"), "int8": ("int8", "float32"), "int4"
 
 def validation_texts(files: int) -> tuple[list[str], list[str]]:
     """(names, texts) of the first `files` validation files of the default corpus, by name."""
-    from flashformer.data import read_text, resolve_corpus, split_documents
-    from flashformer.train import TrainConfig
+    from flashformer.train.config import TrainConfig
+    from flashformer.train.corpus import read_text, resolve_corpus, split_documents
 
     _, validation = split_documents(resolve_corpus(None), TrainConfig.val_fraction)
     chosen = sorted(validation, key=lambda d: d.name)[:files]
@@ -54,7 +54,7 @@ def validation_texts(files: int) -> tuple[list[str], list[str]]:
 
 def score_flashformer(path: str, quantize, activations: str, texts, context: int, stride: int) -> dict:
     import flashformer
-    from flashformer.perplexity import perplexity
+    from flashformer.eval.perplexity import perplexity
 
     started = time.perf_counter()
     model, tokenizer = flashformer.load(path, quantize=quantize, activations=activations)
@@ -70,11 +70,11 @@ def score_llama_cpp(path: str, texts, context: int, stride: int, threads: int) -
         return None
     from llama_cpp import Llama
 
-    from flashformer.perplexity import windows
-    from flashformer.tokenizer import Tokenizer
+    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
+    from flashformer.eval.perplexity import windows
 
     started = time.perf_counter()
-    tokenizer = Tokenizer.from_gguf(path)  # the ids flashformer reads (no model needed for them)
+    tokenizer = read_tokenizer(path)  # the ids flashformer reads (no model needed for them)
     llm = Llama(model_path=path, n_ctx=context, n_batch=context, n_threads=threads, n_threads_batch=threads,
                 logits_all=True, verbose=False)  # fmt: skip
     nll, tokens, size = 0.0, 0, 0

@@ -31,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from flashformer.bench.common import machine_info
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
-from flashformer.quantize import MODES
+from flashformer.kernels.machine import machine_info
+from flashformer.model.quantize import MODES
 
 
 def workload(count: int, max_tokens: int, seed: int) -> list[tuple[str, int]]:

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import bench_main, machine_info, run_worker, time_in_turns
+from flashformer.bench.common import bench_main, run_worker, time_in_turns
 from flashformer.bench.model import batch as model_batch
 from flashformer.bench.model import hf_model
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
+from flashformer.kernels.machine import machine_info
 
 BATCH, LENGTH = 4, 256
 DTYPES = ["bfloat16", "float32"]

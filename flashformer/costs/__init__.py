@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from flashformer import hf
-from flashformer.config import PRESETS, ModelConfig, preset
 from flashformer.costs import flops as _flops
 from flashformer.costs import memory as _memory
 from flashformer.costs import traffic as _traffic
@@ -38,6 +36,8 @@ from flashformer.costs.flops import (
     crossover_seq_len,
 )
 from flashformer.costs.memory import Saved, attention_peak_bytes, parameter_count
+from flashformer.model import hf
+from flashformer.model.config import PRESETS, ModelConfig, preset
 
 __all__ = [
     "CONVENTIONS",

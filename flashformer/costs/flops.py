@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashformer.attention.flash import BLOCK_K, BLOCK_Q
-from flashformer.config import ModelConfig
+from flashformer.model.config import ModelConfig
 
 CONVENTIONS = ("flash", "eager", "exact")
 ATTENTION_COMPONENTS = ("attn_scores", "attn_values", "cross_scores", "cross_values")

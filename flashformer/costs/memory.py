@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashformer.config import ModelConfig
 from flashformer.costs.flops import Pass, Shapes, flash_block_sizes
+from flashformer.model.config import ModelConfig
 
 FLOAT32 = 4
 INDEX = 8  # int64 token ids, positions, bucket indices

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from flashformer.encoder_inputs import encode_texts, pad_batch, pad_id_of
-from flashformer.sentence_embeddings import SentenceEncoder, embed
+from flashformer.encoders.sentence_embeddings import SentenceEncoder, embed
 from flashformer.serve.scheduler import SchedulerLoop
+from flashformer.text.encoder_inputs import encode_texts, pad_batch, pad_id_of
 
 
 class EmbeddingRequest:

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.attention.paged import kv_slots
+from flashformer.generate.sampling import filter_top_p
 from flashformer.kernels.quantized import QuantizedLinear
-from flashformer.sampling import filter_top_p
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
 from flashformer.serve.scheduler import Busy, SchedulerLoop
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flashformer.attention.paged import packed_paged_attention, paged_attention, write_kv
-from flashformer.cache import cache_dtype
+from flashformer.generate.cache import cache_dtype
 
 
 class BlockPool:

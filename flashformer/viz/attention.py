@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from flashformer.loading import load as load_model
-from flashformer.loading import locate
+from flashformer.checkpoints.loading import load as load_model
+from flashformer.checkpoints.loading import locate
 
 # byte-level BPE's stand-ins for a leading space and a newline, shown readably
 _BYTE_LEVEL_MARKS = {"Ġ": "·", "Ċ": "⏎", "ĉ": "⇥"}

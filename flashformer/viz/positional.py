@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.positional import (
+from flashformer.model.positional import (
     RopeScaling,
     RotaryEmbedding,
     alibi_slopes,

@@ -1,0 +1,252 @@
+"""A GGUF file's tokenizer, from its metadata: the same text.tokenizer.Tokenizer an HF folder gives.
+
+    tokenizer = read_tokenizer("model.gguf")             # the metadata only; no tensor is read
+    tokenizer = tokenizer_from_metadata(checkpoint.metadata, source=str(path))
+
+A GGUF file has no tokenizer.json: it lists the tokens, their types and the merges, and names
+the pre-tokenizer (`tokenizer.ggml.pre`, the regex that cuts text into words before the merges
+run) that llama.cpp's converter recognised. That name decides how digits and whitespace split,
+so it is mapped here to the same split llama.cpp applies, and an unknown name is refused rather
+than guessed. Byte-level BPE (`tokenizer.ggml.model` "gpt2") and SentencePiece-style BPE with
+byte fallback ("llama") are built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+from flashformer.checkpoints.gguf.reader import read_file
+from flashformer.text.tokenizer import END_OF_TURN_TEXTS, Tokenizer, unique_ids
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# ---- pre-tokenizers named by tokenizer.ggml.pre ----
+
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _gpt2():
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2():  # each digit its own word, then GPT-2's split (StarCoder, SmolLM)
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+def _regex(pattern: str):
+    def build():
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+# name -> (pre-tokenizer, whether a word found whole in the vocabulary skips the merges),
+# grouped as llama.cpp groups the names (llama-vocab.cpp)
+PRE_TOKENIZERS = {
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais"), (_gpt2, False)),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+        (_digits_then_gpt2, False),
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "dbrx"),
+        (_regex(LLAMA3_SPLIT), True),
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_regex(QWEN2_SPLIT), False)),
+}
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character. The printable Latin-1
+    bytes stand for themselves; the other 68 (controls, space, ...) take the code points from 256
+    up, in byte order. Byte-level vocabularies are spelled in it ("Ġ" is the space)."""
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[byte] = chr(byte)
+        else:
+            alphabet[byte] = chr(256 + extra)
+            extra += 1
+    return alphabet
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a GGUF file, from its metadata (its tensors are not read)."""
+    return tokenizer_from_metadata(read_file(path).metadata, source=str(path))
+
+
+def tokenizer_from_metadata(metadata: dict, source: str = "the GGUF metadata") -> Tokenizer:
+    """From the tokenizer.* keys of a GGUF file (read_gguf(...).metadata)."""
+    kind = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{source}: no tokenizer.ggml.tokens; the file carries no tokenizer")
+    types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(
+            f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
+    if kind == "gpt2":
+        backend = _byte_level_bpe(metadata, tokens, source)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(metadata, tokens, types, source)
+    else:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', 'llama')"
+        )
+
+    # Control tokens are matched whole in text and skipped in decode; user-defined ones (<think>)
+    # are matched whole but decoded. Only where the vocabulary holds the text as it is written:
+    # a byte-level vocabulary respelled it otherwise, and adding it would create a new id.
+    vocab = backend.get_vocab()
+    added = [
+        AddedToken(token, special=token_type == CONTROL, normalized=False)
+        for token, token_type in zip(tokens, types)
+        if token_type in (CONTROL, USER_DEFINED) and token in vocab
+    ]
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+
+    def token_at(key: str) -> str | None:
+        index = metadata.get(f"tokenizer.ggml.{key}")
+        if index is None:
+            return None
+        if not 0 <= index < len(tokens):
+            raise ValueError(
+                f"{source}: tokenizer.ggml.{key}={index} is outside the {len(tokens)} tokens"
+            )
+        return tokens[index]
+
+    special = {
+        "bos_token": token_at("bos_token_id"),
+        "eos_token": token_at("eos_token_id"),
+        "unk_token": token_at("unknown_token_id"),
+        "pad_token": token_at("padding_token_id"),
+    }
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    backend.post_processor = _bos_eos_template(backend, special, add_bos, add_eos, source)
+
+    stops = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    stops += [
+        i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN_TEXTS
+    ]
+    return Tokenizer(backend, special, add_bos, add_eos, _gguf_chat_templates(metadata), unique_ids(stops))
+
+
+# ---- builders from GGUF metadata ----
+
+
+def _byte_level_bpe(metadata: dict, tokens: list[str], source: str) -> Backend:
+    """Byte-level BPE: the vocabulary spelled in GPT-2's byte alphabet, merges from the file."""
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError(
+            f"{source}: a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') needs tokenizer.ggml.merges"
+        )
+    pre = metadata.get("tokenizer.ggml.pre")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.pre={pre!r} names a pre-tokenizer flashformer does not know; "
+            f"known: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    pre_tokenizer, ignore_merges = PRE_TOKENIZERS[pre]
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+    # a token spelled with characters outside the alphabet is written as plain text: respell it
+    spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
+    pairs = []
+    for rank, merge in enumerate(merges):
+        pair = tuple(merge.split(" "))
+        if len(pair) != 2:
+            raise ValueError(
+                f"{source}: tokenizer.ggml.merges[{rank}]={merge!r} is not two tokens joined by a space"
+            )
+        pairs.append(pair)
+    vocab = {token: index for index, token in enumerate(spelled)}
+    backend = Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(metadata: dict, tokens: list[str], types: list[int], source: str) -> Backend:
+    """SentencePiece-style BPE ("▁" for the space, byte fallback to <0xNN> tokens).
+
+    The file gives a score per token instead of merges; the merges are the pairs of tokens that
+    join into a token, best score first, as transformers derives them."""
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError(f"{source}: a SentencePiece tokenizer needs tokenizer.ggml.scores, one per token")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+    else:
+        candidates = []
+        for token, score in zip(tokens, scores):
+            splits = [(token[:i], token[i:]) for i in range(1, len(token))]
+            splits = [(a, b) for a, b in splits if a in vocab and b in vocab]
+            candidates += [(a, b, score) for a, b in sorted(splits, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+        candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+        pairs = [(a, b) for a, b, _ in candidates]
+    backend = Backend(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _bos_eos_template(backend: Backend, special: dict, add_bos: bool, add_eos: bool, source: str):
+    """The post-processor that adds BOS before and EOS after a text, as the file asks."""
+    parts = {}
+    for name, wanted in (("bos_token", add_bos), ("eos_token", add_eos)):
+        if not wanted:
+            continue
+        token = special.get(name)
+        index = None if token is None else backend.token_to_id(token)
+        if index is None:
+            raise ValueError(f"{source}: add_{name}=True but the tokenizer has no {name} in its vocabulary")
+        parts[name] = (token, index)
+    bos = [parts["bos_token"][0]] if "bos_token" in parts else []
+    eos = [parts["eos_token"][0]] if "eos_token" in parts else []
+    single = [*bos, "$A:0", *eos]
+    pair = [*single, *bos, "$B:1", *eos]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(parts.values()))
+
+
+def _gguf_chat_templates(metadata: dict) -> str | dict[str, str] | None:
+    """tokenizer.chat_template, plus the named ones llama.cpp stores as tokenizer.chat_template.<name>."""
+    main = metadata.get("tokenizer.chat_template")
+    named = {
+        key.removeprefix("tokenizer.chat_template."): value
+        for key, value in metadata.items()
+        if key.startswith("tokenizer.chat_template.") and isinstance(value, str)
+    }
+    if not named:
+        return main
+    return {**({"default": main} if main is not None else {}), **named}

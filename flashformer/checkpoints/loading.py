@@ -1,0 +1,195 @@
+"""Loading a model to use it, from wherever it lives:
+
+- a run folder of `flashformer train` (its newest complete checkpoint),
+- one checkpoint folder `step-*` (verified against its manifest first),
+- a Hugging Face folder: config.json with a "model_type", the weights, and
+  (for `load`) tokenizer.json,
+- a GGUF file (llama.cpp's format): the model, its tokenizer and its chat
+  template in one file (flashformer.checkpoints.gguf).
+
+    model = flashformer.from_pretrained(path)            # the model, in eval mode
+    model, tokenizer = flashformer.load(path)            # and the tokenizer it was trained with
+    tokenizer = load_tokenizer(path)                     # the tokenizer alone
+
+`export_hf` writes a run's model as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from flashformer.checkpoints import checkpoint as ckpt
+from flashformer.checkpoints.checkpoint import CheckpointError
+from flashformer.checkpoints.gguf import GGUFCheckpoint, read_gguf
+from flashformer.checkpoints.gguf.tokenizer import read_tokenizer, tokenizer_from_metadata
+from flashformer.files import publish_folder
+from flashformer.kernels.huge_pages import use_huge_pages
+from flashformer.model import hf
+from flashformer.model.config import ModelConfig
+from flashformer.model.models import PreTrainedModel, build, build_with_weights
+from flashformer.model.quantize import quantize
+from flashformer.text.bpe import read_saved_tokenizer
+
+
+def locate(path: str | Path) -> tuple[str, Path]:
+    """("gguf" | "hf" | "checkpoint", the file or folder to read) for a GGUF file or a run,
+    checkpoint or Hugging Face folder."""
+    folder = Path(path)
+    if folder.is_file() and _starts_like_gguf(folder):
+        return "gguf", folder
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{folder} does not exist or is neither a GGUF file nor a folder (run, checkpoint or Hugging Face)"
+        )
+    if (folder / ckpt.MANIFEST).is_file():
+        return "checkpoint", folder
+    if "model_type" in _read_config(folder):
+        return "hf", folder
+    steps = ckpt.list_checkpoints(folder)
+    if not steps:
+        raise CheckpointError(
+            f"{folder} is neither a run folder (no step-* checkpoint inside), a checkpoint folder "
+            f"(no {ckpt.MANIFEST}) nor a Hugging Face folder (no config.json with a model_type)"
+        )
+    return "checkpoint", steps[-1]
+
+
+def from_pretrained(
+    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, activations: str = "int8"
+) -> PreTrainedModel:
+    """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
+
+    dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
+    quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
+    file's own Q4/Q8 blocks); see flashformer.model.quantize. activations: what a quantized layer does
+    with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
+    with respect to the quantized weights, slower). A Hugging Face folder's problems
+    raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
+    CheckpointError naming the file.
+    """
+    use_huge_pages()
+    kind, where = locate(path)
+    checkpoint = None
+    if kind == "gguf":
+        checkpoint = read_gguf(where, show_progress=False)
+        model = _model_from_gguf(checkpoint)
+    elif kind == "hf":
+        model = build_with_weights(*hf.read_pretrained(where))
+    else:
+        model = _load_checkpoint(where)
+    return _finish(model, dtype, quantize, activations, checkpoint)
+
+
+def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, activations: str, checkpoint):
+    if dtype is not None:
+        model = model.to(dtype)
+    if quantize_mode is not None:
+        model = quantize(model, quantize_mode, checkpoint, activations)
+    return model.eval()
+
+
+def load(
+    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, activations: str = "int8"
+):
+    """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
+    folder; dtype, quantize and activations as in from_pretrained.
+
+    Raises CheckpointError naming the folder and what is missing or damaged.
+    """
+    use_huge_pages()
+    kind, folder = locate(path)
+    if kind == "gguf":  # one read of the file serves the model and the tokenizer
+        checkpoint = read_gguf(folder, show_progress=False)
+        model = _finish(_model_from_gguf(checkpoint), dtype, quantize, activations, checkpoint)
+        return model, tokenizer_from_metadata(checkpoint.metadata, source=str(folder))
+    try:
+        model = from_pretrained(folder, dtype, quantize, activations)
+    except (ValueError, OSError, SafetensorError) as error:
+        if kind != "hf":
+            raise
+        raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {error}") from None
+    return model, _load_tokenizer(folder)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a GGUF file (its metadata only) or of a run, checkpoint or Hugging Face
+    folder, without loading the model. Raises CheckpointError as load() does."""
+    kind, where = locate(path)
+    if kind == "gguf":
+        return read_tokenizer(where)
+    return _load_tokenizer(where)
+
+
+def export_hf(path: str | Path, folder: str | Path) -> Path:
+    """Write the model of a run or checkpoint as a Hugging Face folder
+    (config.json, model.safetensors, tokenizer.json) that transformers loads.
+
+    The folder is written beside its final place and renamed into it, as a
+    checkpoint is: an interrupted export leaves the previous one (or none).
+    """
+    model, tokenizer = load(path)
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+    except ValueError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot export {path} to Hugging Face format: {error}") from None
+    tokenizer.save(tmp)
+    publish_folder(tmp, folder)
+    return folder
+
+
+def _starts_like_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _model_from_gguf(checkpoint: GGUFCheckpoint) -> PreTrainedModel:
+    """The float32 model of a GGUF file: the file's weights as gguf's dequantizer gives them,
+    under transformers' names, turned into ours by the same family rules as a folder's."""
+    return build_with_weights(*hf.state_from_hf(checkpoint.config, checkpoint.tensors, str(checkpoint.path)))
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is corrupt: {error}") from None
+
+
+def _load_checkpoint(folder: Path) -> PreTrainedModel:
+    ckpt.verify_checkpoint(folder)
+    config = _read_config(folder)
+    if "model" not in config:
+        raise CheckpointError(f"{folder / 'config.json'} lacks the model's config (a 'model' entry)")
+    try:
+        model_config = ModelConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder / 'config.json'} holds an invalid model config: {error}") from None
+    model = build(model_config)
+    ckpt.load_weights(folder, model)
+    return model
+
+
+def _load_tokenizer(folder: Path):
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json: the text cannot be encoded without the tokenizer the model "
+            f"was trained with"
+        )
+    try:
+        return read_saved_tokenizer(folder)
+    except Exception as error:  # the tokenizers library raises its own exception types
+        raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be read: {error}") from None

@@ -1,0 +1,151 @@
+"""What several commands share: the MODEL argument and how it loads, the sampling and chat
+flags of `generate` and `chat`, the tokens that end generation, and the conversion of
+`--model.FIELD` / `--train.FIELD` strings to typed config values (`train`, `finetune`)."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+
+from flashformer.checkpoints.loading import load
+from flashformer.model.quantize import MODES
+from flashformer.text.bpe import EOS
+
+MODEL_HELP = (
+    "a GGUF file, a Hugging Face folder, a run folder of `flashformer train` or one of its checkpoints"
+)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL and how to load it (shared by generate, chat, eval, serve)."""
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument(
+        "--quantize",
+        choices=MODES,
+        help="weight-only quantized layers: int8 / int4 from the float weights, or a GGUF file's own blocks (gguf)",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=("int8", "float32"),
+        default="int8",
+        help="with --quantize: inputs of the quantized layers quantized to int8 per block of 32 (as llama.cpp "
+        "does; faster) or kept float32 (exact with respect to the quantized weights)",
+    )
+
+
+def load_model(args):
+    """(model, tokenizer) as the model arguments ask."""
+    return load(args.model, quantize=args.quantize, activations=args.activations)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The generation flags `generate` and `chat` share (transformers' names and defaults, but
+    sampling with temperature 0.8 and top-k 50 unless --greedy)."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", help="a system message that opens the conversation")
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a Jinja chat template file, instead of the model's own (or for a model without one)",
+    )
+
+
+def chat_template(args) -> str | None:
+    if args.chat_template is None:
+        return None
+    if not args.chat_template.is_file():
+        raise FileNotFoundError(f"--chat-template {args.chat_template} is not a file")
+    return args.chat_template.read_text(encoding="utf-8")
+
+
+def sampling_settings(args) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=not args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        compile=args.compile,
+    )
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """The tokens that end generation: a real model's tokenizer names them (its eos and its
+    chat format's end of turn); else the model's configured eos ids, else the end-of-text
+    token `flashformer train` puts between documents, else none."""
+    vocab = model.config.vocab_size
+    named = [i for i in getattr(tokenizer, "stop_token_ids", []) if 0 <= i < vocab]
+    if named:
+        return named
+    configured = model.config.eos_token_id
+    configured = [configured] if isinstance(configured, int) else list(configured or [])
+    usable = [i for i in configured if 0 <= i < vocab]
+    if usable:
+        return usable
+    try:
+        eos = tokenizer.token_id(EOS)
+    except KeyError:
+        return []
+    return [eos] if 0 <= eos < vocab else []
+
+
+def convert(value, hint, name: str):
+    """A YAML value or a command-line string as the field's declared type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        return convert(value, hint, name)
+    if origin is list:
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        return [convert(v, args[0] if args else str, name) for v in items]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be true or false; got {value!r}")
+    if hint in (int, float, str):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ValueError(f"{name} must be {hint.__name__}; got {value!r}") from None
+    return value
+
+
+def parse_dotted(extra: list[str]) -> dict[str, dict[str, str]]:
+    """['--train.lr', '3e-4', '--model.n_layers=6'] -> {'train': {'lr': '3e-4'}, 'model': {...}}."""
+    result: dict[str, dict[str, str]] = {"model": {}, "train": {}}
+    items = list(extra)
+    while items:
+        flag = items.pop(0)
+        if not flag.startswith("--") or "." not in flag:
+            raise ValueError(
+                f"unexpected argument {flag!r}; overrides look like --train.lr 3e-4 or --model.n_layers 6"
+            )
+        key, _, value = flag[2:].partition("=")
+        if not value:
+            if not items:
+                raise ValueError(f"{flag} needs a value")
+            value = items.pop(0)
+        section, _, name = key.partition(".")
+        if section not in result:
+            raise ValueError(f"unknown section in {flag!r}; use --model.FIELD or --train.FIELD")
+        result[section][name.replace("-", "_")] = value
+    return result

@@ -1,0 +1,88 @@
+"""`flashformer serve MODEL`: serve a model over OpenAI's API (flashformer.serve).
+
+    flashformer serve model.gguf --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" \\
+         -d '{"model": "model", "messages": [{"role": "user", "content": "Hi!"}]}'
+
+An encoder (a sentence-transformers or BERT-style folder, a `flashformer finetune
+--task retrieval` run) is served for POST /v1/embeddings instead, pooled as its
+sentence-transformers files say.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flashformer.cli.arguments import add_model_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", help="the model's id in the API (default: the file or folder name)"
+    )
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="sequences decoded together (an encoder: inputs encoded together)",
+    )
+    parser.add_argument("--kv-blocks", type=int, default=512, help="blocks in the KV cache pool")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--context", type=int, help="the most tokens of one sequence (default: the model's)")
+    parser.add_argument("--max-waiting", type=int, default=256, help="queued sequences before answering 503")
+    parser.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens computed per chunk")
+    parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=128,
+        help="prompt tokens computed per step while sequences decode (8x when none does): "
+        "smaller shortens the steps (inter-token latency), larger the time to first token",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+
+
+def main_from_args(args) -> None:
+    import torch
+    import uvicorn
+
+    from flashformer.checkpoints.loading import load
+    from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
+    from flashformer.model.models import EncoderModel
+    from flashformer.serve.api import create_app
+    from flashformer.serve.embeddings import EmbeddingEngine
+    from flashformer.serve.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    where, pooling = read_pooling(args.model)
+    model, tokenizer = load(where, quantize=args.quantize, activations=args.activations)
+    if isinstance(model, EncoderModel):
+        encoder = SentenceEncoder(model, tokenizer, pooling or Pooling())
+        engine = EmbeddingEngine(encoder, max_batch=args.max_batch, max_waiting=args.max_waiting)
+        what = f"sentence embeddings ({encoder.dimension} dimensions, max batch {args.max_batch})"
+    else:
+        engine = Engine(
+            model,
+            tokenizer,
+            max_batch=args.max_batch,
+            num_blocks=args.kv_blocks,
+            block_size=args.block_size,
+            context=args.context,
+            prefill_chunk=args.prefill_chunk,
+            prefill_budget=args.prefill_budget,
+            max_waiting=args.max_waiting,
+        )
+        what = f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens"
+    name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
+    app = create_app(engine, name, api_key=args.api_key)
+    engine.start()
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({what})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.stop()

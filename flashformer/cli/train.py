@@ -1,0 +1,107 @@
+"""`flashformer train` on the command line: configs from YAML files and
+--model.FIELD / --train.FIELD overrides, then a Trainer run and its summary.
+
+Kept apart from train.py, which is the training loop itself: this module only
+turns text (a YAML file, command-line strings) into the two typed configs.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import torch.distributed as dist
+
+from flashformer.checkpoints.loading import export_hf
+from flashformer.cli.arguments import convert, parse_dotted
+from flashformer.train.config import TrainConfig
+from flashformer.train.trainer import Trainer
+
+# ---- the command line: flashformer train ----
+
+DEFAULT_PRESET = "gpt-mini"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", help="a YAML file with `model:` and `train:` sections")
+    parser.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET})")
+    parser.add_argument(
+        "--data", nargs="+", help="files, folders or glob patterns (default: Python's stdlib)"
+    )
+    parser.add_argument("--out", help="run folder (default runs/<preset>)")
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def configs_from_args(args, extra: list[str]):
+    """(ModelConfig, TrainConfig, out_dir) from a YAML file, flags and
+    --model.FIELD / --train.FIELD overrides (later ones win)."""
+    from flashformer.model.config import ModelConfig, preset
+
+    file = {}
+    if args.config:
+        import yaml
+
+        file = yaml.safe_load(Path(args.config).read_text()) or {}
+        unknown = sorted(set(file) - {"model", "train"})
+        if unknown:
+            raise ValueError(f"{args.config}: unknown sections {unknown}; expected 'model' and 'train'")
+    model_fields = dict(file.get("model") or {})
+    train_fields = dict(file.get("train") or {})
+    overrides = parse_dotted(extra)
+    model_fields.update(overrides.get("model", {}))
+    train_fields.update(overrides.get("train", {}))
+    preset_name = args.preset or model_fields.pop("preset", None) or DEFAULT_PRESET
+    model_fields.pop("preset", None)
+    hints = typing.get_type_hints(ModelConfig)
+    unknown = sorted(set(model_fields) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown model fields {unknown}")
+    model_config = preset(
+        preset_name, **{k: convert(v, hints[k], f"model.{k}") for k, v in model_fields.items()}
+    )
+    train_config = TrainConfig()
+    train_hints = typing.get_type_hints(TrainConfig)
+    for name, value in train_fields.items():
+        if name not in train_hints:
+            raise ValueError(f"unknown train field {name!r}; known: {sorted(train_hints)}")
+        setattr(train_config, name, convert(value, train_hints[name], f"train.{name}"))
+    if args.data:
+        train_config.data = list(args.data)
+    if args.max_steps is not None:
+        train_config.max_steps = args.max_steps
+    out_dir = Path(args.out or f"runs/{preset_name}")
+    return model_config, train_config, out_dir
+
+
+def main_from_args(args) -> dict:
+    """Train; args.overrides holds the --model.FIELD / --train.FIELD arguments."""
+    model_config, train_config, out_dir = configs_from_args(args, getattr(args, "overrides", []))
+    trainer = Trainer(
+        model_config, train_config, out_dir, resume=args.resume, show_progress=not args.no_progress
+    )
+    summary = trainer.fit()
+    if trainer.dist.is_main:
+        print()
+        print(
+            f"step {summary['step']}: validation loss {summary['val_loss']:.4f} "
+            f"(perplexity {summary['val_perplexity']:.2f})"
+        )
+        if "val_bits_per_byte" in summary:
+            print(
+                f"validation {summary['val_bits_per_byte']:.3f} bits/byte; unigram entropy of the text "
+                f"{summary['unigram_bits_per_byte']:.3f} bits/byte"
+            )
+        if summary["sample"]:
+            print("\n---- sample ----")
+            print(summary["sample"])
+            print("----------------")
+        print(f"checkpoint: {summary['checkpoint']}")
+        if train_config.export_hf and summary["checkpoint"] and model_config.hf_model_type:
+            summary["hf_export"] = str(export_hf(summary["checkpoint"], out_dir / "hf"))
+            print(f"Hugging Face export (transformers' from_pretrained loads it): {summary['hf_export']}")
+        print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary

@@ -1,0 +1,355 @@
+"""One typed config for every model of the three families, and the presets.
+
+A model is fully described by a `ModelConfig`: the architecture (encoder,
+decoder or encoder-decoder), the sizes, and one choice per variant (the norm,
+where it sits, the feed-forward, the positional encoding, the heads). The
+modules read the config once, at construction, and pick their components;
+nothing in a forward pass branches on it.
+
+    config = ModelConfig(arch="decoder", d_model=512, n_layers=8, n_heads=8, position="rope")
+    config = preset("gpt2", n_layers=6)          # a preset with fields overridden
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from flashformer.model.positional import RopeScaling
+
+ARCHS = ("encoder", "decoder", "encoder-decoder")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama")
+TASKS = ("sequence-classification", "token-classification")
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
+
+
+@dataclass
+class ModelConfig:
+    """Everything that decides a model's shape and behaviour.
+
+    Sizes
+        arch: "encoder" (BERT), "decoder" (GPT-2, LLaMA), "encoder-decoder" (T5).
+        vocab_size, d_model, n_layers, n_heads, d_ff: the usual sizes.
+        n_kv_heads: key/value heads (GQA, MQA); None = n_heads.
+        head_dim: None = d_model // n_heads; T5 sets it apart (d_kv).
+        n_decoder_layers: decoder depth of an encoder-decoder; None = n_layers.
+        (These three are resolved at construction: a built config holds ints.)
+        max_seq_len: positions a model knows; a hard limit only for learned positions.
+    Positions
+        position: "learned" | "sinusoidal" (added to the embeddings), "rope",
+            "alibi", "relative" (T5's bucketed bias), "none".
+        rope_theta, rotary_fraction (partial rotary), rope_scaling.
+        relative_buckets, relative_max_distance: T5's bucketing.
+    Blocks
+        norm: "layernorm" | "rmsnorm"; norm_eps.
+        prenorm: norm before each sub-layer (GPT-2, T5, LLaMA; a final norm
+            closes the stack) or after the residual add (BERT).
+        embedding_norm: a norm right after the embeddings (BERT).
+        activation: "relu" | "gelu" | "gelu_tanh" | "silu"; gated_ffn: act(gate(x)) * up(x)
+            (SwiGLU with silu, T5 v1.1's gated-gelu with gelu_tanh).
+        attention_bias, ffn_bias: biases in the projections.
+        attention_scale: None = 1/sqrt(head_dim); T5 uses 1.0.
+        share_layers: one block's weights for all layers of a stack (ALBERT).
+    Heads
+        type_vocab_size: segment embeddings (BERT's token types); 0 = none.
+        tie_word_embeddings: the output projection is the token embedding.
+        scale_decoder_output: multiply the final hidden state by d_model^-0.5
+            before the LM head (T5 with tied embeddings).
+        mlm_head, pooler: an encoder's masked-LM head and [CLS] pooler.
+    Task head (encoders; flashformer/task_heads.py)
+        task: None (the heads above), "sequence-classification" or "token-classification".
+            A task decides the heads: no masked-LM head, and the pooler only where the
+            classifier reads it (as transformers' BertFor*Classification have them).
+        num_labels: None = len(labels), or 2. labels: the label names in id order
+            (transformers' id2label); None = LABEL_0, LABEL_1, ...
+        problem_type: "single_label_classification" | "multi_label_classification" |
+            "regression", or None: inferred from the labels' dtype, as transformers does.
+        classifier_pooling: what a sequence classifier reads: "pooler" (BERT's tanh-dense
+            [CLS] state, transformers' choice), "cls" (the first token's hidden state),
+            "mean" or "max" over the real tokens. classifier_dropout: None = dropout.
+    Training
+        dropout (embeddings and residual branches), attention_dropout,
+        activation_dropout (inside the feed-forward, T5), dropout_after_final_norm (T5).
+        init_std: the standard deviation of the initial weights.
+        activation_checkpointing: recompute each block in the backward pass.
+        attention_backend: passed to flashformer.attention ("auto" picks).
+    Tokens
+        pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id.
+    hf_model_type: the Hugging Face family this model saves as ("bert",
+        "gpt2", "t5", "llama"), or None.
+    """
+
+    arch: str = "decoder"
+    vocab_size: int = 50257
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_ff: int = 3072
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    n_decoder_layers: int | None = None
+    max_seq_len: int = 1024
+
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0
+    rope_scaling: RopeScaling | None = None
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    prenorm: bool = True
+    embedding_norm: bool = False
+    activation: str = "gelu_tanh"
+    gated_ffn: bool = False
+    attention_bias: bool = True
+    ffn_bias: bool = True
+    attention_scale: float | None = None
+    share_layers: bool = False
+
+    type_vocab_size: int = 0
+    tie_word_embeddings: bool = True
+    scale_decoder_output: bool = False
+    mlm_head: bool = True
+    pooler: bool = False
+    task: str | None = None
+    num_labels: int | None = None
+    labels: list[str] | None = None
+    problem_type: str | None = None
+    classifier_pooling: str = "pooler"
+    classifier_dropout: float | None = None
+
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    activation_dropout: float = 0.0
+    dropout_after_final_norm: bool = False
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+    attention_backend: str = "auto"
+
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+    hf_model_type: str | None = None
+
+    # which of the fields above were None and filled in from the others (see replace)
+    _derived: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        _choice("arch", self.arch, ARCHS)
+        _choice("position", self.position, POSITIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        if self.hf_model_type is not None:
+            _choice("hf_model_type", self.hf_model_type, HF_MODEL_TYPES)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be an int >= 1; got {getattr(self, name)!r}")
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"ModelConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
+                f"unless head_dim is given"
+            )
+        derived = {
+            "n_kv_heads": self.n_heads,
+            "head_dim": self.d_model // self.n_heads,
+            "n_decoder_layers": self.n_layers,
+            "num_labels": len(self.labels) if self.labels else 2,
+        }
+        self._derived = frozenset(name for name in derived if getattr(self, name) is None)
+        for name in self._derived:
+            setattr(self, name, derived[name])
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.position == "rope" and int(self.head_dim * self.rotary_fraction) % 2 != 0:
+            raise ValueError(
+                f"RoPE rotates channel pairs: head_dim * rotary_fraction = {self.head_dim} * "
+                f"{self.rotary_fraction} must be even"
+            )
+        if self.position == "sinusoidal" and self.d_model % 2 != 0:
+            raise ValueError(f"sinusoidal positions need an even d_model; got {self.d_model}")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
+        self._check_task()
+
+    def _check_task(self) -> None:
+        """The task head's fields; a task decides which of the other heads the encoder keeps."""
+        if self.task is not None:
+            _choice("task", self.task, TASKS)
+            if self.arch != "encoder":
+                raise ValueError(f"ModelConfig.task={self.task!r} needs arch 'encoder'; got {self.arch!r}")
+        if self.problem_type is not None:
+            _choice("problem_type", self.problem_type, PROBLEM_TYPES)
+        _choice("classifier_pooling", self.classifier_pooling, CLASSIFIER_POOLINGS)
+        if not isinstance(self.num_labels, int) or self.num_labels < 1:
+            raise ValueError(f"ModelConfig.num_labels must be an int >= 1; got {self.num_labels!r}")
+        if self.labels is not None:
+            self.labels = list(self.labels)
+            if len(self.labels) != self.num_labels or len(set(self.labels)) != len(self.labels):
+                raise ValueError(
+                    f"ModelConfig.labels must name each of the num_labels={self.num_labels} labels once; "
+                    f"got {self.labels!r}"
+                )
+        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
+            raise ValueError(
+                f"ModelConfig.classifier_dropout must be None or in [0, 1); got {self.classifier_dropout!r}"
+            )
+        if self.task == "token-classification" and self.problem_type not in (None, PROBLEM_TYPES[0]):
+            raise ValueError(
+                f"a token classifier predicts one label per token; got problem_type={self.problem_type!r}"
+            )
+        if self.task is not None:
+            self.mlm_head = False
+            self.pooler = self.task == "sequence-classification" and self.classifier_pooling == "pooler"
+
+    # ---- serialization (config.json of our own checkpoints) ----
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)  # rope_scaling becomes a plain dict
+        del out["_derived"]
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {unknown}")
+        return cls(**values)
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with fields changed. A field that was derived (None at
+        construction) is derived again from the new sizes unless it is changed
+        too: replace(n_heads=6) on GPT-2's config gives head_dim 128, not 64."""
+        known = {f.name for f in dataclasses.fields(self) if f.init}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {unknown}")
+        again = {name: None for name in self._derived if name not in changes}
+        return dataclasses.replace(self, **again, **changes)
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"ModelConfig.{name} must be one of {allowed}; got {value!r}")
+
+
+# ---- presets ----
+
+_BERT = dict(
+    arch="encoder",
+    vocab_size=30522,
+    max_seq_len=512,
+    position="learned",
+    norm="layernorm",
+    norm_eps=1e-12,
+    prenorm=False,
+    embedding_norm=True,
+    activation="gelu",
+    type_vocab_size=2,
+    mlm_head=True,
+    pooler=True,
+    pad_token_id=0,
+    hf_model_type="bert",
+)
+_GPT2 = dict(
+    arch="decoder",
+    vocab_size=50257,
+    max_seq_len=1024,
+    position="learned",
+    norm="layernorm",
+    norm_eps=1e-5,
+    activation="gelu_tanh",
+    bos_token_id=50256,
+    eos_token_id=50256,
+    hf_model_type="gpt2",
+)
+_T5 = dict(
+    arch="encoder-decoder",
+    vocab_size=32128,
+    position="relative",
+    max_seq_len=512,
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    activation="relu",
+    attention_bias=False,
+    ffn_bias=False,
+    attention_scale=1.0,
+    tie_word_embeddings=True,
+    scale_decoder_output=True,
+    activation_dropout=0.1,
+    dropout_after_final_norm=True,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+    hf_model_type="t5",
+)
+_LLAMA = dict(
+    arch="decoder",
+    vocab_size=32000,
+    max_seq_len=2048,
+    position="rope",
+    rope_theta=10000.0,
+    norm="rmsnorm",
+    norm_eps=1e-5,
+    activation="silu",
+    gated_ffn=True,
+    attention_bias=False,
+    ffn_bias=False,
+    tie_word_embeddings=False,
+    dropout=0.0,
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    hf_model_type="llama",
+)
+_TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=1000, max_seq_len=128)
+
+PRESETS: dict[str, dict] = {
+    "bert-base": dict(_BERT, d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+    "gpt2": dict(_GPT2, d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+    "t5-small": dict(_T5, d_model=512, n_layers=6, n_heads=8, head_dim=64, d_ff=2048),
+    # about 110M parameters: GPT-2-small's width with LLaMA's design (GQA 12/4, SwiGLU, RoPE, RMSNorm)
+    "llama-small": dict(_LLAMA, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048),
+    # the default of `flashformer train`: a GPT-2-style model small enough to
+    # learn Python's stdlib visibly in a few minutes on two CPU cores
+    "gpt-mini": dict(
+        _GPT2,
+        d_model=192,
+        n_layers=4,
+        n_heads=4,
+        d_ff=768,
+        max_seq_len=256,
+        vocab_size=2048,
+        dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+    "bert-tiny": dict(_BERT, **_TINY),
+    "gpt2-tiny": dict(_GPT2, **_TINY),
+    "t5-tiny": dict(_T5, **dict(_TINY, head_dim=16)),
+    "llama-tiny": dict(_LLAMA, **dict(_TINY, n_kv_heads=2, d_ff=96)),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The ModelConfig of a preset, with any fields overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields: {unknown}")
+    return ModelConfig(**dict(PRESETS[name], **overrides))

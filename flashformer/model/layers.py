@@ -1,0 +1,386 @@
+"""The pieces of a Transformer block: projections, norms, feed-forward,
+attention sub-layers, and the encoder and decoder blocks built from them.
+
+Variants are chosen at construction (`make_norm`, `make_feed_forward`, the
+residual rule of a block); forward methods only compute. Every attention
+score is computed by `flashformer.attention`.
+
+A KV cache plugs into `MultiHeadAttention.forward(x, kv_cache=..., cache_position=...)`:
+a paged one (serve.paged_cache: `paged = True`) takes the new keys and values
+and the queries in `attend(q, k, v, scale)`; any other object with
+
+    update(k, v, cache_position) -> (k_all, v_all)
+
+that stores the new keys and values (B, Hk, L, D) at positions
+cache_position .. cache_position + L - 1 and returns every key and value so
+far, (B, Hk, cache_position + L, D). The new queries then attend with causal
+alignment at the bottom right, which is exactly "L new tokens after
+cache_position cached ones".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flashformer.attention import attention
+from flashformer.kernels.cpu import Linear
+from flashformer.model.config import ModelConfig
+from flashformer.model.positional import apply_rotary
+
+# ---- norms ----
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight: no mean subtracted, no bias (T5, LLaMA).
+
+    The statistic is taken in float32 whatever the input dtype, as T5 does,
+    so that bf16/fp16 activations do not lose the normalization.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+# ---- feed-forward ----
+
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,  # exact, with erf (BERT)
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # GPT-2's "gelu_new", T5 v1.1's gated-gelu
+    "silu": nn.SiLU,  # SwiGLU's gate (LLaMA)
+}
+
+
+class FeedForward(nn.Module):
+    """down(act(up(x))): the position-wise MLP of BERT, GPT-2 and T5 v1.0."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, dropout: float = 0.0):
+        super().__init__()
+        self.up = Linear(d_model, d_ff, bias=bias)
+        self.act = ACTIVATIONS[activation]()
+        self.dropout = nn.Dropout(dropout)
+        self.down = Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
+        return self.down(self.dropout(self.act(self.up(x))))
+
+
+class GatedFeedForward(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (LLaMA) with silu, gated-gelu (T5 v1.1) with gelu_tanh."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, dropout: float = 0.0):
+        super().__init__()
+        self.gate = Linear(d_model, d_ff, bias=bias)
+        self.up = Linear(d_model, d_ff, bias=bias)
+        self.act = ACTIVATIONS[activation]()
+        self.dropout = nn.Dropout(dropout)
+        self.down = Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
+        return self.down(self.dropout(self.act(self.gate(x)) * self.up(x)))
+
+
+def make_feed_forward(config: ModelConfig) -> nn.Module:
+    kind = GatedFeedForward if config.gated_ffn else FeedForward
+    return kind(config.d_model, config.d_ff, config.activation, config.ffn_bias, config.activation_dropout)
+
+
+# ---- attention ----
+
+
+class AttentionMaps:
+    """Attention probabilities (B, H, Lq, Lk), one per attention call, in call
+    order: a model's forward with output_attentions=True collects them here."""
+
+    def __init__(self):
+        self.encoder: list[Tensor] = []  # bidirectional self-attention
+        self.decoder: list[Tensor] = []  # causal self-attention
+        self.cross: list[Tensor] = []  # a decoder's attention to the encoder's output
+
+
+_attention_maps: ContextVar[AttentionMaps | None] = ContextVar("attention_maps", default=None)
+
+
+@contextlib.contextmanager
+def recording_attention(enabled: bool = True) -> Iterator[AttentionMaps | None]:
+    """While active, every `attend` runs the eager backend and records its
+    probabilities (the only backend that forms them). Scoped to this context
+    (a ContextVar), so the layers' signatures need not carry a flag."""
+    if not enabled:
+        yield None
+        return
+    maps = AttentionMaps()
+    token = _attention_maps.set(maps)
+    try:
+        yield maps
+    finally:
+        _attention_maps.reset(token)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    backend: str,
+    bias: Callable[[Tensor, Tensor], Tensor] | Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    cross: bool = False,
+) -> Tensor:
+    """flashformer.attention for the layers; returns (B, Hq, Lq, Dv) in q's dtype.
+
+    Inside `recording_attention()` the probabilities are recorded as well
+    (cross: this is a decoder's cross-attention). Autocast is switched off
+    around the call so that the backends run in the dtype they are handed
+    (attention itself decides the dtype it computes in).
+    """
+    # torch.compile cannot trace a ContextVar; a compiled forward does not record
+    maps = None if torch.compiler.is_compiling() else _attention_maps.get()
+    with torch.autocast(q.device.type, enabled=False):
+        out = attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            bias=bias,
+            alibi_slopes=alibi_slopes,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend=backend if maps is None else "eager",
+            return_probs=maps is not None,
+        )
+    if maps is not None:
+        out, probs = out
+        (maps.cross if cross else maps.decoder if causal else maps.encoder).append(probs)
+    return out
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention with Hq query heads and Hk key/value heads (MHA, GQA, MQA).
+
+    q, k and v come from one fused projection (one GEMM instead of three).
+    Positions enter through the keyword arguments the stack passes: `rotary`
+    (cos, sin) for RoPE, `bias` (T5's relative bias function) or
+    `alibi_slopes`. A KV cache enters through `kv_cache` and `cache_position`
+    (see the module docstring).
+    """
+
+    def __init__(self, config: ModelConfig, causal: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.causal = causal
+        self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        self.dropout_p = config.attention_dropout
+        self.backend = config.attention_backend
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.split_sizes = (q_width, kv_width, kv_width)
+        self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attention_bias)
+        self.out = Linear(q_width, config.d_model, bias=config.attention_bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        bias: Callable[[Tensor, Tensor], Tensor] | None = None,
+        alibi_slopes: Tensor | None = None,
+        kv_cache=None,
+        cache_position: int = 0,
+    ) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model).
+
+        key_padding_mask: (B, cache_position + L) bool, True = a real token.
+        """
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, L, D)
+        k = k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
+            out = kv_cache.attend(q, k, v, scale=self.scale)  # (B, Hq, L, D)
+            return self.out(out.transpose(1, 2).reshape(batch, length, -1))
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v, cache_position)  # (B, Hk, cache_position + L, D)
+        out = attend(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            bias=bias,
+            alibi_slopes=alibi_slopes,
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
+        )  # (B, Hq, L, D)
+        return self.out(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class CrossAttention(nn.Module):
+    """Queries from the decoder, keys and values from the encoder's output ("memory").
+
+    The memory's keys and values do not change while a decoder generates;
+    `project_memory` computes them once so that a cache can keep them and
+    pass them back as `memory_kv`.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        self.dropout_p = config.attention_dropout
+        self.backend = config.attention_backend
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q = Linear(config.d_model, q_width, bias=config.attention_bias)
+        self.kv = Linear(config.d_model, 2 * kv_width, bias=config.attention_bias)
+        self.out = Linear(q_width, config.d_model, bias=config.attention_bias)
+
+    def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """memory (B, M, d_model) -> k, v, each (B, Hk, M, D)."""
+        batch, length, _ = memory.shape
+        kv = self.kv(memory).view(batch, length, 2, self.n_kv_heads, self.head_dim)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        *,
+        memory_padding_mask: Tensor | None = None,
+        memory_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """x (B, L, d_model), memory (B, M, d_model) -> (B, L, d_model).
+
+        memory_padding_mask: (B, M) bool, True = a real token.
+        """
+        batch, length, _ = x.shape
+        k, v = memory_kv if memory_kv is not None else self.project_memory(memory)  # (B, Hk, M, D)
+        q = self.q(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, L, D)
+        out = attend(
+            q,
+            k,
+            v,
+            causal=False,
+            key_padding_mask=memory_padding_mask,
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
+            cross=True,
+        )  # (B, Hq, L, D)
+        return self.out(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+# ---- blocks ----
+
+
+def pre_norm_residual(x: Tensor, norm: nn.Module, sublayer: Callable, dropout: nn.Module) -> Tensor:
+    """x + dropout(sublayer(norm(x))): GPT-2, T5, LLaMA. The residual stream is never normalized."""
+    return x + dropout(sublayer(norm(x)))
+
+
+def post_norm_residual(x: Tensor, norm: nn.Module, sublayer: Callable, dropout: nn.Module) -> Tensor:
+    """norm(x + dropout(sublayer(x))): the original Transformer and BERT."""
+    return norm(x + dropout(sublayer(x)))
+
+
+class EncoderBlock(nn.Module):
+    """Bidirectional self-attention, then the feed-forward, each with a residual and a norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = MultiHeadAttention(config, causal=False)
+        self.ffn_norm = make_norm(config)
+        self.ffn = make_feed_forward(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.residual = pre_norm_residual if config.prenorm else post_norm_residual
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None, **position_args) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model); padding_mask (B, L) bool, True = real token."""
+
+        def self_attention(h: Tensor) -> Tensor:
+            return self.attn(h, key_padding_mask=padding_mask, **position_args)
+
+        x = self.residual(x, self.attn_norm, self_attention, self.dropout)
+        return self.residual(x, self.ffn_norm, self.ffn, self.dropout)
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, then (in an encoder-decoder) cross-attention to
+    the encoder's output, then the feed-forward."""
+
+    def __init__(self, config: ModelConfig, cross_attention: bool = False):
+        super().__init__()
+        self.has_cross_attention = cross_attention
+        self.attn_norm = make_norm(config)
+        self.attn = MultiHeadAttention(config, causal=True)
+        if cross_attention:
+            self.cross_norm = make_norm(config)
+            self.cross_attn = CrossAttention(config)
+        self.ffn_norm = make_norm(config)
+        self.ffn = make_feed_forward(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.residual = pre_norm_residual if config.prenorm else post_norm_residual
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_padding_mask: Tensor | None = None,
+        memory_kv: tuple[Tensor, Tensor] | None = None,
+        kv_cache=None,
+        cache_position: int = 0,
+        **position_args,
+    ) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model).
+
+        padding_mask: (B, cache_position + L) bool over the self-attention keys.
+        memory, memory_padding_mask: the encoder's output (B, M, d_model) and its (B, M) mask.
+        """
+
+        def self_attention(h: Tensor) -> Tensor:
+            return self.attn(
+                h,
+                key_padding_mask=padding_mask,
+                kv_cache=kv_cache,
+                cache_position=cache_position,
+                **position_args,
+            )
+
+        def cross_attention(h: Tensor) -> Tensor:
+            return self.cross_attn(h, memory, memory_padding_mask=memory_padding_mask, memory_kv=memory_kv)
+
+        x = self.residual(x, self.attn_norm, self_attention, self.dropout)
+        if self.has_cross_attention:
+            x = self.residual(x, self.cross_norm, cross_attention, self.dropout)
+        return self.residual(x, self.ffn_norm, self.ffn, self.dropout)

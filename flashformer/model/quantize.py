@@ -1,0 +1,142 @@
+"""Quantized models: a decoder's projections, token embedding and LM head as
+weight-only int8 / int4 layers (kernels.quantized), for decoding on the CPU.
+
+    model = flashformer.from_pretrained("model.gguf", quantize="gguf")   # the file's own Q4/Q8 blocks
+    model = flashformer.from_pretrained("folder", quantize="int8")       # any float model, quantized here
+
+Modes:
+- "gguf": a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are used as they are
+  (repacked, never re-rounded): the weights multiplied are llama.cpp's, bit for
+  bit. Tensors the file stores otherwise (F16, F32, K-quants) stay float32.
+- "int8": symmetric int8 per output row; "int4": 4-bit groups of 32 with a
+  scale and a minimum (GGUF's Q4_1), quantized from the float weights with
+  llama.cpp's rounding.
+
+Norms, biases and learned positions stay float32. With int8 activations the
+KV cache is float16, as llama.cpp's is by default (`model.kv_cache_dtype`;
+set it to None for the float32 cache that float32 activations keep). The tied LM head reads the
+quantized embedding's bytes (in SmolLM2 the embedding is a fifth of the bytes
+a decode step reads). A quantized model is for inference: its layers have no
+backward pass, and saving it as a Hugging Face folder is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from flashformer.kernels.quantized import GGUF_TYPES, QuantizedEmbedding, QuantizedLinear
+from flashformer.model import hf
+
+MODES = ("int8", "int4", "gguf")
+
+
+def quantize(model, mode: str, checkpoint=None, activations: str = "int8"):
+    """`model` with its projections, embedding and head quantized in place; returns it.
+
+    checkpoint: the GGUFCheckpoint the model was loaded from (mode "gguf" reads its blocks).
+    activations: "int8" (quantized per block of 32 inside the kernel, as llama.cpp does) or
+    "float32" (exact with respect to the quantized weights).
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantize must be one of {MODES} or None; got {mode!r}")
+    config = model.config
+    if config.arch != "decoder":
+        raise ValueError(
+            f"quantize={mode!r}: quantized layers serve decoders (GPT-2, LLaMA); got arch {config.arch!r}"
+        )
+    if mode == "gguf" and checkpoint is None:
+        raise ValueError(
+            "quantize='gguf' uses a GGUF file's own blocks: give a .gguf file (or quantize='int8'/'int4')"
+        )
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("quantize: the model must be float32 (quantized layers take float32 activations)")
+    make = _from_gguf(model, checkpoint, activations) if mode == "gguf" else _from_float(mode, activations)
+    embedding = make.embedding(model.embeddings.tokens)
+    if embedding is not None:
+        model.embeddings.tokens = embedding
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and (name.startswith("decoder.") or name == "lm_head"):
+            quantized = make.linear(name, module)
+            if quantized is not None:
+                _replace(model, name, quantized)
+    if config.tie_word_embeddings and isinstance(model.embeddings.tokens, QuantizedEmbedding):
+        model.lm_head = QuantizedLinear.from_embedding(model.embeddings.tokens, activations)
+    model.quantization = mode
+    # keys and values in float16 with int8 activations (llama.cpp's default cache type): a decode
+    # step of 8 rows over ~170 keys reads 64 MB of float32 cache in SmolLM2, two thirds of the
+    # 97 MB of weights it reads
+    model.kv_cache_dtype = torch.float16 if activations == "int8" else None
+    return model.eval()
+
+
+def is_quantized(model) -> bool:
+    return getattr(model, "quantization", None) is not None
+
+
+class _from_float:
+    """Quantizes float weights: every projection, the embedding and an untied head."""
+
+    def __init__(self, mode: str, activations: str):
+        self.mode, self.activations = mode, activations
+
+    def embedding(self, embedding: nn.Embedding):
+        return QuantizedEmbedding.from_float(embedding, self.mode)
+
+    def linear(self, name: str, linear: nn.Linear):
+        return QuantizedLinear.from_float(linear, self.mode, activations=self.activations)
+
+
+class _from_gguf:
+    """Takes a GGUF file's blocks where a kernel reads their type, through the Hugging Face
+    family's naming rules (ours <- theirs, q/k/v stacked in one projection)."""
+
+    def __init__(self, model, checkpoint, activations: str):
+        layout = hf.family(model.config.hf_model_type)
+        self.blocks = layout.strip_prefix(dict(checkpoint.quantized))  # their name -> QuantizedTensor
+        self.rules = {rule.ours: rule for rule in layout.rules(model.config)}
+        self.embedding_name = next(
+            r.theirs[0] for r in self.rules.values() if r.ours == "embeddings.tokens.weight"
+        )
+        self.activations, self.source, self.kept = activations, checkpoint.path, set()
+
+    def _usable(self, names) -> list | None:
+        tensors = [self.blocks.get(name) for name in names]
+        if all(t is not None and t.ggml_type in GGUF_TYPES for t in tensors):
+            return tensors
+        self.kept |= {t.ggml_type for t in tensors if t is not None and t.ggml_type not in GGUF_TYPES}
+        if self.kept:
+            warnings.warn(
+                f"{self.source}: tensors of type {sorted(self.kept)} stay float32 (no quantized kernel reads them)",
+                stacklevel=4,
+            )
+        return None
+
+    def embedding(self, embedding: nn.Embedding):
+        tensors = self._usable([self.embedding_name])
+        if tensors is None:
+            return None
+        (t,) = tensors
+        return QuantizedEmbedding.from_gguf_blocks(t.ggml_type, t.blocks, t.shape)
+
+    def linear(self, name: str, linear: nn.Linear):
+        rule = self.rules[f"{name}.weight"]
+        tensors = self._usable(rule.theirs)
+        if tensors is None:
+            return None
+        bias = linear.bias
+        parts = [
+            QuantizedLinear.from_gguf_blocks(t.ggml_type, t.blocks, t.shape, activations=self.activations)
+            for t in tensors
+        ]
+        merged = parts[0] if len(parts) == 1 else QuantizedLinear.cat(parts)
+        if bias is not None:
+            merged.bias = bias.detach().float().contiguous()
+        return merged
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -1,0 +1,70 @@
+"""TrainConfig: every setting of a training run, each a `--train.FIELD` flag or a `train:` key of
+a YAML file, checked before the run starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: list[str] = field(default_factory=list)  # files, folders, globs; [] = Python's stdlib
+    tokenizer: str = "bpe"  # "bpe" (trained on the corpus) or "byte"
+    vocab_size: int = 2048  # BPE vocabulary (the model's vocab_size follows the tokenizer)
+    seq_len: int = 256
+    val_fraction: float = 0.02
+    # optimization
+    batch_size: int = 8  # sequences per process per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    max_steps: int = 500  # the default run: about 6 minutes of training on 2 CPU cores (~3,000 tokens/s)
+    max_minutes: float = 8.0  # stop (and save) after this long, so the default run ends in time; 0 = no limit
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast)
+    compile: bool = False
+    activation_checkpointing: bool = False
+    distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
+    # evaluation, logging, checkpoints
+    eval_every: int = 50
+    eval_batches: int = 8
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    log_every: int = 10
+    save_every: int = 100
+    keep_last: int = 3
+    export_hf: bool = True  # at the end, also write <out>/hf: the model as a Hugging Face folder
+    seed: int = 0
+    deterministic: bool = False
+
+
+def check_train_config(config: TrainConfig) -> None:
+    positive = (
+        "seq_len",
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "save_every",
+        "vocab_size",
+    )
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise ValueError(f"train.{name} must be >= 1; got {getattr(config, name)}")
+    if config.tokenizer not in ("bpe", "byte"):
+        raise ValueError(f"train.tokenizer must be 'bpe' or 'byte'; got {config.tokenizer!r}")
+    if config.precision not in ("fp32", "bf16"):
+        raise ValueError(f"train.precision must be 'fp32' or 'bf16'; got {config.precision!r}")
+    if config.distributed not in ("ddp", "fsdp"):
+        raise ValueError(f"train.distributed must be 'ddp' or 'fsdp'; got {config.distributed!r}")
+    if not (0 < config.lr and 0 <= config.min_lr <= config.lr):
+        raise ValueError(
+            f"need 0 < train.lr and 0 <= train.min_lr <= train.lr; got {config.lr}, {config.min_lr}"
+        )

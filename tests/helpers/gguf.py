@@ -1,0 +1,312 @@
+"""Shared by the GGUF, tokenizer and chat-template tests: the real SmolLM2 file and transformers'
+reading of it (each loaded once per test session, however many modules use it), and small
+synthetic GGUF files written with gguf.GGUFWriter the way llama.cpp's converter writes them."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from flashformer.checkpoints.gguf import read_gguf, smollm2_path
+from flashformer.checkpoints.gguf.tokenizer import byte_alphabet, tokenizer_from_metadata
+from flashformer.text.tokenizer import Tokenizer
+
+# ---- the real model (fails, not skips, without the package: smollm2_path names the pip command) ----
+
+
+@functools.cache
+def smollm2_checkpoint():
+    return read_gguf(smollm2_path(), show_progress=False)
+
+
+@functools.cache
+def smollm2_model():
+    """flashformer's model of the file, through the public loader."""
+    import flashformer
+
+    return flashformer.from_pretrained(smollm2_path())
+
+
+@functools.cache
+def smollm2_tokenizer() -> Tokenizer:
+    return tokenizer_from_metadata(smollm2_checkpoint().metadata, source=str(smollm2_path()))
+
+
+@functools.cache
+def transformers_smollm2_model():
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+
+@functools.cache
+def transformers_smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+# ---- a tiny byte-level BPE vocabulary, for synthetic files ----
+
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+USER_TOKENS = ["<think>"]
+MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "Ġ a",
+    "i n",
+    "Ġ Ġ",
+    "ĠĠ ĠĠ",
+    "e r",
+    "Ġ s",
+    "o n",
+    "Ġa n",
+    "Ġan d",
+    "1 2",
+    "Ġ 1",
+    "Ċ Ċ",
+]
+
+
+def tiny_vocabulary() -> dict:
+    """GGUF tokenizer metadata: control tokens, the 256 byte letters, the merged tokens, <think>."""
+    letters = list(byte_alphabet().values())
+    merged = [merge.replace(" ", "") for merge in MERGES]
+    tokens = CONTROL_TOKENS + letters + merged + USER_TOKENS
+    types = [3] * len(CONTROL_TOKENS) + [1] * (len(letters) + len(merged)) + [4] * len(USER_TOKENS)
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": MERGES,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+# ---- writing GGUF files ----
+
+
+def k_quant_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random K-quant blocks with sane scales: gguf cannot quantize to K types, so the codes are
+    random bytes and the float16 scale fields (d, dmin) are set to small positive numbers.
+    (rows, cols // 256 * block bytes) uint8."""
+    block_bytes = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
+    scale_offsets = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[
+        type_name
+    ]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        scales = rng.uniform(1e-3, 1e-2, size=(rows, cols // 256)).astype(np.float16)
+        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
+def encode_tensor(values: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    """The bytes a GGUF stores for float32 values in a type, and the raw type to declare."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if type_name == "F32":
+        return values, None
+    if type_name == "F16":
+        return values.astype(np.float16), None
+    qtype = GGMLQuantizationType[type_name]
+    if type_name.endswith("_K"):
+        return k_quant_blocks(type_name, values.shape[0], values.shape[1]), qtype
+    return gguf.quants.quantize(values, qtype), qtype
+
+
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
+    """A GGUF file: metadata (ints as uint32, as llama.cpp writes them) and tensors given as
+    float32 values with the type to store them in."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("synthetic")
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    for name, (values, type_name) in tensors.items():
+        data, raw_dtype = encode_tensor(values, type_name)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows: per head, the two halves of the head's dims
+    become interleaved pairs (the layout ggml's RoPE reads)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def tiny_llama(
+    tie: bool = False, hidden: int = 64, ff: int = 128, heads: int = 4, kv_heads: int = 2, seed: int = 0
+):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=ff,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=tie,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1 so that a misplaced norm shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def llama_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
+    """GGUF tensors of a transformers LlamaForCausalLM; types(gguf name) -> the type to store it in."""
+    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        tensors.update(
+            {
+                f"blk.{i}.attn_norm.weight": state[f"{layer}.input_layernorm.weight"],
+                f"blk.{i}.attn_q.weight": llama_cpp_permute(
+                    state[f"{layer}.self_attn.q_proj.weight"], config.num_attention_heads
+                ),
+                f"blk.{i}.attn_k.weight": llama_cpp_permute(
+                    state[f"{layer}.self_attn.k_proj.weight"], config.num_key_value_heads
+                ),
+                f"blk.{i}.attn_v.weight": state[f"{layer}.self_attn.v_proj.weight"],
+                f"blk.{i}.attn_output.weight": state[f"{layer}.self_attn.o_proj.weight"],
+                f"blk.{i}.ffn_norm.weight": state[f"{layer}.post_attention_layernorm.weight"],
+                f"blk.{i}.ffn_gate.weight": state[f"{layer}.mlp.gate_proj.weight"],
+                f"blk.{i}.ffn_up.weight": state[f"{layer}.mlp.up_proj.weight"],
+                f"blk.{i}.ffn_down.weight": state[f"{layer}.mlp.down_proj.weight"],
+            }
+        )
+    return {name: (values, "F32" if values.ndim == 1 else types(name)) for name, values in tensors.items()}
+
+
+def llama_metadata(model) -> dict:
+    config = model.config
+    return {
+        "llama.block_count": config.num_hidden_layers,
+        "llama.context_length": config.max_position_embeddings,
+        "llama.embedding_length": config.hidden_size,
+        "llama.feed_forward_length": config.intermediate_size,
+        "llama.attention.head_count": config.num_attention_heads,
+        "llama.attention.head_count_kv": config.num_key_value_heads,
+        "llama.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "llama.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "llama.rope.dimension_count": config.hidden_size // config.num_attention_heads,
+        **tiny_vocabulary(),
+    }
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=1024,  # transformers' GGUF reader leaves n_positions at its default, 1024
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.1, 0.1)
+            elif ".ln_" in name:
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def gpt2_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
+    """GGUF tensors of a transformers GPT2LMHeadModel: Conv1D weights written (out, in), as llama.cpp does."""
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items() if not k.endswith(".attn.bias")}
+    tensors = {
+        "token_embd.weight": state["transformer.wte.weight"],
+        "position_embd.weight": state["transformer.wpe.weight"],
+        "output_norm.weight": state["transformer.ln_f.weight"],
+        "output_norm.bias": state["transformer.ln_f.bias"],
+    }
+    for i in range(model.config.n_layer):
+        for gguf_name, hf_name, conv1d in (
+            ("attn_norm", "ln_1", False),
+            ("attn_qkv", "attn.c_attn", True),
+            ("attn_output", "attn.c_proj", True),
+            ("ffn_norm", "ln_2", False),
+            ("ffn_up", "mlp.c_fc", True),
+            ("ffn_down", "mlp.c_proj", True),
+        ):
+            weight = state[f"transformer.h.{i}.{hf_name}.weight"]
+            tensors[f"blk.{i}.{gguf_name}.weight"] = weight.T.copy() if conv1d else weight
+            tensors[f"blk.{i}.{gguf_name}.bias"] = state[f"transformer.h.{i}.{hf_name}.bias"]
+    return {name: (values, "F32" if values.ndim == 1 else types(name)) for name, values in tensors.items()}
+
+
+def gpt2_metadata(model) -> dict:
+    config = model.config
+    return {
+        "gpt2.block_count": config.n_layer,
+        "gpt2.context_length": config.n_positions,
+        "gpt2.embedding_length": config.n_embd,
+        "gpt2.feed_forward_length": 4 * config.n_embd,
+        "gpt2.attention.head_count": config.n_head,
+        "gpt2.attention.layer_norm_epsilon": float(config.layer_norm_epsilon),
+        **tiny_vocabulary(),
+    }
+
+
+def cycle_types(*type_names: str):
+    """types(name) for llama_tensors/gpt2_tensors: the 2-D tensors take the given types in turn."""
+    order: dict[str, str] = {}
+
+    def types(name: str) -> str:
+        return order.setdefault(name, type_names[len(order) % len(type_names)])
+
+    return types
+
+
+def transformers_gguf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()

@@ -1,0 +1,472 @@
+"""`flashformer serve` with the real `openai` client: the server runs as a
+subprocess on a free loopback port with a small model (a tiny LLaMA with
+random weights and SmolLM2's tokenizer and chat template), and its answers
+are compared with model.generate and with each other. The engine's
+scheduling (preemption, invariance) is also tested in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from helpers import perturbed
+
+import flashformer
+from flashformer.serve.engine import Busy, Engine, Event, Request, SamplingParams
+
+KEY = "test-key"
+QUESTIONS = [
+    "Hello!",
+    "Tell me a long story about the sea, the wind and a lighthouse.",
+    "What is 2 + 2?",
+    "Name three colors.",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A Hugging Face folder: a 2-layer LLaMA (GQA 4/2) with weights large enough that its
+    next-token distributions are peaked (greedy choices are far from ties), and SmolLM2's
+    tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
+
+    tokenizer = read_tokenizer(smollm2_path())
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = perturbed(LlamaForCausalLM(config), scale=0.6)
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    model.save_pretrained(folder)
+    tokenizer.save(folder)
+    return folder
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
+    """(status, body text) of a plain HTTP call (the stdlib's: what the client hides is tested here)."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "flashformer.cli", "serve", str(folder), "--port", str(port), *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {process.stdout.read()}")
+        try:
+            if http("GET", url + "/health")[0] == 200:
+                return process, url
+        except OSError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError("the server did not answer /health within 120 s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    process, url = start_server(tiny_chat_model, "--api-key", KEY, "--max-batch", "16", "--kv-blocks", "96")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_chat_model):
+    return flashformer.load(tiny_chat_model)
+
+
+def chat(client, question: str, **kwargs):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": question}], **kwargs
+    )
+
+
+def generate_locally(local, question: str, max_new_tokens: int) -> str:
+    model, tokenizer = local
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=tokenizer.stop_token_ids
+    )
+    return tokenizer.decode(out[0, len(ids) :].tolist())
+
+
+# ---- the API with the client ----
+
+
+def test_models_and_health(client, server, tiny_chat_model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [tiny_chat_model.name]
+    assert http("GET", server + "/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
+
+
+def test_chat_streamed_and_not_equal_generate(client, local):
+    for question in QUESTIONS[:2]:
+        whole = chat(client, question, max_tokens=24, temperature=0)
+        pieces = chat(client, question, max_tokens=24, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+        text = whole.choices[0].message.content
+        assert text == streamed == generate_locally(local, question, 24)
+        assert len(text) > 10
+
+
+def test_usage_and_max_tokens(client, local):
+    _, tokenizer = local
+    reply = chat(client, QUESTIONS[2], max_tokens=7, temperature=0)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[2]}], add_generation_prompt=True
+    )
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 7
+    assert reply.usage.total_tokens == len(prompt) + 7
+
+
+def test_stop_strings_end_the_text_and_are_not_returned(client):
+    full = chat(client, QUESTIONS[1], max_tokens=30, temperature=0).choices[0].message.content
+    stop = full[12:15]
+    cut = full.index(stop)
+    for stream in (False, True):
+        reply = chat(
+            client, QUESTIONS[1], max_tokens=30, temperature=0, stop=[stop, "\x00never"], stream=stream
+        )
+        if stream:
+            chunks = list(reply)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert text == full[:cut] and reason == "stop"
+
+
+def test_seeded_n_choices_are_reproducible(client):
+    first = chat(client, QUESTIONS[0], max_tokens=12, temperature=1.0, n=2, seed=11)
+    again = chat(client, QUESTIONS[0], max_tokens=12, temperature=1.0, n=2, seed=11)
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]
+    assert texts[0] != texts[1]
+    assert first.usage.completion_tokens == 24
+
+
+def test_streamed_usage_and_logprobs(client):
+    chunks = list(
+        chat(
+            client,
+            QUESTIONS[3],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            top_logprobs=3,
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+    entries = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == 5
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+        assert entry.logprob <= 0
+
+
+def test_completions_with_text_and_token_ids(client, local):
+    model, tokenizer = local
+    name = client.models.list().data[0].id
+    text = client.completions.create(model=name, prompt="def add(a, b):", max_tokens=10, temperature=0)
+    ids = tokenizer.encode("def add(a, b):")
+    by_ids = client.completions.create(model=name, prompt=ids, max_tokens=10, temperature=0, logprobs=2)
+    assert text.choices[0].text == by_ids.choices[0].text
+    out = model.generate(torch.tensor([ids]), max_new_tokens=10, eos_token_id=tokenizer.stop_token_ids)
+    assert text.choices[0].text == tokenizer.decode(out[0, len(ids) :].tolist())
+    assert len(by_ids.choices[0].logprobs.token_logprobs) == 10
+
+
+def test_sixteen_concurrent_requests_each_equal_its_solo_answer(client, server):
+    from openai import AsyncOpenAI
+
+    requests = [(QUESTIONS[i % 4] + " " * (i % 3), 6 + 3 * (i % 5)) for i in range(16)]
+    solo = [chat(client, q, max_tokens=n, temperature=0).choices[0].message.content for q, n in requests]
+
+    async def together():
+        async_client = AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+        name = (await async_client.models.list()).data[0].id
+        replies = await asyncio.gather(
+            *[
+                async_client.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": q}], max_tokens=n, temperature=0
+                )
+                for q, n in requests
+            ]
+        )
+        await async_client.close()
+        return [r.choices[0].message.content for r in replies]
+
+    before = metrics(server)
+    assert asyncio.run(together()) == solo
+    after = metrics(server)
+    generated = after["flashformer_generated_tokens_total"] - before["flashformer_generated_tokens_total"]
+    steps = after["flashformer_steps_total"] - before["flashformer_steps_total"]
+    assert generated == sum(n for _, n in requests)
+    assert steps < generated / 3, "the requests were not decoded together"
+    assert all(len(text) > 3 for text in solo)
+
+
+def metrics(server) -> dict:
+    lines = http("GET", server + "/metrics")[1].splitlines()
+    return {line.split()[0]: float(line.split()[1]) for line in lines if not line.startswith("#")}
+
+
+def test_a_client_that_disconnects_is_cancelled_and_its_blocks_freed(client, server):
+    stream = chat(client, QUESTIONS[1], max_tokens=200, temperature=0, stream=True)
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 10
+    while metrics(server)["flashformer_kv_blocks_in_use"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metrics(server)["flashformer_kv_blocks_in_use"] == 0
+    assert chat(client, QUESTIONS[0], max_tokens=3, temperature=0).choices[0].message.content
+
+
+BAD = [
+    ("malformed JSON", b"{not json", 400, "not valid JSON"),
+    (
+        "unknown model",
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "does not exist",
+    ),
+    ("max_tokens 0", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("too long", {"messages": [{"role": "user", "content": "word " * 400}]}, 400, "maximum context length"),
+    ("no messages", {"messages": []}, 400, "messages"),
+    ("temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, tiny_chat_model, name, body, status, message):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if isinstance(body, dict):
+        body = json.dumps({"model": tiny_chat_model.name, **body}).encode()
+    code, text = http("POST", server + "/v1/chat/completions", body, headers)
+    assert code == status
+    error = json.loads(text)["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_a_text_model_refuses_embeddings_by_name(client, tiny_chat_model):
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="generates text; /v1/embeddings needs an encoder"):
+        client.embeddings.create(model=tiny_chat_model.name, input="hello")
+
+
+def test_a_wrong_api_key_is_401(server, tiny_chat_model):
+    from openai import AuthenticationError, OpenAI
+
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert http("GET", server + "/v1/models")[0] == 401
+    assert http("GET", server + "/health")[0] == 200  # health needs no key
+
+
+def test_the_server_still_answers_after_everything(client):
+    assert chat(client, QUESTIONS[2], max_tokens=4, temperature=0).choices[0].finish_reason == "length"
+
+
+# ---- the engine in-process: preemption, back-pressure, invariance ----
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Submit every prompt at once, step the engine until all are done, return their tokens."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    requests = []
+    for i, prompt in enumerate(prompts):
+
+        def emit(event: Event, i=i):
+            if event.kind == "done":
+                done[i] = True
+
+        request = Request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), 1, emit)
+        engine.submit(request)
+        requests.append(request)
+    while engine._inbox.qsize():
+        engine.waiting.extend(engine._inbox.get().sequences)
+    while not all(done):
+        engine.step()
+    for i, request in enumerate(requests):
+        outputs[i] = request.sequences[0].generated
+    return outputs
+
+
+def test_preempted_sequences_continue_with_the_same_tokens(local):
+    model, tokenizer = local
+    prompts = [tokenizer.encode(q * 3) for q in QUESTIONS]
+    alone = [run_engine(Engine(model, tokenizer, max_batch=4, num_blocks=64), [p], 40)[0] for p in prompts]
+    small = Engine(model, tokenizer, max_batch=4, num_blocks=12, block_size=8)  # too few blocks for all four
+    together = run_engine(small, prompts, 40)
+    assert small.stats["preemptions"] > 0
+    assert together == alone
+    assert small.pool.in_use == 0
+
+
+def test_a_full_queue_refuses_with_busy(local):
+    model, tokenizer = local
+    engine = Engine(model, tokenizer, max_batch=1, num_blocks=16, max_waiting=2)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine.submit(Request([1, 2, 3], params, 2, lambda e: None))
+    with pytest.raises(Busy, match="waiting"):
+        engine.submit(Request([1, 2, 3], params, 1, lambda e: None))
+
+
+def test_a_prompt_beyond_the_context_is_refused(local):
+    model, tokenizer = local
+    engine = Engine(model, tokenizer, max_batch=2, num_blocks=16, context=32)
+    with pytest.raises(ValueError, match="context is 32 tokens"):
+        engine.submit(Request(list(range(40)), SamplingParams(max_tokens=2), 1, lambda e: None))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmRSS")
+
+
+def test_a_storm_of_requests_disconnects_and_bad_requests(tiny_chat_model):
+    """Valid requests complete with their solo answers however many clients go away or send
+    garbage beside them; the KV pool empties; a second storm does not grow the server's memory."""
+    from openai import AsyncOpenAI
+
+    process, url = start_server(
+        tiny_chat_model, "--max-batch", "8", "--kv-blocks", "64", "--max-waiting", "512"
+    )
+    name = tiny_chat_model.name
+    valid = [(QUESTIONS[i % 4], 4 + i % 7) for i in range(12)]
+
+    async def storm(round_seed: int) -> list[str]:
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        rng = __import__("random").Random(round_seed)
+
+        async def valid_request(question, n):
+            reply = await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": question}], max_tokens=n, temperature=0
+            )
+            return reply.choices[0].message.content
+
+        async def disconnecting():
+            stream = await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=100, stream=True
+            )
+            async for _ in stream:
+                if rng.random() < 0.3:
+                    break
+            await stream.close()
+
+        async def bad():
+            try:
+                await client.chat.completions.create(
+                    model="nope", messages=[{"role": "user", "content": "x"}]
+                )
+            except Exception as error:  # the client raises the 404 as an exception
+                return type(error).__name__
+            return "accepted"
+
+        tasks = (
+            [valid_request(q, n) for q, n in valid]
+            + [disconnecting() for _ in range(12)]
+            + [bad() for _ in range(6)]
+        )
+        rng.shuffle(tasks)
+        results = await asyncio.gather(*tasks)
+        await client.close()
+        return results
+
+    try:
+        expected = [chat_answer(url, name, q, n) for q, n in valid]
+        first = asyncio.run(storm(1))
+        memory = rss_bytes(process.pid)
+        second = asyncio.run(storm(2))
+        for results in (first, second):
+            answers = [r for r in results if isinstance(r, str) and r not in ("NotFoundError", "accepted")]
+            assert sorted(answers) == sorted(expected)
+            assert results.count("NotFoundError") == 6
+        deadline = time.monotonic() + 10
+        while metrics(url)["flashformer_kv_blocks_in_use"] > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metrics(url)["flashformer_kv_blocks_in_use"] == 0
+        assert metrics(url)["flashformer_sequences_waiting"] == 0
+        assert rss_bytes(process.pid) < memory * 1.1, "the server's memory grew over the second storm"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def chat_answer(url: str, name: str, question: str, max_tokens: int) -> str:
+    from openai import OpenAI
+
+    reply = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+        model=name, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
+    )
+    return reply.choices[0].message.content
+
+
+def test_a_quantized_model_decodes_only_its_rows_and_stays_invariant(tiny_chat_model):
+    """With every matmul a quantized kernel (rows computed alone), a step is one packed forward
+    of decode tokens and prompt chunks, and a request's tokens are still the same alone, among
+    others, with other chunk sizes and through preemptions."""
+    model, tokenizer = flashformer.load(tiny_chat_model, quantize="int4")
+    prompts = [tokenizer.encode(q * (1 + i % 3)) for i, q in enumerate(QUESTIONS * 2)]
+    engine = Engine(model, tokenizer, max_batch=8, num_blocks=96)
+    assert not engine.pad_decode
+    alone = [run_engine(Engine(model, tokenizer, max_batch=8, num_blocks=96), [p], 24)[0] for p in prompts]
+    assert run_engine(engine, prompts, 24) == alone
+    assert engine.stats["steps"] < sum(len(a) for a in alone)  # decode tokens of several sequences per step
+    other_chunks = Engine(model, tokenizer, max_batch=8, num_blocks=96, prefill_chunk=8, prefill_budget=16)
+    assert run_engine(other_chunks, prompts, 24) == alone
+    small = Engine(model, tokenizer, max_batch=8, num_blocks=14, block_size=8)  # too few blocks for all
+    assert run_engine(small, prompts, 24) == alone
+    assert small.stats["preemptions"] > 0 and small.pool.in_use == 0
+    float_model, _ = flashformer.load(tiny_chat_model)
+    assert Engine(float_model, tokenizer, max_batch=8, num_blocks=96).pad_decode
