@@ -35,6 +35,7 @@ from flashformer.generate.sampling import (
     GenerationSettings,
     LogitsProcessor,
     TokenHistory,
+    choose_tokens,
     make_generator,
     settings_from,
 )
@@ -111,11 +112,7 @@ def stream_tokens(
         logits = session.prefill() if index == 0 else session.step(tokens)  # (B, V) float32
         if logits_out is not None:
             logits_out.append(logits)
-        scores = process(logits, history, index)
-        if s.do_sample:
-            tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)  # (B,)
-        else:
-            tokens = scores.argmax(dim=-1)  # (B,)
+        tokens = choose_tokens(process(logits, history, index), s.do_sample, generator)  # (B,)
         if process.eos.numel():
             if unfinished is None:
                 unfinished = torch.ones_like(tokens, dtype=torch.bool)

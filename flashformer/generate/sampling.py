@@ -4,6 +4,7 @@ what turns a step's logits into scores to pick from.
     settings = settings_from(model, max_new_tokens=50, do_sample=True, top_p=0.9)
     process = LogitsProcessor(settings, device)
     scores = process(logits, history, new_tokens)   # repetition penalty, min length, temperature, top-k, top-p
+    tokens = choose_tokens(scores, settings.do_sample, generator)   # (B,)
 
 Every setting has transformers' name, default and meaning, and is checked
 before any compute; errors name the argument.
@@ -213,6 +214,15 @@ class LogitsProcessor:
             if s.top_p is not None and s.top_p < 1.0:
                 scores = filter_top_p(scores, s.top_p, self.min_keep)
         return scores
+
+
+def choose_tokens(scores: Tensor, do_sample: bool, generator: torch.Generator | None) -> Tensor:
+    """The next token of every row from its processed scores (B, vocab) -> (B,): the highest
+    score, or with do_sample a draw from softmax(scores) with the generator (generate() and the
+    server choose here, so a row's token is the same whoever asks)."""
+    if do_sample:
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    return scores.argmax(dim=-1)
 
 
 def make_generator(generator, seed, device) -> torch.Generator | None:
