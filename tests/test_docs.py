@@ -66,6 +66,24 @@ def test_cli_reference_holds_every_command():
         assert f"### `flashformer {command}`" in reference, command
 
 
+def test_docs_cli_md_is_the_parser_of_today():
+    """docs/cli.md's reference is regenerated with every flag change (python scripts/docs.py)."""
+    text = (DOCS / "cli.md").read_text()
+    section = text.split("<!-- generated: cli-reference -->\n", 1)[1].split("<!-- end: cli-reference -->", 1)[0]
+    assert section.strip() == cli.reference().strip()
+
+
+def test_every_path_the_docs_name_exists():
+    """A file or folder of the repository that README.md or docs/ names in code (`flashformer/...`,
+    `tests/...`, `scripts/...`) is there: a move updates the page or fails here."""
+    missing = []
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        for path in re.findall(r"`((?:flashformer|tests|scripts)/[\w/.-]*)`", page.read_text()):
+            if not (ROOT / path.rstrip("/")).exists():
+                missing.append(f"{page.name}: {path}")
+    assert not missing, missing
+
+
 def test_the_readme_has_no_placeholder_left():
     """A word in capitals with underscores (SOME_SUMMARY) is a generator's marker left unfilled;
     command-line metavariables and environment variables are written in code."""

@@ -1,8 +1,9 @@
 """The C++ attention kernel for a few queries over cached keys (backend "cpu").
 
 A decode step asks for one query (or a few) per row against all the keys so
-far, in every layer: SDPA's CPU kernels spend ~35 us a call on that and more
-for each row of a batch, most of it around the arithmetic. The kernel
+far, in every layer: SDPA's CPU kernels spend most of such a call around the
+arithmetic, and more for each row of a batch (docs/benchmarks.md, "Decode
+attention on the CPU"). The kernel
 (kernels/csrc/paged_attention_cpu.cpp) runs one task per (row, KV head): the
 row's query heads share each key and value as it is read, and the keys are
 read in place, whatever their strides (a static cache's view, or a paged
@@ -26,9 +27,9 @@ from torch import Tensor
 from flashformer.attention.masks import ScoreRules
 from flashformer.kernels import extension
 
-# attention() with backend "auto" uses the kernel for up to this many queries a row: it is 1.0-2.2x
-# SDPA's speed there, and 0.7-1.0x at 8 queries over 512 keys or more (docs/benchmarks.md, "Decode
-# attention on the CPU"); paged_attention has its own limit (paged.CPU_KERNEL_MAX_Q_LEN)
+# attention() with backend "auto" uses the kernel for up to this many queries a row, where it beats
+# SDPA; beyond, SDPA's matrix products win (docs/benchmarks.md, "Decode attention on the CPU").
+# paged_attention has its own limit (paged.CPU_KERNEL_MAX_Q_LEN)
 MAX_Q_LEN = 4
 
 

@@ -146,9 +146,9 @@ CPU_KERNEL_MAX_Q_LEN = 8
 
 def _cpu_kernel_takes(q: Tensor) -> bool:
     """backend="auto" runs the C++ kernel on float32 CPU tensors when it is built, for up to
-    CPU_KERNEL_MAX_Q_LEN queries a row. (SmolLM2's shapes, 2 threads: 16 decoding sequences of
-    100-400 keys 0.3-0.5 ms against 1.5-3.8 ms per sequence; a prompt chunk of 128 queries over
-    128 keys 0.85 ms against SDPA's 0.46 ms: its queries loop over the keys one row at a time.)"""
+    CPU_KERNEL_MAX_Q_LEN queries a row: decode steps, where one call beats a call per sequence;
+    a prompt chunk is faster through SDPA, as the kernel's queries loop over the keys one row at
+    a time (docs/benchmarks.md, "Paged attention on the CPU")."""
     return q.shape[2] <= CPU_KERNEL_MAX_Q_LEN and cpu_kernel.cpu_kernel_runs(q)
 
 

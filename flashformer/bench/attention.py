@@ -18,7 +18,15 @@ import torch
 
 import flashformer
 from flashformer import costs
-from flashformer.bench.common import bench_main, measure_peak, run_worker, time_in_turns
+from flashformer.bench.common import (
+    add_run_arguments,
+    bench_main,
+    measure_peak,
+    names,
+    numbers,
+    run_worker,
+    time_in_turns,
+)
 from flashformer.files import write_json
 from flashformer.formatting import format_bytes, markdown_table
 from flashformer.kernels.machine import machine_info
@@ -315,19 +323,17 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a small run: n <= 2048, float32")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
+    add_run_arguments(parser, quick="a small run: n <= 2048, float32", timeout=1800, what="point")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 512,1024")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), help="e.g. float32,bfloat16")
-    parser.add_argument("--variants", type=lambda s: s.split(","), help=f"from {','.join(VARIANTS)}")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per point")
+    parser.add_argument("--ns", type=numbers, help="e.g. 512,1024")
+    parser.add_argument("--dtypes", type=names, help="e.g. float32,bfloat16")
+    parser.add_argument("--variants", type=names, help=f"from {','.join(VARIANTS)}")
     parser.add_argument("--memory-only", action="store_true", help="peak memory only, no timing")
     parser.add_argument(
-        "--head-dims", type=lambda s: [int(x) for x in s.split(",")], help="--device cuda: e.g. 64,128"
+        "--head-dims", type=numbers, help="--device cuda: e.g. 64,128"
     )
     parser.add_argument(
-        "--methods", type=lambda s: s.split(","), help="--device cuda: e.g. triton,sdpa_flash"
+        "--methods", type=names, help="--device cuda: e.g. triton,sdpa_flash"
     )
     parser.add_argument(
         "--method-timeout", type=float, default=900, help="--device cuda: seconds allowed per method"

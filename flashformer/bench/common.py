@@ -23,6 +23,28 @@ from pathlib import Path
 
 import torch
 
+# ---- the command line every benchmark shares ----
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated flag value ("float32,bfloat16") as a list."""
+    return [item for item in text.split(",") if item]
+
+
+def numbers(text: str) -> list[int]:
+    """A comma-separated flag value of integers ("512,1024") as a list."""
+    try:
+        return [int(item) for item in names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas; got {text!r}") from None
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, quick: str, timeout: float, what: str = "point") -> None:
+    """--quick (what it shrinks to), --out (the JSON and PNG's folder) and --timeout (per worker)."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
+    parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds allowed per {what}")
+
 
 def run_worker(module: str, point: dict, timeout_s: float, memory: bool = True) -> dict:
     """Run `python -m module --worker JSON` in a fresh process; returns its JSON result.

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from flashformer.bench import generate_model
-from flashformer.bench.common import bench_main, run_worker, time_in_turns
+from flashformer.bench.common import add_run_arguments, bench_main, names, numbers, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
@@ -193,14 +193,12 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="32 new tokens, float32 only, 2 rounds")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,8")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), help="e.g. float32,bfloat16")
+    add_run_arguments(parser, quick="32 new tokens, float32 only, 2 rounds", timeout=7200, what="point")
+    parser.add_argument("--batches", type=numbers, help="e.g. 1,8")
+    parser.add_argument("--dtypes", type=names, help="e.g. float32,bfloat16")
     parser.add_argument("--new-tokens", type=int, help="new tokens per generate call")
     parser.add_argument("--rounds", type=int, help="timed calls per contender")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--timeout", type=float, default=7200, help="seconds allowed per point")
     parser.add_argument(
         "--model",
         help="a real model (GGUF file, HF folder, run) answering a chat message, instead of GPT-2-small "

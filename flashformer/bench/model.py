@@ -10,7 +10,7 @@ same weights into flashformer, and times in turns, in that one process:
 
 transformers runs with its default attention (SDPA). Dropout is 0 in both
 models unless --dropout is given (with attention dropout > 0, flashformer's
-attention takes its seeded-dropout flash path; see DESIGN.md). Under bf16
+attention takes its seeded-dropout flash path; see attention()'s dropout rule). Under bf16
 autocast on a CPU without bf16 matrix units, flashformer computes its bf16
 GEMMs with float32 arithmetic (layers.linear); the contender
 "flashformer-native-matmul" times the same model with that switched off, to
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import bench_main, run_worker, time_in_turns
+from flashformer.bench.common import add_run_arguments, bench_main, names, run_worker, time_in_turns
 from flashformer.files import write_json
 from flashformer.kernels import cpu
 from flashformer.kernels.machine import machine_info
@@ -252,14 +252,12 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="2 layers per model, 2 rounds")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
-    parser.add_argument("--models", type=lambda s: s.split(","), help=f"from {','.join(MODELS)}")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), help=f"from {','.join(DTYPES)}")
+    add_run_arguments(parser, quick="2 layers per model, 2 rounds", timeout=7200, what="(model, dtype)")
+    parser.add_argument("--models", type=names, help=f"from {','.join(MODELS)}")
+    parser.add_argument("--dtypes", type=names, help=f"from {','.join(DTYPES)}")
     parser.add_argument("--layers", type=int, help="override the number of layers (default: the full model)")
     parser.add_argument("--rounds", type=int, help="timed rounds per contender (after one warm-up)")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout of both models (default 0)")
-    parser.add_argument("--timeout", type=float, default=7200, help="seconds allowed per (model, dtype)")
 
 
 def main_from_args(args: argparse.Namespace) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import flashformer
-from flashformer.bench.common import bench_main, run_worker, time_in_turns
+from flashformer.bench.common import add_run_arguments, bench_main, names, run_worker, time_in_turns
 from flashformer.bench.model import batch as model_batch
 from flashformer.bench.model import hf_model
 from flashformer.files import write_json
@@ -234,12 +234,10 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="2 layers, 2 rounds")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), help=f"from {','.join(DTYPES)}")
+    add_run_arguments(parser, quick="2 layers, 2 rounds", timeout=7200, what="dtype")
+    parser.add_argument("--dtypes", type=names, help=f"from {','.join(DTYPES)}")
     parser.add_argument("--layers", type=int, help="override the number of layers (default: 12)")
     parser.add_argument("--rounds", type=int, help="timed rounds per contender, for every dtype")
-    parser.add_argument("--timeout", type=float, default=7200, help="seconds allowed per dtype")
 
 
 def main_from_args(args: argparse.Namespace) -> dict:

@@ -8,6 +8,7 @@ runs, so `flashformer --help` does not pay for what it does not use.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import re
 import sys
@@ -183,6 +184,8 @@ def reference() -> str:
     """`flashformer ... --help` of every command, from the parser itself (docs/cli.md)."""
 
     def walk(parser: argparse.ArgumentParser, prefix: str):
+        # the terminal's width would change the text: the page is written as an 80-column terminal shows it
+        parser.formatter_class = functools.partial(argparse.HelpFormatter, width=78)
         yield prefix, parser.format_help()
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
