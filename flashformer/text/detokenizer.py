@@ -10,8 +10,9 @@ server.
 
 Two things make the text of a token uncertain when it arrives:
 - a token can end in the middle of a character's UTF-8 bytes (byte-level vocabularies split
-  emoji and CJK that way, SentencePiece's byte fallback too): such a piece decodes to U+FFFD,
-  so it is held back until a later token completes the character;
+  emoji and CJK that way, SentencePiece's byte fallback too): the incomplete bytes decode to
+  U+FFFD, so they are held back until a later token completes the character (the complete
+  characters before them are certain);
 - the end of the text may be the start of a stop string, which the next token may complete:
   that tail is held back too, and a stop string, once it appears, ends the text before it.
 
@@ -44,30 +45,39 @@ class Detokenizer:
         self.stopped = False
         self._context = 0  # ids[_context:_read]: the tokens of the last certain piece
         self._read = 0  # ids[_read:]: tokens whose text is not certain yet
+        self._partial = 0  # characters of their text already taken (before an incomplete one)
 
     def add(self, token: int) -> str:
         """Take one more token; the text that became certain (possibly "")."""
         if self.stopped:
             raise ValueError("the text already ended at a stop string: add() takes no more tokens")
         self.ids.append(int(token))
-        known = self.tokenizer.decode(self.ids[self._context : self._read])
-        window = self.tokenizer.decode(self.ids[self._context :])
-        if len(window) > len(known) and not window.endswith(REPLACEMENT):
-            self.text += window[len(known) :]
-            self._context, self._read = self._read, len(self.ids)
-            self._cut_at_stop()
+        new = self._window_text()
+        if new.endswith(REPLACEMENT):  # a character still incomplete: what precedes it is certain
+            certain = new.rstrip(REPLACEMENT)
+            self.text += certain[self._partial :]
+            self._partial = max(self._partial, len(certain))
+        else:
+            self.text += new[self._partial :]
+            self._context, self._read, self._partial = self._read, len(self.ids), 0
+        self._cut_at_stop()
         return self._take(len(self.text) - (0 if self.stopped else _stop_prefix(self.text, self.stop)))
 
     def finish(self) -> str:
         """The rest, once the sequence has ended: the held-back tail and the text of tokens
         still incomplete (decoded as they are, U+FFFD included), up to a stop string."""
         if not self.stopped and self._read < len(self.ids):
-            window = self.tokenizer.decode(self.ids[self._context :])
-            known = self.tokenizer.decode(self.ids[self._context : self._read])
-            self.text += window[len(known) :]
+            self.text += self._window_text()[self._partial :]
             self._context = self._read = len(self.ids)
+            self._partial = 0
             self._cut_at_stop()
         return self._take(len(self.text))
+
+    def _window_text(self) -> str:
+        """What the tokens after the last certain piece add to the text: the window decoded with
+        its context, less the context's own text."""
+        known = self.tokenizer.decode(self.ids[self._context : self._read])
+        return self.tokenizer.decode(self.ids[self._context :])[len(known) :]
 
     def _cut_at_stop(self) -> None:
         found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
