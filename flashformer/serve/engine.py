@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from flashformer.attention.paged import kv_slots
 from flashformer.generate.sampling import filter_top_p
 from flashformer.kernels.quantized import QuantizedLinear
+from flashformer.serve.loop import Busy, ModelLoop
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
-from flashformer.serve.scheduler import Busy, SchedulerLoop
 
 __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
 
@@ -143,7 +143,7 @@ class Sequence:
         return self.computed < self.prompt_len
 
 
-class Engine(SchedulerLoop):
+class Engine(ModelLoop):
     """The model, its paged cache and the scheduler loop; see the module docstring.
 
     max_batch: sequences decoded together (and the fixed batch of every decode step);

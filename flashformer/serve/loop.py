@@ -22,7 +22,7 @@ class Busy(RuntimeError):
     """The waiting queue is full (the server answers 503)."""
 
 
-class SchedulerLoop:
+class ModelLoop:
     """The inbox, the waiting count and the thread; subclasses say what a request brings
     (`_accept`), whether work remains (`_has_work`), what one iteration does (`step`) and
     how every held request fails (`_fail_all`)."""
