@@ -42,10 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.attention.paged import kv_slots
-from flashformer.generate.sampling import filter_top_p
+from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, choose_tokens
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.serve.loop import Busy, ModelLoop
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
+from flashformer.text.detokenizer import Detokenizer
 
 __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
 
@@ -101,6 +102,8 @@ class Request:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, n: int, emit: Callable[[Event], None]):
         self.id = next(Request._ids)
         self.prompt_ids, self.params, self.emit = list(prompt_ids), params, emit
+        self.settings = generation_settings(params)
+        self.process: LogitsProcessor | None = None  # set by Engine.submit, on the model's device
         self.cancelled = threading.Event()
         self.sequences = [Sequence(self, index) for index in range(n)]
         self.completion_tokens = 0
@@ -115,7 +118,7 @@ class Request:
 
 class Sequence:
     """One choice of a request: its tokens (prompt + generated), the blocks holding their keys
-    and values, how many of them are computed, and the text sent so far."""
+    and values, how many of them are computed, and its text so far (its detokenizer)."""
 
     _order = itertools.count()
 
@@ -125,7 +128,7 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.blocks: list[int] = []
         self.computed = 0  # tokens whose keys and values are in the blocks
-        self.sent = 0  # characters of the generated text already streamed
+        self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
         self.finish_reason: str | None = None
         self.arrival = next(Sequence._order)
         seed = request.params.seed
@@ -200,6 +203,9 @@ class Engine(ModelLoop):
             raise ValueError(
                 f"the prompt is {length} tokens; the KV pool holds {self.pool.capacity * self.pool.block_size}"
             )
+        request.process = LogitsProcessor(request.settings, self.device)
+        for sequence in request.sequences:
+            sequence.detokenizer = Detokenizer(self.tokenizer, request.params.stop)
         self._enqueue(request, len(request.sequences))
 
     def metrics(self) -> dict:
@@ -424,47 +430,37 @@ class Engine(ModelLoop):
 
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
         """Pick the next token from one row's logits (V,), then stream and check for the end."""
-        params = sequence.request.params
+        request = sequence.request
         logits = logits.float()
-        if params.temperature == 0:
-            token = int(logits.argmax())
-        else:
-            scores = logits / params.temperature
-            if params.top_p < 1.0:
-                scores = filter_top_p(scores[None], params.top_p)[0]
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=sequence.generator))
+        scores = request.process(logits[None], None, len(sequence.generated))  # (1, V)
+        token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
         sequence.tokens.append(token)
         self.stats["generated_tokens"] += 1
         self._note_progress(1)
-        logprobs = []
-        if params.logprobs is not None:
-            log_probs = F.log_softmax(logits, dim=-1)
-            top = torch.topk(log_probs, params.logprobs) if params.logprobs > 0 else None
-            alternatives = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-            logprobs = [TokenLogprob(token, float(log_probs[token]), alternatives)]
-        self._stream(sequence, logprobs)
+        self._stream(sequence, token_logprobs(logits, token, request.params.logprobs))
 
     def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob]) -> None:
-        params = sequence.request.params
-        generated = sequence.generated
-        end = generated[-1] in params.stop_token_ids
-        text = self.tokenizer.decode(generated[:-1] if end else generated)
-        reason = "stop" if end else None
-        cut = _first_stop(text, params.stop)
-        if cut is not None:
-            text, reason = text[:cut], "stop"
-        if reason is None and len(generated) >= params.max_tokens:
+        """Send the text the newest token made certain; end the sequence at a stop token, a
+        stop string, max_tokens or the context (then the held-back text goes too)."""
+        params, token = sequence.request.params, sequence.tokens[-1]
+        detokenizer = sequence.detokenizer
+        text, reason = "", None
+        if token in params.stop_token_ids:  # never part of the text
+            reason = "stop"
+        else:
+            text = detokenizer.add(token)
+            reason = "stop" if detokenizer.stopped else None
+        if reason is None and len(sequence.generated) >= params.max_tokens:
             reason = "length"
         if reason is None and len(sequence.tokens) >= self.context:
             reason = "length"
-        held = 0 if reason else _held_back(text, params.stop)
-        delta = text[sequence.sent : len(text) - held]
-        if delta or logprobs:
-            sequence.request.emit(Event("delta", sequence.index, delta, logprobs))
-            sequence.sent += len(delta)
+        if reason is not None:
+            text += detokenizer.finish()
+        if text or logprobs:
+            sequence.request.emit(Event("delta", sequence.index, text, logprobs))
         if reason is not None:
             sequence.finish_reason = reason
-            sequence.request.completion_tokens += len(generated)
+            sequence.request.completion_tokens += len(sequence.generated)
             self._retire(sequence)
 
     def _retire(self, sequence: Sequence) -> None:
@@ -494,22 +490,20 @@ class Engine(ModelLoop):
             sequence.request.emit(Event("error", sequence.index, message=message))
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
+def generation_settings(params: SamplingParams) -> GenerationSettings:
+    """The request's settings in generate()'s terms: temperature 0 is greedy; every other
+    setting (repetition penalty, top-k, min tokens) stays at its no-op default."""
+    return GenerationSettings(
+        do_sample=params.temperature > 0, temperature=params.temperature, top_p=params.top_p
+    )
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` not to send yet: the longest tail that could be the
-    start of a stop string (the next token may complete it), or a character whose UTF-8
-    bytes are still coming."""
-    if text.endswith("\ufffd"):
-        return 1
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+def token_logprobs(logits: torch.Tensor, token: int, top: int | None) -> list[TokenLogprob]:
+    """The chosen token's log-probability under the model's own distribution (logits (V,),
+    before temperature and top-p) and the `top` most likely tokens; [] when top is None."""
+    if top is None:
+        return []
+    log_probs = F.log_softmax(logits, dim=-1)
+    best = torch.topk(log_probs, top) if top > 0 else None
+    alternatives = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
+    return [TokenLogprob(token, float(log_probs[token]), alternatives)]
