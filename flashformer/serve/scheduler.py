@@ -1,0 +1,172 @@
+"""The scheduling policy: which sequences run, which prompt chunks a step computes, and who
+gives way when the KV pool is full. It keeps the waiting queue, the running batch and their
+blocks, and decides; it never runs the model (runner.py does), so every rule here can be
+called with plain sequences and a pool.
+
+Admission: waiting sequences join the running batch in arrival order while it has fewer than
+`max_batch` sequences and the pool has the blocks their tokens so far plus one need.
+
+Chunked prefill: a prompt is computed in fixed chunks of `prefill_chunk` tokens (boundaries at
+multiples of it, whoever else runs), at most `prefill_budget` prompt tokens per step while
+other sequences are decoding, so a long prompt never stalls everyone's next token for long;
+IDLE_BUDGET_FACTOR times that when none is.
+
+Preemption: when a sequence needs a block and the pool has none, the newest sequence is
+preempted: its blocks are freed and it waits at the front of the queue; when readmitted it
+computes its prompt again and then replays the tokens it had generated, one decode step each,
+so its cache is rebuilt by the very same operations as before and it continues with the same
+tokens. A sequence alone in the batch that fills the whole pool ends with "length".
+
+A sequence is anything with engine.Sequence's fields: tokens, prompt_len, blocks, computed
+(tokens whose keys and values are in the blocks), arrival (its place in arrival order),
+finish_reason, in_prefill and request.cancelled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from flashformer.serve.paged_cache import BlockPool
+
+# A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
+# multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
+# the first of them to get their second token without a long wait.
+IDLE_BUDGET_FACTOR = 8
+
+
+class Scheduler:
+    """The queue, the batch and the blocks they hold; see the module docstring.
+
+    on_waiting(change) is told each time the waiting queue grows or shrinks (the loop's waiting
+    count, which submit() reads to answer Busy)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        prefill_budget: int,
+        on_waiting: Callable[[int], None] = lambda change: None,
+    ):
+        self.pool, self.max_batch = pool, max_batch
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        self.on_waiting = on_waiting
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.preemptions = 0
+
+    # ---- admission ----
+
+    def admit(self) -> None:
+        """Move waiting sequences into the batch, in order, while it has room and the pool
+        has their blocks; finished ones (cancelled while waiting) just leave the queue."""
+        while self.waiting and len(self.running) < self.max_batch:
+            sequence = self.waiting[0]
+            if sequence.finish_reason is not None:
+                self._leave_queue()
+                continue
+            blocks = self.pool.allocate(self.pool.blocks_for(len(sequence.tokens) + 1))
+            if blocks is None:
+                return
+            self._leave_queue()
+            sequence.blocks, sequence.computed = blocks, 0
+            self.running.append(sequence)
+
+    def drop_cancelled_waiting(self) -> None:
+        """Waiting sequences whose client went away leave the queue."""
+        for sequence in [s for s in self.waiting if s.request.cancelled.is_set()]:
+            self.waiting.remove(sequence)
+            self.on_waiting(-1)
+            sequence.finish_reason = sequence.finish_reason or "cancelled"
+
+    def _leave_queue(self) -> None:
+        self.waiting.popleft()
+        self.on_waiting(-1)
+
+    # ---- what a step computes ----
+
+    def budget(self) -> int:
+        """Prompt tokens this step may compute (see IDLE_BUDGET_FACTOR)."""
+        decoding = any(not s.in_prefill for s in self.running)
+        return self.prefill_budget * (1 if decoding else IDLE_BUDGET_FACTOR)
+
+    def prefill_plan(self, budget: int) -> list[tuple[object, int, int]]:
+        """This step's prompt chunks, (sequence, start, end), in admission order within the
+        budget; chunk boundaries are fixed multiples of prefill_chunk."""
+        plan = []
+        for sequence in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            start = sequence.computed
+            end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
+            plan.append((sequence, start, end))
+            budget -= end - start
+        return plan
+
+    def decoding(self) -> list:
+        """The running sequences past their prompt (each needs a decode step)."""
+        return [s for s in self.running if not s.in_prefill and s.finish_reason is None]
+
+    # ---- room in the pool ----
+
+    def make_room(self, decoding: list) -> tuple[list, list]:
+        """Give every decoding sequence a slot for its next token, preempting the newest
+        sequences while the pool has no free block. Returns (ready: those that decode this
+        step, ended: a sequence that alone filled the pool, finished with "length" and out of
+        the batch; the caller tells its client)."""
+        ready, ended = [], []
+        for sequence in sorted(decoding, key=lambda s: s.arrival):
+            if sequence.finish_reason is not None or sequence not in self.running:
+                continue
+            while self.pool.blocks_for(sequence.computed + 1) > len(sequence.blocks):
+                block = self.pool.allocate(1)
+                if block is not None:
+                    sequence.blocks += block
+                    continue
+                victim = newest(self.running)
+                if victim is sequence and len(self.running) == 1:
+                    sequence.finish_reason = "length"  # alone, it fills the whole pool
+                    self.finish(sequence)
+                    ended.append(sequence)
+                    break
+                self.preempt(victim)
+                if victim is sequence:
+                    break
+            if sequence in self.running and sequence.finish_reason is None:
+                ready.append(sequence)
+        return [s for s in ready if s in self.running], ended
+
+    def preempt(self, sequence) -> None:
+        """Free the sequence's blocks and put it first in the queue (it replays when readmitted)."""
+        self.pool.release(sequence.blocks)
+        sequence.blocks, sequence.computed = [], 0
+        self.running.remove(sequence)
+        self.waiting.appendleft(sequence)
+        self.on_waiting(1)
+        self.preemptions += 1
+
+    def finish(self, sequence) -> None:
+        """A finished sequence leaves the batch; its blocks serve others at once."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+            self.pool.release(sequence.blocks)
+            sequence.blocks = []
+
+    def clear(self) -> list:
+        """Every sequence held (running, then waiting), their blocks released and the queue and
+        the batch emptied (the engine failed: the caller fails them)."""
+        held = self.running + list(self.waiting)
+        for sequence in held:
+            if sequence.blocks:
+                self.pool.release(sequence.blocks)
+                sequence.blocks = []
+        self.running, self.waiting = [], deque()
+        return held
+
+
+def newest(running: list):
+    """The sequence preempted when the pool is full: the last to arrive, so that the earlier
+    ones keep their places (first come, first served)."""
+    return max(running, key=lambda s: s.arrival)
