@@ -53,9 +53,9 @@ def main_from_args(args) -> None:
     from flashformer.checkpoints.loading import load
     from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
     from flashformer.model.models import EncoderModel
-    from flashformer.serve.api import create_app
     from flashformer.serve.embeddings import EmbeddingEngine
     from flashformer.serve.engine import Engine
+    from flashformer.serve.openai import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)

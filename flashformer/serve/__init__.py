@@ -1,7 +1,12 @@
 """`flashformer serve`: an OpenAI-compatible server with continuous batching
 over a paged KV cache.
 
+    loop.py          the loop that owns a model (threads, inbox, waiting count, Busy)
+    scheduler.py     the policy: admission, the prefill plan, making room, preemption
+    runner.py        the model's steps: packed or separate forwards, block tables, slots
+    engine.py        requests, sequences, events, and the Engine that wires them
     paged_cache.py   the block pool and the per-layer paged caches
-    engine.py        the scheduler loop that owns the model (continuous batching)
-    api.py           the HTTP API (FastAPI): OpenAI's endpoints, shapes and errors
+    embeddings.py    the embedding engine (an encoder served)
+    openai/          the HTTP API (FastAPI): protocol.py (request bodies), app.py
+                     (create_app, routes, auth, errors), responses.py (JSON, SSE, logprobs)
 """

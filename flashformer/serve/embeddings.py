@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from flashformer.encoders.sentence_embeddings import SentenceEncoder, embed
-from flashformer.serve.scheduler import SchedulerLoop
+from flashformer.serve.loop import ModelLoop
 from flashformer.text.encoder_inputs import encode_texts, pad_batch, pad_id_of
 
 
@@ -41,7 +41,7 @@ class EmbeddingRequest:
         return sum(len(ids) for ids in self.inputs)
 
 
-class EmbeddingEngine(SchedulerLoop):
+class EmbeddingEngine(ModelLoop):
     """A SentenceEncoder and its loop. max_batch: inputs encoded together in one step;
     max_waiting: inputs that may wait before submit() raises Busy."""
 

@@ -1,33 +1,27 @@
 """Continuous batching: one loop owns the model and serves every request.
 
-Each step the loop
+Each step the engine
 1. drops the sequences whose clients went away and frees their blocks;
 2. admits waiting sequences while the batch has room and the pool has the
-   blocks their prompt needs;
-3. runs prefill chunks (a prompt is computed in fixed chunks of
-   `prefill_chunk` tokens, at most `prefill_budget` tokens per step while
-   other sequences are decoding, so a long prompt never stalls everyone's
-   next token for long; IDLE_BUDGET_FACTOR times that when none is);
-4. runs one decode step for every sequence past its prompt, together;
-5. samples each sequence's next token, streams its text to its client, and
-   frees a finished sequence's blocks at once.
+   blocks their prompt needs (scheduler.py: admission);
+3. runs this step's prompt chunks (scheduler.py: the prefill plan, chunks
+   within a budget) and one decode step for every sequence past its prompt
+   (scheduler.py: making room, preempting the newest sequence when the pool
+   is full), through runner.py: for a float model a forward per chunk and a
+   padded decode batch, for a quantized one a single packed forward;
+4. samples each sequence's next token (generate.sampling: the request's
+   logits processor, then choose_tokens with the sequence's generator),
+   streams its text to its client (text.detokenizer: stop strings, partial
+   UTF-8 held back), and frees a finished sequence's blocks at once.
 
-When a sequence needs a block and the pool has none, the newest sequence is
-preempted: its blocks are freed and it waits at the front of the queue; when
-readmitted it computes its prompt again and then replays the tokens it had
-generated, one decode step each, so its cache is rebuilt by the very same
-operations as before and it continues with the same tokens.
+Batch invariance (runner.py) holds for sampling too: each sequence draws from
+its own generator, seeded from the request's seed and the choice's index.
+A preempted sequence replays the tokens it had generated (scheduler.py); a
+token is sampled only once its sequence has caught up.
 
-Batch invariance: a request gets the same tokens alone or among others.
-With float matmuls (whose rows may round differently with the batch's size)
-a prompt is always computed alone (a batch of one) in the same chunks, and
-every decode step runs with the batch padded to max_batch rows, so the
-matmuls see the same shapes whoever else is running. A quantized model, whose
-kernels compute each row alone, runs one forward per step instead: the
-decoding sequences' tokens and the prompt chunks packed in one row (vLLM's
-chunked prefill), which reads the weights once for all of them. Either way
-attention reads each sequence's own blocks only (attention.paged), and
-sampling draws from the sequence's own generator, seeded from the request.
+Modules: loop.py (threads, inbox, Busy), scheduler.py (policy), runner.py
+(the model's forwards), paged_cache.py (the pool); this one holds the
+requests, their sequences and events, and the Engine that wires them.
 """
 
 from __future__ import annotations
@@ -41,18 +35,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from flashformer.attention.paged import kv_slots
-from flashformer.generate.sampling import filter_top_p
-from flashformer.kernels.quantized import QuantizedLinear
-from flashformer.serve.paged_cache import BlockPool, make_paged_caches
-from flashformer.serve.scheduler import Busy, SchedulerLoop
+from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, choose_tokens
+from flashformer.serve.loop import Busy, ModelLoop
+from flashformer.serve.paged_cache import BlockPool
+from flashformer.serve.runner import ModelRunner
+from flashformer.serve.scheduler import Scheduler
+from flashformer.text.detokenizer import Detokenizer
 
 __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
-
-# A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
-# multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
-# the first of them to get their second token without a long wait.
-IDLE_BUDGET_FACTOR = 8
 
 
 @dataclass(frozen=True)
@@ -101,6 +91,8 @@ class Request:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, n: int, emit: Callable[[Event], None]):
         self.id = next(Request._ids)
         self.prompt_ids, self.params, self.emit = list(prompt_ids), params, emit
+        self.settings = generation_settings(params)
+        self.process: LogitsProcessor | None = None  # set by Engine.submit, on the model's device
         self.cancelled = threading.Event()
         self.sequences = [Sequence(self, index) for index in range(n)]
         self.completion_tokens = 0
@@ -115,7 +107,7 @@ class Request:
 
 class Sequence:
     """One choice of a request: its tokens (prompt + generated), the blocks holding their keys
-    and values, how many of them are computed, and the text sent so far."""
+    and values, how many of them are computed, and its text so far (its detokenizer)."""
 
     _order = itertools.count()
 
@@ -125,7 +117,7 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.blocks: list[int] = []
         self.computed = 0  # tokens whose keys and values are in the blocks
-        self.sent = 0  # characters of the generated text already streamed
+        self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
         self.finish_reason: str | None = None
         self.arrival = next(Sequence._order)
         seed = request.params.seed
@@ -143,8 +135,9 @@ class Sequence:
         return self.computed < self.prompt_len
 
 
-class Engine(SchedulerLoop):
-    """The model, its paged cache and the scheduler loop; see the module docstring.
+class Engine(ModelLoop):
+    """The loop that serves text requests: a Scheduler (policy), a ModelRunner (the model's
+    forwards), sampling and detokenizing per sequence, and the events; see the module docstring.
 
     max_batch: sequences decoded together (and the fixed batch of every decode step);
     num_blocks, block_size: the KV pool; context: the most tokens a sequence may hold;
@@ -166,22 +159,36 @@ class Engine(SchedulerLoop):
         max_waiting: int = 256,
     ):
         super().__init__(max_waiting)
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_batch, self.prefill_chunk, self.prefill_budget = max_batch, prefill_chunk, prefill_budget
+        self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
         self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
         self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
-        self.caches, self.batch = make_paged_caches(model, self.pool)
-        # A float GEMM's rows may round differently with the batch size, so decode steps are
-        # padded to max_batch rows; a model whose every matmul is a quantized kernel (each row
-        # computed alone, the same bits at any row count: kernels.quantized) runs only its rows.
-        self.pad_decode = any(isinstance(m, torch.nn.Linear) for m in model.modules()) or not any(
-            isinstance(m, QuantizedLinear) for m in model.modules()
+        self.runner = ModelRunner(model, self.pool, max_batch=max_batch, context=self.context)
+        self.device = self.runner.device
+        self.scheduler = Scheduler(
+            self.pool,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+            prefill_budget=prefill_budget,
+            on_waiting=self._count_waiting,
         )
-        self.max_blocks = self.pool.blocks_for(self.context)
-        self.device = next(model.parameters()).device
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "preemptions": 0}
+        self.counts = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def pad_decode(self) -> bool:
+        return self.runner.pad_decode
+
+    @property
+    def stats(self) -> dict:
+        """Counters since the start (/metrics reports them)."""
+        return {**self.counts, "preemptions": self.scheduler.preemptions}
 
     # ---- the other threads' side ----
 
@@ -200,6 +207,9 @@ class Engine(SchedulerLoop):
             raise ValueError(
                 f"the prompt is {length} tokens; the KV pool holds {self.pool.capacity * self.pool.block_size}"
             )
+        request.process = LogitsProcessor(request.settings, self.device)
+        for sequence in request.sequences:
+            sequence.detokenizer = Detokenizer(self.tokenizer, request.params.stop)
         self._enqueue(request, len(request.sequences))
 
     def metrics(self) -> dict:
@@ -222,257 +232,108 @@ class Engine(SchedulerLoop):
         return bool(self.running or self.waiting)
 
     def _fail_all(self, message: str) -> None:
-        for sequence in self.running + list(self.waiting):
-            self._fail(sequence, message)
-        self.running, self.waiting = [], deque()
+        for sequence in self.scheduler.clear():
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "error"
+                sequence.request.emit(Event("error", sequence.index, message=message))
 
     @torch.no_grad()
     def step(self) -> None:
         """One scheduler iteration (see the module docstring)."""
         self._drop_cancelled()
-        self._admit()
-        if self.pad_decode:
+        self.scheduler.admit()
+        if self.runner.pad_decode:
             self._separate_step()
         else:
             self._packed_step()
-        self.stats["steps"] += 1
-
-    def _budget(self) -> int:
-        """Prompt tokens this step may compute (see IDLE_BUDGET_FACTOR)."""
-        decoding = any(not s.in_prefill for s in self.running)
-        return self.prefill_budget * (1 if decoding else IDLE_BUDGET_FACTOR)
-
-    def _prefill_plan(self, budget: int) -> list[tuple[Sequence, int, int]]:
-        """This step's prompt chunks, (sequence, start, end), in admission order within the budget;
-        chunk boundaries are fixed multiples of prefill_chunk."""
-        plan = []
-        for sequence in [s for s in self.running if s.in_prefill]:
-            if budget <= 0:
-                break
-            start = sequence.computed
-            end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
-            plan.append((sequence, start, end))
-            budget -= end - start
-        return plan
+        self.counts["steps"] += 1
 
     def _separate_step(self) -> None:
         """Prompt chunks one forward each (a batch of one), then one decode step for all."""
-        for sequence, start, end in self._prefill_plan(self._budget()):
-            self._prefill_chunk(sequence, start, end)
-        decoding = [s for s in self.running if not s.in_prefill and s.finish_reason is None]
-        decoding = self._make_room(decoding)
+        for sequence, start, end in self.scheduler.prefill_plan(self.scheduler.budget()):
+            logits = self.runner.prefill(sequence, start, end)
+            self.counts["prompt_tokens"] += end - start
+            if sequence.computed == len(sequence.tokens):  # a fresh prompt's last chunk
+                self._sample(sequence, logits)
+        decoding = self._make_room(self.scheduler.decoding())
         if decoding:
-            self._decode(decoding)
+            logits = self.runner.decode(decoding)  # (N, vocab)
+            for sequence, row_logits in zip(decoding, logits):
+                if sequence.computed == len(sequence.tokens):  # caught up: a new token
+                    self._sample(sequence, row_logits)
 
     def _packed_step(self) -> None:
-        """For a model whose rows are computed alone: one forward over every decoding sequence's
-        next token and this step's prompt chunks, packed in one row (attention sees each
-        sequence's own tokens: PagedBatch), so the weights are read once for all of them."""
-        budget = self._budget()
-        decoding = self._make_room([s for s in self.running if not s.in_prefill and s.finish_reason is None])
-        work = [(s, s.computed, s.computed + 1) for s in decoding]  # (sequence, start, end)
-        work += self._prefill_plan(budget)
+        """One forward over every decoding sequence's next token and this step's prompt chunks
+        (runner.packed), for a model whose rows are computed alone."""
+        budget = self.scheduler.budget()  # before making room: as the step began
+        decoding = self._make_room(self.scheduler.decoding())
+        plan = self.scheduler.prefill_plan(budget)
+        work = [(s, s.computed, s.computed + 1) for s in decoding] + plan  # (sequence, start, end)
         if not work:
             return
-        tokens, positions, owners, starts = [], [], [], [0]  # owners: each token's row of work
-        for i, (sequence, start, end) in enumerate(work):
-            tokens += sequence.tokens[start:end]
-            positions += range(start, end)
-            owners += [i] * (end - start)
-            starts.append(starts[-1] + end - start)
-        tables = self._block_tables([sequence for sequence, _, _ in work], len(work))
-        slots = kv_slots(tables[owners], torch.tensor(positions)[:, None], self.pool.block_size)  # (T, 1)
-        lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
-        device = self.device
-        self.batch.set(
-            tables.to(device),
-            lengths.to(device),
-            slots.view(1, -1).to(device),  # (1, T)
-            q_starts=torch.tensor(starts, device=device),
-        )
-        out = self.model(
-            torch.tensor([tokens], device=device),  # (1, T)
-            position_ids=torch.tensor([positions], device=device),
-            kv_caches=self.caches,
-            logits_to_keep=1,
-        )
-        ready = []  # sequences whose last token of this step is their newest: they get a new one
-        for i, (sequence, start, end) in enumerate(work):
-            if start < sequence.prompt_len:
-                self.stats["prompt_tokens"] += end - start
-            sequence.computed = end
-            if end == len(sequence.tokens):
-                ready.append((sequence, starts[i + 1] - 1))
-        if ready:
-            rows = torch.tensor([row for _, row in ready], device=device)
-            logits = self.model.project(out.last_hidden_state[0, rows][None])[0]  # (N, vocab)
-            for (sequence, _), row_logits in zip(ready, logits):
-                self._sample(sequence, row_logits)
+        ready = self.runner.packed(work)
+        self.counts["prompt_tokens"] += sum(end - start for _, start, end in plan)
+        for sequence, row_logits in ready:
+            self._sample(sequence, row_logits)
+
+    def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences that have a slot for their next token (scheduler.make_room);
+        the client of one that alone filled the pool is told it ended."""
+        ready, ended = self.scheduler.make_room(decoding)
+        for sequence in ended:
+            self._announce(sequence)
+        return ready
 
     def _drop_cancelled(self) -> None:
-        for sequence in [s for s in self.waiting if s.request.cancelled.is_set()]:
-            self.waiting.remove(sequence)
-            self._count_waiting(-1)
-            sequence.finish_reason = sequence.finish_reason or "cancelled"
+        self.scheduler.drop_cancelled_waiting()
         for sequence in [s for s in self.running if s.request.cancelled.is_set()]:
             sequence.finish_reason = sequence.finish_reason or "cancelled"
             self._retire(sequence)
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
-            sequence = self.waiting[0]
-            if sequence.finish_reason is not None:
-                self.waiting.popleft()
-                self._count_waiting(-1)
-                continue
-            blocks = self.pool.allocate(self.pool.blocks_for(len(sequence.tokens) + 1))
-            if blocks is None:
-                return
-            self.waiting.popleft()
-            self._count_waiting(-1)
-            sequence.blocks, sequence.computed = blocks, 0
-            self.running.append(sequence)
-
-    def _prefill_chunk(self, sequence: Sequence, start: int, end: int) -> None:
-        """Compute prompt tokens start .. end - 1 (a batch of one); after the last chunk of a
-        fresh sequence, sample its first token."""
-        tokens = torch.tensor([sequence.tokens[start:end]], device=self.device)  # (1, C)
-        positions = torch.arange(start, end, device=self.device)[None]  # (1, C)
-        self._set_batch([sequence], [end], [list(range(start, end))])
-        logits = self.model(tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1).logits
-        sequence.computed = end
-        self.stats["prompt_tokens"] += end - start
-        if end == sequence.prompt_len and len(sequence.tokens) == sequence.prompt_len:
-            self._sample(sequence, logits[0, -1])
-
-    def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
-        """Give every decoding sequence a slot for its next token, preempting the newest
-        sequences while the pool has no free block."""
-        ready = []
-        for sequence in sorted(decoding, key=lambda s: s.arrival):
-            if sequence.finish_reason is not None or sequence not in self.running:
-                continue
-            while self.pool.blocks_for(sequence.computed + 1) > len(sequence.blocks):
-                block = self.pool.allocate(1)
-                if block is not None:
-                    sequence.blocks += block
-                    continue
-                victim = max(self.running, key=lambda s: s.arrival)
-                if victim is sequence and len(self.running) == 1:
-                    sequence.finish_reason = "length"  # alone, it fills the whole pool
-                    self._retire(sequence)
-                    break
-                self._preempt(victim)
-                if victim is sequence:
-                    break
-            if sequence in self.running and sequence.finish_reason is None:
-                ready.append(sequence)
-        return [s for s in ready if s in self.running]
-
-    def _preempt(self, sequence: Sequence) -> None:
-        self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.computed = [], 0
-        self.running.remove(sequence)
-        self.waiting.appendleft(sequence)
-        self._count_waiting(1)
-        self.stats["preemptions"] += 1
-
-    def _decode(self, sequences: list[Sequence]) -> None:
-        """One decode step for the sequences: row r feeds token `computed` of its sequence (a
-        replayed one after a preemption, or the newest). The batch is padded to max_batch rows
-        when the model has float matmuls (see pad_decode)."""
-        rows = self.max_batch if self.pad_decode else len(sequences)
-        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        for r, sequence in enumerate(sequences):
-            tokens[r, 0] = sequence.tokens[sequence.computed]
-            positions[r, 0] = sequence.computed
-        self._set_batch(
-            sequences, [s.computed + 1 for s in sequences], [[s.computed] for s in sequences], rows
-        )
-        logits = self.model(tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1).logits
-        for r, sequence in enumerate(sequences):
-            sequence.computed += 1
-            if sequence.computed == len(sequence.tokens):  # caught up: a new token
-                self._sample(sequence, logits[r, -1])
-
-    def _set_batch(self, sequences, seq_lens, positions, rows: int | None = None) -> None:
-        """The block tables, lengths and write slots of one forward, checked once here (the
-        layers then skip their checks); rows past the sequences (padding) read and write a
-        scratch slot of their own."""
-        rows = rows or len(sequences)
-        tables = self._block_tables(sequences, rows)
-        lengths = torch.ones(rows, dtype=torch.int32)
-        where = torch.zeros((rows, len(positions[0])), dtype=torch.int64)
-        for r, (length, at) in enumerate(zip(seq_lens, positions)):
-            lengths[r] = length
-            where[r] = torch.tensor(at)
-        slots = kv_slots(tables, where, self.pool.block_size)  # (rows, L)
-        for r in range(len(sequences), rows):
-            block, slot = self.pool.scratch_slot(r)
-            tables[r, 0], slots[r] = block, slot
-        self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device), len(sequences))
-
-    def _block_tables(self, sequences, rows: int) -> torch.Tensor:
-        """(rows, max_blocks) int32: row r lists sequence r's blocks; rows past them are zeros."""
-        tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32)
-        for r, sequence in enumerate(sequences):
-            tables[r, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
-        return tables
 
     # ---- tokens out ----
 
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
         """Pick the next token from one row's logits (V,), then stream and check for the end."""
-        params = sequence.request.params
+        request = sequence.request
         logits = logits.float()
-        if params.temperature == 0:
-            token = int(logits.argmax())
-        else:
-            scores = logits / params.temperature
-            if params.top_p < 1.0:
-                scores = filter_top_p(scores[None], params.top_p)[0]
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=sequence.generator))
+        scores = request.process(logits[None], None, len(sequence.generated))  # (1, V)
+        token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
         sequence.tokens.append(token)
-        self.stats["generated_tokens"] += 1
+        self.counts["generated_tokens"] += 1
         self._note_progress(1)
-        logprobs = []
-        if params.logprobs is not None:
-            log_probs = F.log_softmax(logits, dim=-1)
-            top = torch.topk(log_probs, params.logprobs) if params.logprobs > 0 else None
-            alternatives = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-            logprobs = [TokenLogprob(token, float(log_probs[token]), alternatives)]
-        self._stream(sequence, logprobs)
+        self._stream(sequence, token_logprobs(logits, token, request.params.logprobs))
 
     def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob]) -> None:
-        params = sequence.request.params
-        generated = sequence.generated
-        end = generated[-1] in params.stop_token_ids
-        text = self.tokenizer.decode(generated[:-1] if end else generated)
-        reason = "stop" if end else None
-        cut = _first_stop(text, params.stop)
-        if cut is not None:
-            text, reason = text[:cut], "stop"
-        if reason is None and len(generated) >= params.max_tokens:
+        """Send the text the newest token made certain; end the sequence at a stop token, a
+        stop string, max_tokens or the context (then the held-back text goes too)."""
+        params, token = sequence.request.params, sequence.tokens[-1]
+        detokenizer = sequence.detokenizer
+        text, reason = "", None
+        if token in params.stop_token_ids:  # never part of the text
+            reason = "stop"
+        else:
+            text = detokenizer.add(token)
+            reason = "stop" if detokenizer.stopped else None
+        if reason is None and len(sequence.generated) >= params.max_tokens:
             reason = "length"
         if reason is None and len(sequence.tokens) >= self.context:
             reason = "length"
-        held = 0 if reason else _held_back(text, params.stop)
-        delta = text[sequence.sent : len(text) - held]
-        if delta or logprobs:
-            sequence.request.emit(Event("delta", sequence.index, delta, logprobs))
-            sequence.sent += len(delta)
+        if reason is not None:
+            text += detokenizer.finish()
+        if text or logprobs:
+            sequence.request.emit(Event("delta", sequence.index, text, logprobs))
         if reason is not None:
             sequence.finish_reason = reason
-            sequence.request.completion_tokens += len(generated)
+            sequence.request.completion_tokens += len(sequence.generated)
             self._retire(sequence)
 
     def _retire(self, sequence: Sequence) -> None:
-        """Free a finished sequence's blocks; tell its client; when its request is done, say so."""
-        if sequence in self.running:
-            self.running.remove(sequence)
-            self.pool.release(sequence.blocks)
-            sequence.blocks = []
+        """Free a finished sequence's blocks and tell its client."""
+        self.scheduler.finish(sequence)
+        self._announce(sequence)
+
+    def _announce(self, sequence: Sequence) -> None:
+        """Tell the client that a choice ended; when its request is done, say so with the usage."""
         request = sequence.request
         if sequence.finish_reason != "cancelled":
             request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason))
@@ -485,31 +346,21 @@ class Engine(SchedulerLoop):
             }
             request.emit(Event("done", usage=usage))
 
-    def _fail(self, sequence: Sequence, message: str) -> None:
-        if sequence.blocks:
-            self.pool.release(sequence.blocks)
-            sequence.blocks = []
-        if sequence.finish_reason is None:
-            sequence.finish_reason = "error"
-            sequence.request.emit(Event("error", sequence.index, message=message))
+
+def generation_settings(params: SamplingParams) -> GenerationSettings:
+    """The request's settings in generate()'s terms: temperature 0 is greedy; every other
+    setting (repetition penalty, top-k, min tokens) stays at its no-op default."""
+    return GenerationSettings(
+        do_sample=params.temperature > 0, temperature=params.temperature, top_p=params.top_p
+    )
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` not to send yet: the longest tail that could be the
-    start of a stop string (the next token may complete it), or a character whose UTF-8
-    bytes are still coming."""
-    if text.endswith("\ufffd"):
-        return 1
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+def token_logprobs(logits: torch.Tensor, token: int, top: int | None) -> list[TokenLogprob]:
+    """The chosen token's log-probability under the model's own distribution (logits (V,),
+    before temperature and top-p) and the `top` most likely tokens; [] when top is None."""
+    if top is None:
+        return []
+    log_probs = F.log_softmax(logits, dim=-1)
+    best = torch.topk(log_probs, top) if top > 0 else None
+    alternatives = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
+    return [TokenLogprob(token, float(log_probs[token]), alternatives)]

@@ -1,104 +1,172 @@
-"""The loop that owns a model: what the text engine and the embedding engine share.
+"""The scheduling policy: which sequences run, which prompt chunks a step computes, and who
+gives way when the KV pool is full. It keeps the waiting queue, the running batch and their
+blocks, and decides; it never runs the model (runner.py does), so every rule here can be
+called with plain sequences and a pool.
 
-The server's threads hand requests to `submit`, which checks them and puts
-them in an inbox; one thread (the loop) moves whatever arrived into the
-engine's waiting queue and runs one `step`, again and again, sleeping only
-when there is nothing to do. Only the loop touches the model, so a step
-never races a request; the waiting count is kept under a lock so that
-`submit` can refuse with Busy (503) past `max_waiting` instead of queueing
-without bound. A step that raises fails every request it holds, with the
-error, rather than leaving clients waiting forever.
+Admission: waiting sequences join the running batch in arrival order while it has fewer than
+`max_batch` sequences and the pool has the blocks their tokens so far plus one need.
+
+Chunked prefill: a prompt is computed in fixed chunks of `prefill_chunk` tokens (boundaries at
+multiples of it, whoever else runs), at most `prefill_budget` prompt tokens per step while
+other sequences are decoding, so a long prompt never stalls everyone's next token for long;
+IDLE_BUDGET_FACTOR times that when none is.
+
+Preemption: when a sequence needs a block and the pool has none, the newest sequence is
+preempted: its blocks are freed and it waits at the front of the queue; when readmitted it
+computes its prompt again and then replays the tokens it had generated, one decode step each,
+so its cache is rebuilt by the very same operations as before and it continues with the same
+tokens. A sequence alone in the batch that fills the whole pool ends with "length".
+
+A sequence is anything with engine.Sequence's fields: tokens, prompt_len, blocks, computed
+(tokens whose keys and values are in the blocks), arrival (its place in arrival order),
+finish_reason, in_prefill and request.cancelled.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections import deque
+from collections.abc import Callable
+
+from flashformer.serve.paged_cache import BlockPool
+
+# A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
+# multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
+# the first of them to get their second token without a long wait.
+IDLE_BUDGET_FACTOR = 8
 
 
-class Busy(RuntimeError):
-    """The waiting queue is full (the server answers 503)."""
+class Scheduler:
+    """The queue, the batch and the blocks they hold; see the module docstring.
 
+    on_waiting(change) is told each time the waiting queue grows or shrinks (the loop's waiting
+    count, which submit() reads to answer Busy)."""
 
-class SchedulerLoop:
-    """The inbox, the waiting count and the thread; subclasses say what a request brings
-    (`_accept`), whether work remains (`_has_work`), what one iteration does (`step`) and
-    how every held request fails (`_fail_all`)."""
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        prefill_budget: int,
+        on_waiting: Callable[[int], None] = lambda change: None,
+    ):
+        self.pool, self.max_batch = pool, max_batch
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        self.on_waiting = on_waiting
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.preemptions = 0
 
-    def __init__(self, max_waiting: int):
-        self.max_waiting = max_waiting
-        self._inbox: queue.Queue = queue.Queue()
-        self._waiting_count = 0  # items submitted and not yet running (read from other threads)
-        self._count_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._progress: deque[tuple[float, int]] = deque(maxlen=4096)  # (time, items done)
+    # ---- admission ----
 
-    def _note_progress(self, count: int) -> None:
-        """Record `count` items (tokens, inputs) done now, for the rate /metrics reports."""
-        self._progress.append((time.monotonic(), count))
+    def admit(self) -> None:
+        """Move waiting sequences into the batch, in order, while it has room and the pool
+        has their blocks; finished ones (cancelled while waiting) just leave the queue."""
+        while self.waiting and len(self.running) < self.max_batch:
+            sequence = self.waiting[0]
+            if sequence.finish_reason is not None:
+                self._leave_queue()
+                continue
+            blocks = self.pool.allocate(self.pool.blocks_for(len(sequence.tokens) + 1))
+            if blocks is None:
+                return
+            self._leave_queue()
+            sequence.blocks, sequence.computed = blocks, 0
+            self.running.append(sequence)
 
-    def _rate(self, window_s: float = 10.0) -> float:
-        """Items per second over the last window_s seconds (0 until two records fall in it)."""
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._progress) if now - t <= window_s]
-        span = now - recent[0][0] if len(recent) > 1 else 0.0
-        return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+    def drop_cancelled_waiting(self) -> None:
+        """Waiting sequences whose client went away leave the queue."""
+        for sequence in [s for s in self.waiting if s.request.cancelled.is_set()]:
+            self.waiting.remove(sequence)
+            self.on_waiting(-1)
+            sequence.finish_reason = sequence.finish_reason or "cancelled"
 
-    def _enqueue(self, request, items: int) -> None:
-        """Count `items` more waiting (Busy past max_waiting) and hand the request to the loop."""
-        with self._count_lock:
-            if self._waiting_count + items > self.max_waiting:
-                raise Busy(f"{self._waiting_count} are waiting (max {self.max_waiting}); try again later")
-            self._waiting_count += items
-        self._inbox.put(request)
+    def _leave_queue(self) -> None:
+        self.waiting.popleft()
+        self.on_waiting(-1)
 
-    def _count_waiting(self, change: int) -> None:
-        with self._count_lock:
-            self._waiting_count += change
+    # ---- what a step computes ----
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="flashformer-engine", daemon=True)
-        self._thread.start()
+    def budget(self) -> int:
+        """Prompt tokens this step may compute (see IDLE_BUDGET_FACTOR)."""
+        decoding = any(not s.in_prefill for s in self.running)
+        return self.prefill_budget * (1 if decoding else IDLE_BUDGET_FACTOR)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                request = self._inbox.get(timeout=None if not self._has_work() else 0.0)
-            except queue.Empty:
-                request = None
-            while request is not None:
-                self._accept(request)
-                try:
-                    request = self._inbox.get_nowait()
-                except queue.Empty:
-                    request = None
-            if self._stop.is_set():
+    def prefill_plan(self, budget: int) -> list[tuple[object, int, int]]:
+        """This step's prompt chunks, (sequence, start, end), in admission order within the
+        budget; chunk boundaries are fixed multiples of prefill_chunk."""
+        plan = []
+        for sequence in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
                 break
-            try:
-                self.step()
-            except Exception as error:  # a failing step must not leave clients waiting forever
-                self._fail_all(f"the engine failed: {error!r}")
-                self._count_waiting(-self._waiting_count)
+            start = sequence.computed
+            end = min(start + self.prefill_chunk - start % self.prefill_chunk, sequence.prompt_len)
+            plan.append((sequence, start, end))
+            budget -= end - start
+        return plan
 
-    # ---- what an engine provides ----
+    def decoding(self) -> list:
+        """The running sequences past their prompt (each needs a decode step)."""
+        return [s for s in self.running if not s.in_prefill and s.finish_reason is None]
 
-    def _accept(self, request) -> None:
-        raise NotImplementedError
+    # ---- room in the pool ----
 
-    def _has_work(self) -> bool:
-        raise NotImplementedError
+    def make_room(self, decoding: list) -> tuple[list, list]:
+        """Give every decoding sequence a slot for its next token, preempting the newest
+        sequences while the pool has no free block. Returns (ready: those that decode this
+        step, ended: a sequence that alone filled the pool, finished with "length" and out of
+        the batch; the caller tells its client)."""
+        ready, ended = [], []
+        for sequence in sorted(decoding, key=lambda s: s.arrival):
+            if sequence.finish_reason is not None or sequence not in self.running:
+                continue
+            while self.pool.blocks_for(sequence.computed + 1) > len(sequence.blocks):
+                block = self.pool.allocate(1)
+                if block is not None:
+                    sequence.blocks += block
+                    continue
+                victim = newest(self.running)
+                if victim is sequence and len(self.running) == 1:
+                    sequence.finish_reason = "length"  # alone, it fills the whole pool
+                    self.finish(sequence)
+                    ended.append(sequence)
+                    break
+                self.preempt(victim)
+                if victim is sequence:
+                    break
+            if sequence in self.running and sequence.finish_reason is None:
+                ready.append(sequence)
+        return [s for s in ready if s in self.running], ended
 
-    def step(self) -> None:
-        raise NotImplementedError
+    def preempt(self, sequence) -> None:
+        """Free the sequence's blocks and put it first in the queue (it replays when readmitted)."""
+        self.pool.release(sequence.blocks)
+        sequence.blocks, sequence.computed = [], 0
+        self.running.remove(sequence)
+        self.waiting.appendleft(sequence)
+        self.on_waiting(1)
+        self.preemptions += 1
 
-    def _fail_all(self, message: str) -> None:
-        raise NotImplementedError
+    def finish(self, sequence) -> None:
+        """A finished sequence leaves the batch; its blocks serve others at once."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+            self.pool.release(sequence.blocks)
+            sequence.blocks = []
+
+    def clear(self) -> list:
+        """Every sequence held (running, then waiting), their blocks released and the queue and
+        the batch emptied (the engine failed: the caller fails them)."""
+        held = self.running + list(self.waiting)
+        for sequence in held:
+            if sequence.blocks:
+                self.pool.release(sequence.blocks)
+                sequence.blocks = []
+        self.running, self.waiting = [], deque()
+        return held
+
+
+def newest(running: list):
+    """The sequence preempted when the pool is full: the last to arrive, so that the earlier
+    ones keep their places (first come, first served)."""
+    return max(running, key=lambda s: s.arrival)

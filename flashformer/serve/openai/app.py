@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over an Engine (FastAPI).
+"""create_app: the OpenAI-compatible HTTP API over an Engine (FastAPI): the routes, the API
+key, the errors and their statuses.
 
     POST /v1/chat/completions   messages through the model's chat template
     POST /v1/completions        a prompt string or token ids
@@ -18,91 +19,25 @@ cancelled within one engine step.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
-import json
 import time
 import uuid
-from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from flashformer.serve.embeddings import EmbeddingEngine, EmbeddingRequest
 from flashformer.serve.engine import Busy, Engine, Event, SamplingParams
 from flashformer.serve.engine import Request as EngineRequest
-
-# ---- request bodies ----
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class Sampling(BaseModel):
-    """The settings both endpoints share (OpenAI's names and defaults)."""
-
-    model_config = ConfigDict(extra="allow")  # clients send fields we do not use (user, metadata, ...)
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-
-
-# ---- errors ----
-
-
-class EmbeddingsRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: str = "float"
-    dimensions: int | None = None
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-# ---- the app ----
+from flashformer.serve.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    Sampling,
+)
+from flashformer.serve.openai.responses import collect, embedding_response, prometheus, stream_events
 
 
 def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -149,7 +84,7 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_prometheus(engine.metrics()))
+        return PlainTextResponse(prometheus(engine.metrics()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -222,7 +157,7 @@ def _check_generates(engine, model_name: str) -> None:
 async def _embed(engine: EmbeddingEngine, http: Request, body: EmbeddingsRequest, model_name: str) -> dict:
     """Token ids of every input (texts through the tokenizer, cut to the encoder's length as
     sentence-transformers cuts them; ids as given), their vectors from the engine, OpenAI's
-    response: float lists, or base64 of little-endian float32 (what the openai client asks for)."""
+    response (responses.embedding_response)."""
     if body.encoding_format not in ("float", "base64"):
         raise APIError(400, f"encoding_format must be 'float' or 'base64'; got {body.encoding_format!r}",
                        param="encoding_format")  # fmt: skip
@@ -262,17 +197,7 @@ async def _embed(engine: EmbeddingEngine, http: Request, body: EmbeddingsRequest
     vectors, message = answer.result()
     if message is not None:
         raise APIError(500, message, kind="server_error")
-
-    def encoded_vector(vector: np.ndarray):
-        if body.encoding_format == "base64":
-            return base64.b64encode(vector.astype("<f4").tobytes()).decode()
-        return vector.tolist()
-
-    data = [
-        {"object": "embedding", "index": i, "embedding": encoded_vector(v)} for i, v in enumerate(vectors)
-    ]
-    usage = {"prompt_tokens": request.tokens, "total_tokens": request.tokens}
-    return {"object": "list", "data": data, "model": model_name, "usage": usage}
+    return embedding_response(vectors, body.encoding_format, request.tokens, model_name)
 
 
 def _check_model(name: str, served: str) -> None:
@@ -359,166 +284,7 @@ async def _respond(
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(request, events, ident, created, model_name, chat, usage, engine),
+            stream_events(request, events, ident, created, model_name, chat, usage, engine),
             media_type="text/event-stream",
         )
-    return await _collect(request, events, http, ident, created, model_name, chat, engine)
-
-
-async def _collect(request, events, http, ident, created, model_name, chat, engine) -> dict:
-    """Wait for the whole answer (cancelling it if the client goes away), then one response."""
-    texts = [""] * len(request.sequences)
-    logprobs: list[list] = [[] for _ in request.sequences]
-    reasons: list[str | None] = [None] * len(request.sequences)
-    usage = None
-    try:
-        while usage is None:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    request.cancel()
-                    return JSONResponse({}, status_code=499)
-                continue
-            if event.kind == "delta":
-                texts[event.index] += event.text
-                logprobs[event.index] += event.logprobs
-            elif event.kind == "finish":
-                reasons[event.index] = event.finish_reason
-            elif event.kind == "done":
-                usage = event.usage
-            elif event.kind == "error":
-                raise APIError(500, event.message, kind="server_error")
-    except asyncio.CancelledError:
-        request.cancel()
-        raise
-    choices = []
-    for index, (text, reason) in enumerate(zip(texts, reasons)):
-        if chat:
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-            }
-            choice["logprobs"] = (
-                _chat_logprobs(logprobs[index], engine) if request.params.logprobs is not None else None
-            )
-        else:
-            choice = {"index": index, "text": text, "finish_reason": reason}
-            choice["logprobs"] = (
-                _completion_logprobs(logprobs[index], engine) if request.params.logprobs is not None else None
-            )
-        choices.append(choice)
-    kind = "chat.completion" if chat else "text_completion"
-    return {
-        "id": ident,
-        "object": kind,
-        "created": created,
-        "model": model_name,
-        "choices": choices,
-        "usage": usage,
-    }
-
-
-async def _stream(request, events, ident, created, model_name, chat, include_usage, engine):
-    """Server-sent events: a chunk per piece of text, a closing chunk per choice, the usage
-    chunk if asked, then [DONE]. Cancelled if the client goes away (the generator is closed)."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choices, usage=None) -> str:
-        payload = {"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return f"data: {json.dumps(payload)}\n\n"
-
-    def choice(index, text=None, reason=None, logprobs=None, first=False) -> dict:
-        if chat:
-            delta = (
-                {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-            )
-            out = {"index": index, "delta": delta, "finish_reason": reason}
-            out["logprobs"] = _chat_logprobs(logprobs, engine) if logprobs else None
-        else:
-            out = {"index": index, "text": text or "", "finish_reason": reason}
-            out["logprobs"] = _completion_logprobs(logprobs, engine) if logprobs else None
-        return out
-
-    try:
-        if chat:
-            yield chunk([choice(i, first=True) for i in range(len(request.sequences))])
-        while True:
-            event = await events.get()
-            if event.kind == "delta":
-                yield chunk([choice(event.index, event.text, logprobs=event.logprobs)])
-            elif event.kind == "finish":
-                yield chunk([choice(event.index, reason=event.finish_reason)])
-            elif event.kind == "error":
-                error = {
-                    "error": {"message": event.message, "type": "server_error", "param": None, "code": None}
-                }
-                yield f"data: {json.dumps(error)}\n\n"
-                break
-            elif event.kind == "done":
-                if include_usage:
-                    yield chunk([], event.usage)
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        if not request.finished:
-            request.cancel()
-
-
-def _token_text(engine: Engine, token: int) -> str:
-    return engine.tokenizer.decode([token], skip_special_tokens=False)
-
-
-def _chat_logprobs(entries, engine) -> dict:
-    content = []
-    for entry in entries:
-        text = _token_text(engine, entry.token)
-        top = [
-            {"token": (t := _token_text(engine, i)), "logprob": lp, "bytes": list(t.encode())}
-            for i, lp in entry.top
-        ]
-        content.append(
-            {"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top}
-        )
-    return {"content": content}
-
-
-def _completion_logprobs(entries, engine) -> dict:
-    tokens = [_token_text(engine, e.token) for e in entries]
-    offsets, at = [], 0
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{_token_text(engine, i): lp for i, lp in e.top} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def _prometheus(metrics: dict) -> str:
-    help_texts = {
-        "requests_running": ("gauge", "requests with a sequence in the running batch"),
-        "sequences_running": ("gauge", "sequences in the running batch"),
-        "sequences_waiting": ("gauge", "sequences waiting to be admitted"),
-        "kv_blocks_in_use": ("gauge", "KV cache blocks held by sequences"),
-        "kv_blocks_total": ("gauge", "KV cache blocks sequences can hold"),
-        "tokens_per_second": ("gauge", "generated tokens per second over the last 10 s"),
-        "steps": ("counter", "engine steps"),
-        "generated_tokens": ("counter", "tokens generated"),
-        "prompt_tokens": ("counter", "prompt tokens computed"),
-        "preemptions": ("counter", "sequences preempted for lack of KV blocks"),
-        "inputs_waiting": ("gauge", "embedding inputs waiting to be encoded"),
-        "inputs_per_second": ("gauge", "embedding inputs encoded per second over the last 10 s"),
-        "embedded_inputs": ("counter", "embedding inputs encoded"),
-    }
-    lines = []
-    for name, value in metrics.items():
-        kind, text = help_texts.get(name, ("gauge", name))
-        full = f"flashformer_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {full} {text}", f"# TYPE {full} {kind}", f"{full} {value}"]
-    return "\n".join(lines) + "\n"
+    return await collect(request, events, http, ident, created, model_name, chat, engine)

@@ -1,0 +1,190 @@
+"""What the endpoints answer: a whole completion's JSON, a stream of server-sent events, their
+log-probabilities (chat's and completions' shapes), embeddings' vectors, and the Prometheus
+text of /metrics. OpenAI's shapes, so the `openai` client reads them unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+from fastapi.responses import JSONResponse
+
+from flashformer.serve.engine import Engine
+from flashformer.serve.openai.protocol import APIError
+
+
+async def collect(request, events, http, ident, created, model_name, chat, engine) -> dict:
+    """Wait for the whole answer (cancelling it if the client goes away), then one response."""
+    texts = [""] * len(request.sequences)
+    logprobs: list[list] = [[] for _ in request.sequences]
+    reasons: list[str | None] = [None] * len(request.sequences)
+    usage = None
+    try:
+        while usage is None:
+            try:
+                event = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    request.cancel()
+                    return JSONResponse({}, status_code=499)
+                continue
+            if event.kind == "delta":
+                texts[event.index] += event.text
+                logprobs[event.index] += event.logprobs
+            elif event.kind == "finish":
+                reasons[event.index] = event.finish_reason
+            elif event.kind == "done":
+                usage = event.usage
+            elif event.kind == "error":
+                raise APIError(500, event.message, kind="server_error")
+    except asyncio.CancelledError:
+        request.cancel()
+        raise
+    choices = []
+    for index, (text, reason) in enumerate(zip(texts, reasons)):
+        if chat:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+            }
+            choice["logprobs"] = (
+                chat_logprobs(logprobs[index], engine) if request.params.logprobs is not None else None
+            )
+        else:
+            choice = {"index": index, "text": text, "finish_reason": reason}
+            choice["logprobs"] = (
+                completion_logprobs(logprobs[index], engine) if request.params.logprobs is not None else None
+            )
+        choices.append(choice)
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": ident,
+        "object": kind,
+        "created": created,
+        "model": model_name,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+async def stream_events(request, events, ident, created, model_name, chat, include_usage, engine):
+    """Server-sent events: a chunk per piece of text, a closing chunk per choice, the usage
+    chunk if asked, then [DONE]. Cancelled if the client goes away (the generator is closed)."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, usage=None) -> str:
+        payload = {"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def choice(index, text=None, reason=None, logprobs=None, first=False) -> dict:
+        if chat:
+            delta = (
+                {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            )
+            out = {"index": index, "delta": delta, "finish_reason": reason}
+            out["logprobs"] = chat_logprobs(logprobs, engine) if logprobs else None
+        else:
+            out = {"index": index, "text": text or "", "finish_reason": reason}
+            out["logprobs"] = completion_logprobs(logprobs, engine) if logprobs else None
+        return out
+
+    try:
+        if chat:
+            yield chunk([choice(i, first=True) for i in range(len(request.sequences))])
+        while True:
+            event = await events.get()
+            if event.kind == "delta":
+                yield chunk([choice(event.index, event.text, logprobs=event.logprobs)])
+            elif event.kind == "finish":
+                yield chunk([choice(event.index, reason=event.finish_reason)])
+            elif event.kind == "error":
+                error = {
+                    "error": {"message": event.message, "type": "server_error", "param": None, "code": None}
+                }
+                yield f"data: {json.dumps(error)}\n\n"
+                break
+            elif event.kind == "done":
+                if include_usage:
+                    yield chunk([], event.usage)
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not request.finished:
+            request.cancel()
+
+
+def token_text(engine: Engine, token: int) -> str:
+    return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def chat_logprobs(entries, engine) -> dict:
+    content = []
+    for entry in entries:
+        text = token_text(engine, entry.token)
+        top = [
+            {"token": (t := token_text(engine, i)), "logprob": lp, "bytes": list(t.encode())}
+            for i, lp in entry.top
+        ]
+        content.append(
+            {"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def completion_logprobs(entries, engine) -> dict:
+    tokens = [token_text(engine, e.token) for e in entries]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(engine, i): lp for i, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def embedding_response(vectors: list[np.ndarray], encoding_format: str, tokens: int, model_name: str) -> dict:
+    """OpenAI's embeddings response: float lists, or base64 of little-endian float32 (what the
+    openai client asks for)."""
+
+    def encoded_vector(vector: np.ndarray):
+        if encoding_format == "base64":
+            return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+        return vector.tolist()
+
+    data = [
+        {"object": "embedding", "index": i, "embedding": encoded_vector(v)} for i, v in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model_name, "usage": usage}
+
+
+def prometheus(metrics: dict) -> str:
+    help_texts = {
+        "requests_running": ("gauge", "requests with a sequence in the running batch"),
+        "sequences_running": ("gauge", "sequences in the running batch"),
+        "sequences_waiting": ("gauge", "sequences waiting to be admitted"),
+        "kv_blocks_in_use": ("gauge", "KV cache blocks held by sequences"),
+        "kv_blocks_total": ("gauge", "KV cache blocks sequences can hold"),
+        "tokens_per_second": ("gauge", "generated tokens per second over the last 10 s"),
+        "steps": ("counter", "engine steps"),
+        "generated_tokens": ("counter", "tokens generated"),
+        "prompt_tokens": ("counter", "prompt tokens computed"),
+        "preemptions": ("counter", "sequences preempted for lack of KV blocks"),
+        "inputs_waiting": ("gauge", "embedding inputs waiting to be encoded"),
+        "inputs_per_second": ("gauge", "embedding inputs encoded per second over the last 10 s"),
+        "embedded_inputs": ("counter", "embedding inputs encoded"),
+    }
+    lines = []
+    for name, value in metrics.items():
+        kind, text = help_texts.get(name, ("gauge", name))
+        full = f"flashformer_{name}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {full} {text}", f"# TYPE {full} {kind}", f"{full} {value}"]
+    return "\n".join(lines) + "\n"
