@@ -280,7 +280,8 @@ class Engine(ModelLoop):
         """The decoding sequences that have a slot for their next token (scheduler.make_room);
         the client of one that alone filled the pool is told it ended."""
         ready, ended = self.scheduler.make_room(decoding)
-        for sequence in ended:
+        for sequence in ended:  # it ends with what it had said, the held-back text included
+            self._last_delta(sequence)
             self._announce(sequence)
         return ready
 
@@ -318,14 +319,20 @@ class Engine(ModelLoop):
             reason = "length"
         if reason is None and len(sequence.tokens) >= self.context:
             reason = "length"
-        if reason is not None:
-            text += detokenizer.finish()
+        if reason is None:
+            if text or logprobs:
+                sequence.request.emit(Event("delta", sequence.index, text, logprobs))
+            return
+        sequence.finish_reason = reason
+        self._last_delta(sequence, text, logprobs)
+        self._retire(sequence)
+
+    def _last_delta(self, sequence: Sequence, text: str = "", logprobs: list[TokenLogprob] | None = None) -> None:
+        """An ending sequence's last text (with what the detokenizer held back) and its count."""
+        text += sequence.detokenizer.finish()
         if text or logprobs:
-            sequence.request.emit(Event("delta", sequence.index, text, logprobs))
-        if reason is not None:
-            sequence.finish_reason = reason
-            sequence.request.completion_tokens += len(sequence.generated)
-            self._retire(sequence)
+            sequence.request.emit(Event("delta", sequence.index, text, logprobs or []))
+        sequence.request.completion_tokens += len(sequence.generated)
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's blocks and tell its client."""

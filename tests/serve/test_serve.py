@@ -367,6 +367,28 @@ def test_a_prompt_beyond_the_context_is_refused(local):
         engine.submit(Request(list(range(40)), SamplingParams(max_tokens=2), 1, lambda e: None))
 
 
+def test_a_sequence_that_fills_the_pool_alone_ends_with_all_its_text(local):
+    """Alone, it cannot be preempted for room: it ends with "length", and its client still gets
+    every token's text (the detokenizer's held-back tail too) and the token count."""
+    model, tokenizer = local
+    engine = Engine(model, tokenizer, max_batch=1, num_blocks=5, block_size=4)  # 4 blocks: 16 tokens
+    events = []
+    prompt = tokenizer.encode("Emoji 🎉 and 中文")
+    request = Request(prompt, SamplingParams(max_tokens=100, temperature=0), 1, events.append)
+    engine.submit(request)
+    while engine._inbox.qsize():
+        engine.waiting.extend(engine._inbox.get().sequences)
+    while not request.finished:
+        engine.step()
+    generated = request.sequences[0].generated
+    # the pool holds 16 tokens' keys; the 17th was sampled, and had no room for its own
+    assert len(prompt) + len(generated) == 17
+    assert [e.finish_reason for e in events if e.kind == "finish"] == ["length"]
+    assert "".join(e.text for e in events if e.kind == "delta") == tokenizer.decode(generated)
+    assert events[-1].kind == "done" and events[-1].usage["completion_tokens"] == len(generated)
+    assert engine.pool.in_use == 0
+
+
 def rss_bytes(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
