@@ -43,9 +43,8 @@ from flashformer.kernels import extension
 BLOCK = 32  # values per quantization block along the input dim (GGUF's QK4_0, QK4_1, QK8_0)
 # Output rows interleaved in the packed layout: 8 for int4, whose one-row kernel reads 8 rows per
 # block (the x block's loads and scale shared by 8 rows) and must read them as one sequential
-# stream (1536 x 576 at one row on one core, from memory: 31 us as one 8-row group, 70 us as two
-# 4-row groups side by side, 45 us 4 rows at a time). 4 for int8: 4 rows x 32 bytes are already a
-# 128-byte sequential block.
+# stream, faster than two 4-row groups side by side or 4 rows at a time (docs/benchmarks.md).
+# 4 for int8: 4 rows x 32 bytes are already a 128-byte sequential block.
 GROUP_ROWS = {"int4": 8, "int8": 4}
 FORMATS = ("int4", "int8")
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -94,7 +93,7 @@ def kernel_isa(request: int | str = -1) -> str:
 @extension.on_fallback
 def _register_fallback() -> None:
     """The operators' kernels in Python. (The C++ library registers its own no-backward kernel:
-    this one costs about 5 us a call, even under no_grad.)"""
+    this one adds a fixed cost to every call, even under no_grad.)"""
     for name, dequantize in (("int4_linear", dequantize_int4), ("int8_linear", dequantize_int8)):
         _LIBRARY.impl(name, functools.partial(_linear_fallback, dequantize), "CPU")
         torch.library.register_autograd(
@@ -368,8 +367,8 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def cat(cls, linears: list[QuantizedLinear]) -> QuantizedLinear:
         """One layer computing several that read the same x (q, k, v; gate and up): their rows
-        stacked, the same bytes. One call instead of several saves a call's fixed cost (about
-        10 us eager, 4 us in a compiled graph) and a pass over x; torch.split the output to get the parts.
+        stacked, the same bytes. One call instead of several saves a call's fixed cost (eager and
+        in a compiled graph) and a pass over x; torch.split the output to get the parts.
         Every part but the last needs out_features a multiple of the rows per packed group
         (8 for int4, 4 for int8)."""
         first = linears[0]

@@ -20,9 +20,10 @@
 //   block_size = L).
 //
 // Why this shape:
-// - A decode step attends every sequence over its own keys. SDPA's CPU kernels cost ~35 us a
-//   call for one query and more per row of a batch; a server calling attention() once per
-//   sequence pays a gather and tens of microseconds of dispatch each. This is one call per layer.
+// - A decode step attends every sequence over its own keys. SDPA's CPU kernels spend most of a
+//   one-query call around the arithmetic, and more per row of a batch; a server calling
+//   attention() once per sequence pays a gather and a dispatch each. This is one call per layer
+//   (the measurements: docs/benchmarks.md, "Decode attention on the CPU").
 // - One task per (sequence, KV head): its G = Hq / Hk query heads (GQA) and Lq queries share
 //   every key and value read, key by key; the blocks are read in place, never gathered.
 // - Batch invariance by construction: a task's arithmetic (which keys, in which order, the
