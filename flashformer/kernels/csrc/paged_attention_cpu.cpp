@@ -20,9 +20,10 @@
 //   block_size = L).
 //
 // Why this shape:
-// - A decode step attends every sequence over its own keys. SDPA's CPU kernels cost ~35 us a
-//   call for one query and more per row of a batch; a server calling attention() once per
-//   sequence pays a gather and tens of microseconds of dispatch each. This is one call per layer.
+// - A decode step attends every sequence over its own keys. SDPA's CPU kernels spend most of a
+//   one-query call around the arithmetic, and more per row of a batch; a server calling
+//   attention() once per sequence pays a gather and a dispatch each. This is one call per layer
+//   (the measurements: docs/benchmarks.md, "Decode attention on the CPU").
 // - One task per (sequence, KV head): its G = Hq / Hk query heads (GQA) and Lq queries share
 //   every key and value read, key by key; the blocks are read in place, never gathered.
 // - Batch invariance by construction: a task's arithmetic (which keys, in which order, the
@@ -227,11 +228,26 @@ struct Problem {
   int64_t window_left, window_right;  // -1: unbounded
 };
 
-// A thread's working memory, reused by its tasks: (rows,) running max, sum and rescale, (rows, Dv)
-// accumulators, (rows, kSpan) scores, then weights, of the span; a float16 cache's span of keys
-// (kSpan, D) and values (kSpan, Dv) widened to float32.
+// One task (see attend): sequence b's KV head h, its n queries at packed rows q0 .. q0 + n - 1
+// and key positions first_query .. first_query + n - 1, against its first `visible` keys.
+struct Task {
+  int64_t b, h, first_query, visible, q0, n;
+};
+
+// A thread's working memory, reused by its tasks. Row r of a task is query head h * G + r / n's
+// query r % n (rows = G x n): (rows,) running max, sum and rescale, (rows, Dv) accumulators,
+// (rows, kSpan) scores, then weights, of the span; a float16 cache's span of keys (kSpan, D) and
+// values (kSpan, Dv) widened to float32.
 struct Scratch {
   std::vector<float> m, l, rescale, acc, s, wide_k, wide_v;
+};
+
+// Where one span of a task's keys (positions key0 .. key0 + keys - 1) is read from, as float32 rows.
+struct Span {
+  const float* key_rows[kSpan];
+  const float* value_rows[kSpan];
+  int64_t k_at[kSpan], v_at[kSpan];            // their offsets in the cache
+  int64_t next_k_at[kSpan], next_v_at[kSpan];  // a float16 cache: the next span's, fetched meanwhile
 };
 
 // The element offsets of KV head h's keys (k_at) and values (v_at) at positions key0 .. key0 +
@@ -252,196 +268,241 @@ __attribute__((always_inline)) inline void span_offsets(const Problem& p, const 
   }
 }
 
-// Sequence b, KV head h: G x n of its queries (packed rows q0 .. q0 + n - 1, at key positions
-// first_query .. first_query + n - 1) against its first `visible` keys, block by block in order,
-// with an online softmax. Within a block: scores eight keys at a time, every
-// query row using the eight while they are in L1; then each row's weights and its weighted sum of
-// values, 64 columns of the accumulator in registers.
-// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 with FMA (x86-64-v3) and any x86-64
-// CPU, the same operations in the same order in each; the first two fuse each multiply-add (one
-// rounding, twice the products a cycle), so they give the same bits as each other and the default
-// clone, which rounds twice, its own. The loader picks one per CPU, once.
-#if defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
-#endif
-void attend_task(const Problem& p, int64_t b, int64_t h, int64_t visible, int64_t first_query, const int64_t* table,
-                 int64_t q0, int64_t n, Scratch& scratch) {
-  const int64_t group = p.q_heads / p.kv_heads, rows = group * n;
-  const int64_t ld = kSpan;  // a row of scores
-  const float kInf = std::numeric_limits<float>::infinity();
-  std::vector<float>&m = scratch.m, &l = scratch.l, &rescale = scratch.rescale, &acc = scratch.acc, &s = scratch.s;
-  m.assign(rows, -kInf);
-  rescale.resize(rows);
-  l.assign(rows, 0.f);
-  acc.assign(rows * p.dim_v, 0.f);
-  s.resize(rows * ld);
-  // row r's query sits at first_query + r % n
-  const bool* padding = p.key_padding ? p.key_padding + b * p.padding_len : nullptr;
-  const bool plain_rules = padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
-                           p.slopes == nullptr;
-  const float* key_rows[kSpan];  // the span's keys and values, as float32
-  const float* value_rows[kSpan];
-  int64_t k_at[kSpan], v_at[kSpan];  // their offsets in the cache
-  int64_t next_k_at[kSpan], next_v_at[kSpan];  // a float16 cache: the next span's, fetched meanwhile
-  const uint16_t* half_k = static_cast<const uint16_t*>(p.k);
-  const uint16_t* half_v = static_cast<const uint16_t*>(p.v);
+// Step 1, per span: find its keys and values in the cache; a float16 cache's are widened once,
+// for every query row of the task, and the next span's offsets found for prefetching. Returns
+// how many rows of the next span there are to prefetch (0 for a float32 cache).
+__attribute__((always_inline)) inline int64_t load_span(const Problem& p, const Task& task, const int64_t* table,
+                                                        int64_t key0, int64_t keys, Scratch& scratch, Span& span) {
+  span_offsets(p, table, task.h, key0, keys, span.k_at, span.v_at);
+  int64_t ahead = 0;
   if (p.half_kv) {
-    scratch.wide_k.resize(kSpan * p.dim);
-    scratch.wide_v.resize(kSpan * p.dim_v);
+    widen_rows(p.k, span.k_at, keys, p.dim, scratch.wide_k.data());
+    widen_rows(p.v, span.v_at, keys, p.dim_v, scratch.wide_v.data());
+    for (int64_t t = 0; t < keys; ++t) {
+      span.key_rows[t] = scratch.wide_k.data() + t * p.dim;
+      span.value_rows[t] = scratch.wide_v.data() + t * p.dim_v;
+    }
+    ahead = std::min(kSpan, std::max<int64_t>(0, task.visible - key0 - kSpan));
+    span_offsets(p, table, task.h, key0 + kSpan, ahead, span.next_k_at, span.next_v_at);
+  } else {
+    for (int64_t t = 0; t < keys; ++t) {
+      span.key_rows[t] = static_cast<const float*>(p.k) + span.k_at[t];
+      span.value_rows[t] = static_cast<const float*>(p.v) + span.v_at[t];
+    }
   }
-  for (int64_t key0 = 0; key0 < visible; key0 += kSpan) {
-    const int64_t keys = std::min(kSpan, visible - key0);
-    if (p.window_left >= 0 && key0 + keys - 1 < first_query - p.window_left) continue;  // before every window
-    span_offsets(p, table, h, key0, keys, k_at, v_at);
-    int64_t ahead = 0;  // rows of the next span to prefetch
-    if (p.half_kv) {  // the span's rows widened once, for every query row of the task
-      widen_rows(p.k, k_at, keys, p.dim, scratch.wide_k.data());
-      widen_rows(p.v, v_at, keys, p.dim_v, scratch.wide_v.data());
-      for (int64_t t = 0; t < keys; ++t) {
-        key_rows[t] = scratch.wide_k.data() + t * p.dim;
-        value_rows[t] = scratch.wide_v.data() + t * p.dim_v;
-      }
-      ahead = std::min(kSpan, std::max<int64_t>(0, visible - key0 - kSpan));
-      span_offsets(p, table, h, key0 + kSpan, ahead, next_k_at, next_v_at);
-    } else {
-      for (int64_t t = 0; t < keys; ++t) {
-        key_rows[t] = static_cast<const float*>(p.k) + k_at[t];
-        value_rows[t] = static_cast<const float*>(p.v) + v_at[t];
+  return ahead;
+}
+
+// While keys t0 .. t0 + 7 are scored: a float16 span's rows are widened already, so fetch the
+// next span's; a float32 cache streams from memory, so fetch these keys' values and the keys 16 ahead.
+__attribute__((always_inline)) inline void prefetch_for_scores(const Problem& p, const Span& span, int64_t keys,
+                                                               int64_t ahead, int64_t t0) {
+  if (p.half_kv) {
+    const uint16_t* half_k = static_cast<const uint16_t*>(p.k);
+    const uint16_t* half_v = static_cast<const uint16_t*>(p.v);
+    for (int64_t t = t0; t < std::min(t0 + 8, ahead); ++t) {
+      for (int64_t c = 0; c < p.dim; c += 32) __builtin_prefetch(half_k + span.next_k_at[t] + c, 0, 2);
+      for (int64_t c = 0; c < p.dim_v; c += 32) __builtin_prefetch(half_v + span.next_v_at[t] + c, 0, 2);
+    }
+  } else {
+    for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
+      for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(span.value_rows[t] + c, 0, 2);
+      if (t + 16 < keys) {
+        for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(span.key_rows[t + 16] + c, 0, 3);
       }
     }
-    // scaled scores, eight keys at a time (a last partial eight repeats its last key); the keys
-    // 16 ahead and these eight keys' values are fetched meanwhile (the cache streams from memory)
-    for (int64_t t0 = 0; t0 < keys; t0 += 8) {
-      const float* kt[8];
-      for (int i = 0; i < 8; ++i) kt[i] = key_rows[std::min(t0 + i, keys - 1)];
-      if (p.half_kv) {  // the rows are widened already: fetch the next span's meanwhile
-        for (int64_t t = t0; t < std::min(t0 + 8, ahead); ++t) {
-          for (int64_t c = 0; c < p.dim; c += 32) __builtin_prefetch(half_k + next_k_at[t] + c, 0, 2);
-          for (int64_t c = 0; c < p.dim_v; c += 32) __builtin_prefetch(half_v + next_v_at[t] + c, 0, 2);
-        }
-      } else {
-        for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
-          for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(value_rows[t] + c, 0, 2);
-          if (t + 16 < keys) {
-            for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(key_rows[t + 16] + c, 0, 3);
-          }
-        }
-      }
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
-        const float* qr[kRowsPerPass];
-        float* out[kRowsPerPass];
-        const int64_t pass = std::min(kRowsPerPass, rows - r0);
-        for (int64_t r = 0; r < pass; ++r) {
-          qr[r] = p.q + ((q0 + (r0 + r) % n) * p.q_heads + h * group + (r0 + r) / n) * p.dim;
-          out[r] = s.data() + (r0 + r) * ld + t0;
-        }
-        // (no lambda or helper in between: they would not be compiled for this clone's target)
-        if (pass == 3) {
-          dots8<3>(qr, kt, p.dim, p.scale, out);
-        } else if (pass == 2) {
-          dots8<2>(qr, kt, p.dim, p.scale, out);
-        } else {
-          dots8<1>(qr, kt, p.dim, p.scale, out);
-        }
-      }
-    }
-    // the rules: which keys each query sees, softcap, ALiBi (none apply to a plain decode step's
-    // keys, which all sit at or before its query)
-    if (plain_rules && p.causal && key0 + keys - 1 > first_query) {  // causal alone: each row's tail
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t seen = std::max<int64_t>(0, first_query + r % n - key0 + 1);
-        if (seen < keys) std::fill(s.data() + r * ld + seen, s.data() + r * ld + keys, -kInf);
-      }
-    } else if (!plain_rules) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t head = h * group + r / n, position = first_query + r % n;
-        const float slope = p.slopes ? p.slopes[(b % p.slope_rows) * p.q_heads + head] : 0.f;
-        float* sr = s.data() + r * ld;
-        for (int64_t t = 0; t < keys; ++t) {
-          const int64_t key = key0 + t;
-          const bool seen = (padding == nullptr || padding[key]) && (!p.causal || key <= position) &&
-                            (p.window_left < 0 || key >= position - p.window_left) &&
-                            (p.window_right < 0 || key <= position + p.window_right);
-          float score = -kInf;
-          if (seen) {
-            score = sr[t];
-            if (p.softcap > 0.f) score = p.softcap * std::tanh(score / p.softcap);
-            if (p.slopes) score -= slope * static_cast<float>(std::abs(position - key));
-          }
-          sr[t] = score;
-        }
-      }
-    }
-    // each row's weights (in place of its scores), running max and sum; a row with no key in this
-    // span keeps its state (rescale 1, weights 0)
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s.data() + r * ld;
-      for (int64_t t = keys; t < (keys + 7) / 8 * 8; ++t) sr[t] = -kInf;  // the partial eight's repeats
-      v8 max8 = load8(sr);
-      for (int64_t t = 8; t < keys; t += 8) {
-        const v8 x = load8(sr + t);
-        max8 = x > max8 ? x : max8;
-      }
-      float block_max = max8[0];
-      for (int i = 1; i < 8; ++i) block_max = std::max(block_max, max8[i]);
-      if (block_max == -kInf) {
-        rescale[r] = 1.f;
-        std::fill(sr, sr + keys, 0.f);
-        continue;
-      }
-      const float new_max = std::max(m[r], block_max);
-      rescale[r] = std::exp(m[r] - new_max);  // 0 for the first block seen
-      m[r] = new_max;
-      v8 sum8 = {};
-      for (int64_t t = 0; t < keys; t += 8) {
-        const v8 w = exp8(load8(sr + t) - new_max);  // scores become weights
-        store8(sr + t, w);
-        sum8 += w;
-      }
-      float sum = 0.f;
-      for (int i = 0; i < 8; ++i) sum += sum8[i];
-      l[r] = l[r] * rescale[r] + sum;
-    }
-    // acc[r] = rescale * acc[r] + weights . v, key by key, a few rows sharing each value row
+  }
+}
+
+// Step 2: each row's scaled scores of the span's keys (row r at s + r * kSpan), eight keys at a
+// time (a last partial eight repeats its last key), every query row using the eight while they
+// are in L1.
+__attribute__((always_inline)) inline void score_span(const Problem& p, const Task& task, int64_t rows,
+                                                      const Span& span, int64_t keys, int64_t ahead, float* s) {
+  const int64_t group = p.q_heads / p.kv_heads;
+  for (int64_t t0 = 0; t0 < keys; t0 += 8) {
+    const float* kt[8];
+    for (int i = 0; i < 8; ++i) kt[i] = span.key_rows[std::min(t0 + i, keys - 1)];
+    prefetch_for_scores(p, span, keys, ahead, t0);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
-      float* ar[kRowsPerPass];
-      const float* wr[kRowsPerPass];
+      const float* qr[kRowsPerPass];
+      float* out[kRowsPerPass];
       const int64_t pass = std::min(kRowsPerPass, rows - r0);
-      for (int64_t r = 0; r < pass; ++r) ar[r] = acc.data() + (r0 + r) * p.dim_v, wr[r] = s.data() + (r0 + r) * ld;
-      const float* rs = rescale.data() + r0;
-      int64_t d0 = 0;
-      for (; d0 + 64 <= p.dim_v; d0 += 64) {
-        if (pass == 3) {
-          weighted_values64<3>(ar, rs, wr, value_rows, keys, d0);
-        } else if (pass == 2) {
-          weighted_values64<2>(ar, rs, wr, value_rows, keys, d0);
-        } else {
-          weighted_values64<1>(ar, rs, wr, value_rows, keys, d0);
-        }
+      for (int64_t r = 0; r < pass; ++r) {  // the queries: row r0 + r's
+        qr[r] = p.q + ((task.q0 + (r0 + r) % task.n) * p.q_heads + task.h * group + (r0 + r) / task.n) * p.dim;
+        out[r] = s + (r0 + r) * kSpan + t0;
       }
-      for (int64_t r = 0; r < pass && d0 < p.dim_v; ++r) {
-        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] *= rs[r];
-        for (int64_t t = 0; t < keys; ++t) {
-          const float w = wr[r][t];
-          if (w == 0.f) continue;
-          for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * value_rows[t][d];
-        }
+      if (pass == 3) {
+        dots8<3>(qr, kt, p.dim, p.scale, out);
+      } else if (pass == 2) {
+        dots8<2>(qr, kt, p.dim, p.scale, out);
+      } else {
+        dots8<1>(qr, kt, p.dim, p.scale, out);
       }
     }
   }
+}
+
+// Step 3, the rules: which keys each query sees, softcap, ALiBi (none apply to a plain decode
+// step's keys, which all sit at or before its query). A key a row does not see scores -inf.
+__attribute__((always_inline)) inline void apply_rules(const Problem& p, const Task& task, int64_t rows,
+                                                       bool plain_rules, int64_t key0, int64_t keys, float* s) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  const int64_t group = p.q_heads / p.kv_heads, n = task.n;
+  if (plain_rules && p.causal && key0 + keys - 1 > task.first_query) {  // causal alone: each row's tail
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::max<int64_t>(0, task.first_query + r % n - key0 + 1);
+      if (seen < keys) std::fill(s + r * kSpan + seen, s + r * kSpan + keys, -kInf);
+    }
+  } else if (!plain_rules) {
+    const bool* padding = p.key_padding ? p.key_padding + task.b * p.padding_len : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head = task.h * group + r / n, position = task.first_query + r % n;
+      const float slope = p.slopes ? p.slopes[(task.b % p.slope_rows) * p.q_heads + head] : 0.f;
+      float* sr = s + r * kSpan;
+      for (int64_t t = 0; t < keys; ++t) {
+        const int64_t key = key0 + t;
+        const bool seen = (padding == nullptr || padding[key]) && (!p.causal || key <= position) &&
+                          (p.window_left < 0 || key >= position - p.window_left) &&
+                          (p.window_right < 0 || key <= position + p.window_right);
+        float score = -kInf;
+        if (seen) {
+          score = sr[t];
+          if (p.softcap > 0.f) score = p.softcap * std::tanh(score / p.softcap);
+          if (p.slopes) score -= slope * static_cast<float>(std::abs(position - key));
+        }
+        sr[t] = score;
+      }
+    }
+  }
+}
+
+// Step 4, the online softmax: each row's weights (in place of its scores), and its running max
+// m, sum l and the factor that rescales what it accumulated so far; a row with no key in this
+// span keeps its state (rescale 1, weights 0).
+__attribute__((always_inline)) inline void softmax_update(int64_t rows, int64_t keys, Scratch& scratch) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  std::vector<float>&m = scratch.m, &l = scratch.l, &rescale = scratch.rescale;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = h * group + r / n, i = r % n;
-    const int64_t row = (q0 + i) * p.q_heads + head;
+    float* sr = scratch.s.data() + r * kSpan;
+    for (int64_t t = keys; t < (keys + 7) / 8 * 8; ++t) sr[t] = -kInf;  // the partial eight's repeats
+    v8 max8 = load8(sr);
+    for (int64_t t = 8; t < keys; t += 8) {
+      const v8 x = load8(sr + t);
+      max8 = x > max8 ? x : max8;
+    }
+    float block_max = max8[0];
+    for (int i = 1; i < 8; ++i) block_max = std::max(block_max, max8[i]);
+    if (block_max == -kInf) {
+      rescale[r] = 1.f;
+      std::fill(sr, sr + keys, 0.f);
+      continue;
+    }
+    const float new_max = std::max(m[r], block_max);
+    rescale[r] = std::exp(m[r] - new_max);  // 0 for the first block seen
+    m[r] = new_max;
+    v8 sum8 = {};
+    for (int64_t t = 0; t < keys; t += 8) {
+      const v8 w = exp8(load8(sr + t) - new_max);  // scores become weights
+      store8(sr + t, w);
+      sum8 += w;
+    }
+    float sum = 0.f;
+    for (int i = 0; i < 8; ++i) sum += sum8[i];
+    l[r] = l[r] * rescale[r] + sum;
+  }
+}
+
+// Step 5: acc[r] = rescale[r] * acc[r] + weights . v, key by key, a few rows sharing each value
+// row, 64 columns of the accumulator in registers (then the columns past a multiple of 64).
+__attribute__((always_inline)) inline void accumulate_values(const Problem& p, int64_t rows, const Span& span,
+                                                             int64_t keys, Scratch& scratch) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    float* ar[kRowsPerPass];
+    const float* wr[kRowsPerPass];
+    const int64_t pass = std::min(kRowsPerPass, rows - r0);
+    for (int64_t r = 0; r < pass; ++r) {
+      ar[r] = scratch.acc.data() + (r0 + r) * p.dim_v, wr[r] = scratch.s.data() + (r0 + r) * kSpan;
+    }
+    const float* rs = scratch.rescale.data() + r0;
+    int64_t d0 = 0;
+    for (; d0 + 64 <= p.dim_v; d0 += 64) {
+      if (pass == 3) {
+        weighted_values64<3>(ar, rs, wr, span.value_rows, keys, d0);
+      } else if (pass == 2) {
+        weighted_values64<2>(ar, rs, wr, span.value_rows, keys, d0);
+      } else {
+        weighted_values64<1>(ar, rs, wr, span.value_rows, keys, d0);
+      }
+    }
+    for (int64_t r = 0; r < pass && d0 < p.dim_v; ++r) {
+      for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] *= rs[r];
+      for (int64_t t = 0; t < keys; ++t) {
+        const float w = wr[r][t];
+        if (w == 0.f) continue;
+        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * span.value_rows[t][d];
+      }
+    }
+  }
+}
+
+// Step 6: out = acc / l and lse = m + log(l) per row; a row that saw no key gets 0 and -inf.
+__attribute__((always_inline)) inline void write_out(const Problem& p, const Task& task, int64_t rows,
+                                                     const Scratch& scratch) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  const int64_t group = p.q_heads / p.kv_heads;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = task.h * group + r / task.n, i = r % task.n;
+    const int64_t row = (task.q0 + i) * p.q_heads + head;
     float* o = p.out + row * p.dim_v;
-    if (l[r] == 0.f) {
+    if (scratch.l[r] == 0.f) {
       std::fill(o, o + p.dim_v, 0.f);
       p.lse[row] = -kInf;
       continue;
     }
-    const float inverse = 1.f / l[r];
-    for (int64_t d = 0; d < p.dim_v; ++d) o[d] = acc[r * p.dim_v + d] * inverse;
-    p.lse[row] = m[r] + std::log(l[r]);
+    const float inverse = 1.f / scratch.l[r];
+    for (int64_t d = 0; d < p.dim_v; ++d) o[d] = scratch.acc[r * p.dim_v + d] * inverse;
+    p.lse[row] = scratch.m[r] + std::log(scratch.l[r]);
   }
+}
+
+// A task's G x n query rows against its keys, span by span in order, with an online softmax.
+// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 with FMA (x86-64-v3) and any x86-64
+// CPU, the same operations in the same order in each; the first two fuse each multiply-add (one
+// rounding, twice the products a cycle), so they give the same bits as each other and the default
+// clone, which rounds twice, its own. The loader picks one per CPU, once. Every step is an
+// always_inline function, so that it is compiled into each clone for its target (a call to a
+// plain function would run the default one). The task (by value) and key0, keys are the clone's
+// own values, which no call inside (widen_rows, expf) can change: they stay in registers, and
+// the compiler knows keys <= kSpan.
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
+#endif
+void attend_task(const Problem& p, const Task task, const int64_t* table, Scratch& scratch) {
+  const int64_t rows = p.q_heads / p.kv_heads * task.n;
+  const float kInf = std::numeric_limits<float>::infinity();
+  scratch.m.assign(rows, -kInf);
+  scratch.rescale.resize(rows);
+  scratch.l.assign(rows, 0.f);
+  scratch.acc.assign(rows * p.dim_v, 0.f);
+  scratch.s.resize(rows * kSpan);
+  if (p.half_kv) {
+    scratch.wide_k.resize(kSpan * p.dim);
+    scratch.wide_v.resize(kSpan * p.dim_v);
+  }
+  const bool plain_rules = p.key_padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
+                           p.slopes == nullptr;
+  Span span;
+  for (int64_t key0 = 0; key0 < task.visible; key0 += kSpan) {
+    const int64_t keys = std::min(kSpan, task.visible - key0);
+    if (p.window_left >= 0 && key0 + keys - 1 < task.first_query - p.window_left) continue;  // before every window
+    const int64_t ahead = load_span(p, task, table, key0, keys, scratch, span);
+    score_span(p, task, rows, span, keys, ahead, scratch.s.data());
+    apply_rules(p, task, rows, plain_rules, key0, keys, scratch.s.data());
+    softmax_update(rows, keys, scratch);
+    accumulate_values(p, rows, span, keys, scratch);
+  }
+  write_out(p, task, rows, scratch);
 }
 
 // Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
@@ -496,9 +557,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   // queries are split so that its work spreads over the threads, and under causal masking a
   // slice visits only the keys up to its last query (the keys past it are masked for all of its
   // rows, so a row's result is the same in any slice). The slices depend on the sequence alone.
-  struct Task {
-    int64_t b, h, first_query, visible, q0, n;
-  };
   std::vector<Task> tasks;
   for (int64_t b = 0; b < sequences; ++b) {
     const int64_t n = starts[b + 1] - starts[b];
@@ -513,7 +571,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
-      attend_task(p, t.b, t.h, t.visible, t.first_query, tables + t.b * max_blocks, t.q0, t.n, scratch);
+      attend_task(p, t, tables + t.b * max_blocks, scratch);
     }
   });
 }

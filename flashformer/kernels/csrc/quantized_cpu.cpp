@@ -39,8 +39,8 @@
 // - Threads: at::parallel_for over groups of output rows; a row is computed by one thread.
 // - No backward: the Autograd kernel below gives an output that needs a gradient an Error node,
 //   which raises when backward reaches it. It is C++ because a Python autograd kernel
-//   (torch.library.register_autograd) costs about 5 us per call even under no_grad, as much as
-//   a whole 576 x 576 product.
+//   (torch.library.register_autograd) adds a fixed cost to every call, even under no_grad, as
+//   large as a small product's whole time (the measurement: docs/benchmarks.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,14 +65,86 @@
 namespace {
 
 constexpr int64_t kBlock = 32;     // values per quantization block along K (GGUF's QK4_1, QK8_0)
-constexpr int64_t kGroupRows = 4;  // int8: output rows interleaved in the packed layout; int4: half a group
-// int4 groups are 8 rows (one sequential stream for the one-row kernel, which reads all 8);
-// per block: 8 rows x 16 bytes of nibbles, and 8 d then 8 m as float16. The 4-row kernels take
-// a half group: pointers offset by 4 rows' bytes (64) and 4 halves, the same block strides.
-constexpr int64_t kInt4Rows = 8;
-constexpr int64_t kInt4BlockBytes = kInt4Rows * 16;
-constexpr int64_t kInt4BlockScales = 2 * kInt4Rows;
+constexpr int64_t kInt4Rows = 8;   // int4: output rows interleaved in the packed layout (one group)
+constexpr int64_t kGroupRows = 4;  // int8: the same; int4: half a group, what a float-activation kernel reads
 constexpr int64_t kScalarTile = 4;  // x rows per call of a scalar kernel (any tile gives the same bits)
+
+// ---- the packed layouts (quantized.py packs them; dequantize() there undoes them) ----
+// Block b of group g is entry g * nb + b of qweight and of scales, each viewed as an array of
+// the structs below. int4 groups are 8 rows: one sequential stream for the one-row kernel, which
+// reads all 8.
+
+// int4 (GGUF Q4_1): weight = d * q + m, q in 0..15.
+struct Int4Block {            // qweight[g, b]: (8, 16) uint8
+  uint8_t qs[kInt4Rows][16];  // row r's 32 nibbles: byte j holds q[j] (low) and q[j + 16] (high)
+};
+struct Int4Scales {       // scales[g, b]: (2, 8) float16
+  uint16_t d[kInt4Rows];  // the rows' d, float16 bits
+  uint16_t m[kInt4Rows];  // and their m
+};
+
+// int8: weight = d * q, d per block (GGUF Q8_0) or per output row.
+struct Int8Block {                // qweight[g, b]: (4, 32) int8
+  int8_t qs[kGroupRows][kBlock];  // row r's 32 quants
+};
+struct Int8BlockScales {   // float16 scales[g, b]: (4,)
+  uint16_t d[kGroupRows];  // the rows' d, float16 bits
+};
+struct Int8RowScales {  // float32 scales[4 g .. 4 g + 3]
+  float d[kGroupRows];  // the rows' d
+};
+
+static_assert(sizeof(Int4Block) == 128 && sizeof(Int4Scales) == 32 && sizeof(Int8Block) == 128 &&
+                  sizeof(Int8BlockScales) == 8 && sizeof(Int8RowScales) == 16,
+              "the structs must match the packed tensors byte for byte");
+
+// ---- what a kernel reads and writes ----
+
+// One group of int4 rows. The int8-activation kernels read all 8 rows; the float-activation
+// ones 4 of them, first_row .. first_row + 3 (a half group: first_row 0 or 4).
+struct Int4Weights {
+  const Int4Block* blocks;   // (nb,)
+  const Int4Scales* scales;  // (nb,)
+  int64_t nb;
+  int64_t first_row;
+};
+
+// One group of int8 rows, with per-block scales (kernels with kPerBlock) or per-row ones.
+struct Int8Weights {
+  const Int8Block* blocks;              // (nb,)
+  const Int8BlockScales* block_scales;  // (nb,), or nullptr
+  const Int8RowScales* row_scales;      // the group's 4, or nullptr
+  int64_t nb;
+};
+
+// x (M, K) float32, and (int4) each block's float sum (M, nb), what a block's minimums multiply.
+struct FloatRows {
+  const float* x;
+  int64_t ld;         // K
+  const float* sums;  // (M, nb) or nullptr
+};
+
+// x (M, K) quantized per block of 32: x[m, 32 b + j] ~ d[m, b] * q[m, b, j], q in [-127, 127].
+struct Int8Rows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;  // (M, blocks, 32)
+  std::vector<float> d;   // (M, blocks)
+  std::vector<float> s;   // (M, blocks): d * sum_j q[j], what an int4 block's minimum multiplies
+  std::vector<int32_t> offset;  // (M, blocks): -128 * sum_j q[j], VNNI's int8 kernel's starting sum
+  const int8_t* quants(int64_t block) const { return q.data() + block * kBlock; }  // (32,)
+};
+
+// Where a kernel's results go: x row m0 + t (t in the tile) at out + t * ld, the kernel's first
+// output row first; only `rows` of its rows are stored (fewer at the end of the matrix), each
+// plus bias[r] when there is a bias. The x86 kernels take it by value: their vector stores may
+// write any memory as far as the compiler knows, and a copy of their own keeps its fields in
+// registers.
+struct Output {
+  float* out;
+  int64_t ld;
+  int64_t rows;
+  const float* bias;  // at the first row, or nullptr
+};
 
 // Which kernels run: the best this CPU has, or one chosen by quantized_kernel_isa (tests compare them).
 enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
@@ -99,15 +171,6 @@ inline float half_to_float(uint16_t bits) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
-// x (M, K) quantized per block of 32: x[m, 32 b + j] ~ d[m, b] * q[m, b, j], q in [-127, 127].
-struct Int8Rows {
-  int64_t blocks = 0;
-  std::vector<int8_t> q;  // (M, blocks, 32)
-  std::vector<float> d;   // (M, blocks)
-  std::vector<float> s;   // (M, blocks): d * sum_j q[j], what an int4 block's minimum multiplies
-  std::vector<int32_t> offset;  // (M, blocks): -128 * sum_j q[j], VNNI's int8 kernel's starting sum
-};
-
 // ---- scalar kernels (any CPU; the reference order of operations) ----
 
 void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* offset) {
@@ -132,80 +195,76 @@ inline float hsum8_scalar(const float* a) {
   return (s0 + s2) + (s1 + s3);
 }
 
-inline void store_rows(const float* acc, float* out, int64_t nrows, const float* bias) {
-  for (int64_t r = 0; r < nrows; ++r) out[r] = bias ? acc[r] + bias[r] : acc[r];
+// Tile row t's results (o.rows of them) plus their bias.
+__attribute__((always_inline)) inline void store_rows(const float* acc, const Output& o, int t) {
+  float* out = o.out + t * o.ld;
+  for (int64_t r = 0; r < o.rows; ++r) out[r] = o.bias ? acc[r] + o.bias[r] : acc[r];
 }
 
 // The int8-activation kernels: for an x row and an output row, block b's whole integer dot
 // product P (exact: |P| < 2^24), then acc = fma(d_w * d_x, P, acc) over the blocks in order, and
 // for int4 acc = fma(m_w, s_x, acc) after each block (the block's minimum times the x block's sum).
 // int8 with per-row scales: acc = fma(d_x, P, acc), and the row's scale multiplies the sum.
-void int4_int8act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t nb, const Int8Rows& xa,
-                         int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+void int4_int8act_scalar(int tile, const Int4Weights& w, const Int8Rows& x, int64_t m0, const Output& o) {
   for (int t = 0; t < tile; ++t) {
     float res[kInt4Rows];
     for (int r = 0; r < kInt4Rows; ++r) {
       float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t xb = (m0 + t) * nb + b;
-        const int8_t* xq = xa.q.data() + xb * kBlock;
-        const uint8_t* w = qw + b * kInt4BlockBytes + r * 16;
+      for (int64_t b = 0; b < w.nb; ++b) {
+        const int64_t xb = (m0 + t) * w.nb + b;
+        const int8_t* xq = x.quants(xb);
+        const uint8_t* qs = w.blocks[b].qs[r];
         int product = 0;
-        for (int j = 0; j < 16; ++j) product += (w[j] & 15) * xq[j] + (w[j] >> 4) * xq[j + 16];
-        const float scale = half_to_float(sc[b * kInt4BlockScales + r]) * xa.d[xb];
+        for (int j = 0; j < 16; ++j) product += (qs[j] & 15) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+        const float scale = half_to_float(w.scales[b].d[r]) * x.d[xb];
         acc = std::fma(scale, static_cast<float>(product), acc);
-        acc = std::fma(half_to_float(sc[b * kInt4BlockScales + kInt4Rows + r]), xa.s[xb], acc);
+        acc = std::fma(half_to_float(w.scales[b].m[r]), x.s[xb], acc);
       }
       res[r] = acc;
     }
-    store_rows(res, out + t * ldo, nrows, bias);
+    store_rows(res, o, t);
   }
 }
 
 template <bool kPerBlock>
-void int8_int8act_scalar(int tile, const int8_t* qw, const void* scales, int64_t nb, const Int8Rows& xa,
-                         int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+void int8_int8act_scalar(int tile, const Int8Weights& w, const Int8Rows& x, int64_t m0, const Output& o) {
   for (int t = 0; t < tile; ++t) {
     float res[kGroupRows];
     for (int r = 0; r < kGroupRows; ++r) {
       float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t xb = (m0 + t) * nb + b;
-        const int8_t* xq = xa.q.data() + xb * kBlock;
-        const int8_t* w = qw + (b * kGroupRows + r) * kBlock;
+      for (int64_t b = 0; b < w.nb; ++b) {
+        const int64_t xb = (m0 + t) * w.nb + b;
+        const int8_t* xq = x.quants(xb);
+        const int8_t* qs = w.blocks[b].qs[r];
         int product = 0;
-        for (int j = 0; j < kBlock; ++j) product += w[j] * xq[j];
-        const float scale = kPerBlock
-            ? half_to_float(static_cast<const uint16_t*>(scales)[b * kGroupRows + r]) * xa.d[xb]
-            : xa.d[xb];
+        for (int j = 0; j < kBlock; ++j) product += qs[j] * xq[j];
+        const float scale = kPerBlock ? half_to_float(w.block_scales[b].d[r]) * x.d[xb] : x.d[xb];
         acc = std::fma(scale, static_cast<float>(product), acc);
       }
-      res[r] = kPerBlock ? acc : acc * static_cast<const float*>(scales)[r];
+      res[r] = kPerBlock ? acc : acc * w.row_scales->d[r];
     }
-    store_rows(res, out + t * ldo, nrows, bias);
+    store_rows(res, o, t);
   }
 }
 
 // The float-activation kernels: per block and row, 8 lanes of x[j] * w[j] chained with FMAs over
 // the block's 4 slices of 8, scaled into 8 lane accumulators; an int4 row's minimums multiply the
 // block's float sum of x, accumulated apart and added after the lanes' sum.
-void int4_f32act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t nb, const float* x,
-                        int64_t ldx, const float* xsum, int64_t m0, float* out, int64_t ldo, int64_t nrows,
-                        const float* bias) {
+void int4_f32act_scalar(int tile, const Int4Weights& w, const FloatRows& x, int64_t m0, const Output& o) {
   for (int t = 0; t < tile; ++t) {
-    const float* xr = x + (m0 + t) * ldx;
+    const float* xr = x.x + (m0 + t) * x.ld;
     float acc[kGroupRows][8] = {};
     float acc_min[kGroupRows] = {0.f, 0.f, 0.f, 0.f};
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const Int4Scales& scales = w.scales[b];
       for (int r = 0; r < kGroupRows; ++r) {
-        acc_min[r] = std::fma(half_to_float(sc[b * kInt4BlockScales + kInt4Rows + r]), xsum[(m0 + t) * nb + b],
-                              acc_min[r]);
+        acc_min[r] = std::fma(half_to_float(scales.m[w.first_row + r]), x.sums[(m0 + t) * w.nb + b], acc_min[r]);
       }
       for (int r = 0; r < kGroupRows; ++r) {
-        const uint8_t* w = qw + b * kInt4BlockBytes + r * 16;
+        const uint8_t* qs = w.blocks[b].qs[w.first_row + r];
         float q[kBlock];
-        for (int j = 0; j < 16; ++j) q[j] = static_cast<float>(w[j] & 15), q[j + 16] = static_cast<float>(w[j] >> 4);
-        const float d = half_to_float(sc[b * kInt4BlockScales + r]);
+        for (int j = 0; j < 16; ++j) q[j] = static_cast<float>(qs[j] & 15), q[j + 16] = static_cast<float>(qs[j] >> 4);
+        const float d = half_to_float(scales.d[w.first_row + r]);
         const float* xb = xr + b * kBlock;
         for (int l = 0; l < 8; ++l) {
           float p = xb[l] * q[l];
@@ -218,26 +277,25 @@ void int4_f32act_scalar(int tile, const uint8_t* qw, const uint16_t* sc, int64_t
     }
     float res[kGroupRows];
     for (int r = 0; r < kGroupRows; ++r) res[r] = hsum8_scalar(acc[r]) + acc_min[r];
-    store_rows(res, out + t * ldo, nrows, bias);
+    store_rows(res, o, t);
   }
 }
 
 template <bool kPerBlock>
-void int8_f32act_scalar(int tile, const int8_t* qw, const void* scales, int64_t nb, const float* x, int64_t ldx,
-                        int64_t m0, float* out, int64_t ldo, int64_t nrows, const float* bias) {
+void int8_f32act_scalar(int tile, const Int8Weights& w, const FloatRows& x, int64_t m0, const Output& o) {
   for (int t = 0; t < tile; ++t) {
-    const float* xr = x + (m0 + t) * ldx;
+    const float* xr = x.x + (m0 + t) * x.ld;
     float acc[kGroupRows][8] = {};
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < w.nb; ++b) {
       for (int r = 0; r < kGroupRows; ++r) {
-        const int8_t* w = qw + (b * kGroupRows + r) * kBlock;
+        const int8_t* qs = w.blocks[b].qs[r];
         const float* xb = xr + b * kBlock;
-        const float d = kPerBlock ? half_to_float(static_cast<const uint16_t*>(scales)[b * kGroupRows + r]) : 1.f;
+        const float d = kPerBlock ? half_to_float(w.block_scales[b].d[r]) : 1.f;
         for (int l = 0; l < 8; ++l) {
-          float p = xb[l] * static_cast<float>(w[l]);
-          p = std::fma(xb[8 + l], static_cast<float>(w[8 + l]), p);
-          p = std::fma(xb[16 + l], static_cast<float>(w[16 + l]), p);
-          p = std::fma(xb[24 + l], static_cast<float>(w[24 + l]), p);
+          float p = xb[l] * static_cast<float>(qs[l]);
+          p = std::fma(xb[8 + l], static_cast<float>(qs[8 + l]), p);
+          p = std::fma(xb[16 + l], static_cast<float>(qs[16 + l]), p);
+          p = std::fma(xb[24 + l], static_cast<float>(qs[24 + l]), p);
           acc[r][l] = kPerBlock ? std::fma(d, p, acc[r][l]) : acc[r][l] + p;
         }
       }
@@ -245,9 +303,9 @@ void int8_f32act_scalar(int tile, const int8_t* qw, const void* scales, int64_t 
     float res[kGroupRows];
     for (int r = 0; r < kGroupRows; ++r) {
       res[r] = hsum8_scalar(acc[r]);
-      if (!kPerBlock) res[r] *= static_cast<const float*>(scales)[r];
+      if (!kPerBlock) res[r] *= w.row_scales->d[r];
     }
-    store_rows(res, out + t * ldo, nrows, bias);
+    store_rows(res, o, t);
   }
 }
 
@@ -345,6 +403,37 @@ void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::opt
   }
 }
 
+// The packed matrices, and the part of one a kernel reads.
+struct Int4Matrix {
+  const Int4Block* blocks;   // (groups, nb)
+  const Int4Scales* scales;  // (groups, nb)
+  int64_t groups, nb;
+  Int4Weights group(int64_t g, int64_t first_row = 0) const {
+    return {blocks + g * nb, scales + g * nb, nb, first_row};
+  }
+};
+
+struct Int8Matrix {
+  const Int8Block* blocks;              // (groups, nb)
+  const Int8BlockScales* block_scales;  // (groups, nb), or nullptr
+  const Int8RowScales* row_scales;      // (groups,), or nullptr
+  int64_t groups, nb;
+  Int8Weights group(int64_t g) const {
+    return {blocks + g * nb, block_scales ? block_scales + g * nb : nullptr, row_scales ? row_scales + g : nullptr, nb};
+  }
+};
+
+// The product's output (M, N) and bias (N,), and the part of them a kernel writes.
+struct OutputMatrix {
+  float* out;
+  int64_t n;
+  const float* bias;  // or nullptr
+  // x rows from m0, output rows row0 .. row0 + rows - 1 (fewer at the end of the matrix)
+  Output part(int64_t m0, int64_t row0, int64_t rows) const {
+    return {out + m0 * n + row0, n, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
+  }
+};
+
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
   TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kInt4Rows && qweight.size(3) == 16 &&
@@ -360,10 +449,9 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const uint8_t* qw = qweight.data_ptr<uint8_t>();
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const Int4Matrix weights{reinterpret_cast<const Int4Block*>(qweight.data_ptr<uint8_t>()),
+                           reinterpret_cast<const Int4Scales*>(scales.data_ptr<at::Half>()), groups, nb};
+  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
   const int isa = use_isa().load();
   Int8Rows xa;
   std::vector<float> xsum;
@@ -372,37 +460,30 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   } else {
     xsum = block_sums(xp, rows, k);
   }
+  const FloatRows xf{xp, k, xsum.data()};
   // With float activations: x rows [m0, m0 + tile) against half h (rows 4h..4h+3) of group g.
   auto half_group = [&](int64_t g, int h, int64_t m0, int tile) {
-    const int64_t row0 = g * kInt4Rows + h * kGroupRows;
-    const uint8_t* w = qw + g * nb * kInt4BlockBytes + h * kGroupRows * 16;
-    const uint16_t* s = sc + g * nb * kInt4BlockScales + h * kGroupRows;
-    const int64_t nrows = std::min(kGroupRows, n - row0);
-    float* o = op + m0 * n + row0;
-    const float* bg = bp ? bp + row0 : nullptr;
+    const Int4Weights w = weights.group(g, h * kGroupRows);
+    const Output o = result.part(m0, g * kInt4Rows + h * kGroupRows, kGroupRows);
 #if FF_X86
     if (isa != kScalar) {
-      (isa == kVnni ? vnni::int4_f32act_rows : avx2::int4_f32act_rows)(tile, w, s, nb, xp, k, xsum.data(), m0, o,
-                                                                       n, nrows, bg);
+      (isa == kVnni ? vnni::int4_f32act_rows : avx2::int4_f32act_rows)(tile, w, xf, m0, o);
       return;
     }
 #endif
-    int4_f32act_scalar(tile, w, s, nb, xp, k, xsum.data(), m0, o, n, nrows, bg);
+    int4_f32act_scalar(tile, w, xf, m0, o);
   };
   // With int8 activations: x rows [m0, m0 + tile) against the whole group g.
   auto whole_group = [&](int64_t g, int64_t m0, int tile) {
-    const uint8_t* w = qw + g * nb * kInt4BlockBytes;
-    const uint16_t* s = sc + g * nb * kInt4BlockScales;
-    const int64_t nrows = std::min(kInt4Rows, n - g * kInt4Rows);
-    float* o = op + m0 * n + g * kInt4Rows;
-    const float* bg = bp ? bp + g * kInt4Rows : nullptr;
+    const Int4Weights w = weights.group(g);
+    const Output o = result.part(m0, g * kInt4Rows, kInt4Rows);
 #if FF_X86
     if (isa != kScalar) {
-      (isa == kVnni ? vnni::int4_int8act_rows : avx2::int4_int8act_rows)(tile, w, s, nb, xa, m0, o, n, nrows, bg);
+      (isa == kVnni ? vnni::int4_int8act_rows : avx2::int4_int8act_rows)(tile, w, xa, m0, o);
       return;
     }
 #endif
-    int4_int8act_scalar(tile, w, s, nb, xa, m0, o, n, nrows, bg);
+    int4_int8act_scalar(tile, w, xa, m0, o);
   };
   const int64_t tile_rows = row_tile(isa, int8_activations);
 #if FF_X86
@@ -419,11 +500,8 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
             whole_group(g, m0, tile);
             continue;
           }
-          const uint8_t* w = qw + g * nb * kInt4BlockBytes;
-          const uint16_t* s = sc + g * nb * kInt4BlockScales;
-          vnni::int4_int8act_pair_rows(tile, w, w + nb * kInt4BlockBytes, s, s + nb * kInt4BlockScales, nb, xa, m0,
-                                       op + m0 * n + g * kInt4Rows, n, std::min(2 * kInt4Rows, n - g * kInt4Rows),
-                                       bp ? bp + g * kInt4Rows : nullptr);
+          vnni::int4_int8act_pair_rows(tile, weights.group(g), weights.group(g + 1), xa, m0,
+                                       result.part(m0, g * kInt4Rows, 2 * kInt4Rows));
         }
       }
     });
@@ -449,15 +527,11 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 }
 
 template <bool kPerBlock>
-void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const void* scales, int64_t groups, int64_t nb,
-                      float* op, int64_t n, const float* bp, bool int8_activations) {
+void int8_linear_impl(const float* xp, int64_t rows, const Int8Matrix& weights, const OutputMatrix& result,
+                      bool int8_activations) {
   const int isa = use_isa().load();
   const int64_t tile_rows = row_tile(isa, int8_activations);
-  // The scales of group g: per block (nb, 4) halves, or per row (4,) floats.
-  auto group_scales = [&](int64_t g) -> const void* {
-    return kPerBlock ? static_cast<const void*>(static_cast<const uint16_t*>(scales) + g * nb * kGroupRows)
-                     : static_cast<const void*>(static_cast<const float*>(scales) + g * kGroupRows);
-  };
+  const int64_t groups = weights.groups, nb = weights.nb;
   if (int8_activations) {
     const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
 #if FF_X86
@@ -465,18 +539,11 @@ void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const voi
       at::parallel_for(0, (groups + 3) / 4, group_grain(nb, rows, 4 * kGroupRows), [&](int64_t q0, int64_t q1) {
         for (int64_t quad = q0; quad < q1; ++quad) {
           const int64_t g = 4 * quad;
-          const int8_t* gw[4];
-          const void* gs[4];
-          for (int i = 0; i < 4; ++i) {
-            const int64_t gi = std::min(g + i, groups - 1);
-            gw[i] = qw + gi * nb * kGroupRows * kBlock;
-            gs[i] = group_scales(gi);
-          }
-          const int64_t nrows = std::min(4 * kGroupRows, n - g * kGroupRows);
+          Int8Weights four[4];
+          for (int i = 0; i < 4; ++i) four[i] = weights.group(std::min(g + i, groups - 1));
           for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-            vnni::int8_int8act_quad_rows<kPerBlock>(static_cast<int>(std::min(tile_rows, rows - m0)), gw, gs, nb, xa,
-                                                    m0, op + m0 * n + g * kGroupRows, n, nrows,
-                                                    bp ? bp + g * kGroupRows : nullptr);
+            vnni::int8_int8act_quad_rows<kPerBlock>(static_cast<int>(std::min(tile_rows, rows - m0)), four, xa, m0,
+                                                    result.part(m0, g * kGroupRows, 4 * kGroupRows));
           }
         }
       });
@@ -485,43 +552,36 @@ void int8_linear_impl(const float* xp, int64_t rows, const int8_t* qw, const voi
 #endif
     at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
-        const void* gs = group_scales(g);
-        const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+        const Int8Weights w = weights.group(g);
         for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
           const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-          float* o = op + m0 * n + g * kGroupRows;
-          const float* bg = bp ? bp + g * kGroupRows : nullptr;
+          const Output o = result.part(m0, g * kGroupRows, kGroupRows);
 #if FF_X86
           if (isa == kAvx2) {
-            avx2::int8_int8act_rows<kPerBlock>(tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
+            avx2::int8_int8act_rows<kPerBlock>(tile, w, xa, m0, o);
             continue;
           }
 #endif
-          int8_int8act_scalar<kPerBlock>(tile, gw, gs, nb, xa, m0, o, n, nrows, bg);
+          int8_int8act_scalar<kPerBlock>(tile, w, xa, m0, o);
         }
       }
     });
     return;
   }
+  const FloatRows xf{xp, nb * kBlock, nullptr};
   at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int8_t* gw = qw + g * nb * kGroupRows * kBlock;
-      const void* gs = group_scales(g);
-      const int64_t nrows = std::min(kGroupRows, n - g * kGroupRows);
+      const Int8Weights w = weights.group(g);
       for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
         const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-        float* o = op + m0 * n + g * kGroupRows;
-        const float* bg = bp ? bp + g * kGroupRows : nullptr;
-        const int64_t k = nb * kBlock;
+        const Output o = result.part(m0, g * kGroupRows, kGroupRows);
 #if FF_X86
         if (isa != kScalar) {
-          (isa == kVnni ? vnni::int8_f32act_rows<kPerBlock> : avx2::int8_f32act_rows<kPerBlock>)(
-              tile, gw, gs, nb, xp, k, m0, o, n, nrows, bg);
+          (isa == kVnni ? vnni::int8_f32act_rows<kPerBlock> : avx2::int8_f32act_rows<kPerBlock>)(tile, w, xf, m0, o);
           continue;
         }
 #endif
-        int8_f32act_scalar<kPerBlock>(tile, gw, gs, nb, xp, k, m0, o, n, nrows, bg);
+        int8_f32act_scalar<kPerBlock>(tile, w, xf, m0, o);
       }
     }
   });
@@ -548,13 +608,14 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   const int64_t rows = x.size(0), n = out_features;
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
+  Int8Matrix weights{reinterpret_cast<const Int8Block*>(qweight.data_ptr<int8_t>()), nullptr, nullptr, groups, nb};
   if (per_block) {
-    int8_linear_impl<true>(x.data_ptr<float>(), rows, qweight.data_ptr<int8_t>(),
-                           scales.data_ptr<at::Half>(), groups, nb, out.data_ptr<float>(), n, bp, int8_activations);
+    weights.block_scales = reinterpret_cast<const Int8BlockScales*>(scales.data_ptr<at::Half>());
+    int8_linear_impl<true>(x.data_ptr<float>(), rows, weights, result, int8_activations);
   } else {
-    int8_linear_impl<false>(x.data_ptr<float>(), rows, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), groups,
-                            nb, out.data_ptr<float>(), n, bp, int8_activations);
+    weights.row_scales = reinterpret_cast<const Int8RowScales*>(scales.data_ptr<float>());
+    int8_linear_impl<false>(x.data_ptr<float>(), rows, weights, result, int8_activations);
   }
   return out;
 }
