@@ -40,7 +40,7 @@
 // - No backward: the Autograd kernel below gives an output that needs a gradient an Error node,
 //   which raises when backward reaches it. It is C++ because a Python autograd kernel
 //   (torch.library.register_autograd) adds a fixed cost to every call, even under no_grad, as
-//   large as a small product's whole time (the measurement: docs/benchmarks.md).
+//   large as a small product's whole time (docs/benchmarks.md, "Packed layouts and call costs").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
