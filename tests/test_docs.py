@@ -69,7 +69,9 @@ def test_cli_reference_holds_every_command():
 def test_docs_cli_md_is_the_parser_of_today():
     """docs/cli.md's reference is regenerated with every flag change (python scripts/docs.py)."""
     text = (DOCS / "cli.md").read_text()
-    section = text.split("<!-- generated: cli-reference -->\n", 1)[1].split("<!-- end: cli-reference -->", 1)[0]
+    section = text.split("<!-- generated: cli-reference -->\n", 1)[1].split("<!-- end: cli-reference -->", 1)[
+        0
+    ]
     assert section.strip() == cli.reference().strip()
 
 

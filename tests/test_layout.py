@@ -210,7 +210,11 @@ def test_the_map_parser_reads_depth_and_continuations():
 def test_the_module_map_names_every_module_and_nothing_else():
     listed = mapped_paths(ARCHITECTURE.read_text())
     actual = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
-    actual |= {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    actual |= {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*")
+        if p.is_dir() and p.name != "__pycache__"
+    }
     assert not actual - listed, f"modules missing from docs/architecture.md's map: {sorted(actual - listed)}"
     stale = {p for p in listed if not (PACKAGE / p).exists()}
     assert not stale, f"docs/architecture.md's map lists what does not exist: {sorted(stale)}"

@@ -329,12 +329,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", type=names, help="e.g. float32,bfloat16")
     parser.add_argument("--variants", type=names, help=f"from {','.join(VARIANTS)}")
     parser.add_argument("--memory-only", action="store_true", help="peak memory only, no timing")
-    parser.add_argument(
-        "--head-dims", type=numbers, help="--device cuda: e.g. 64,128"
-    )
-    parser.add_argument(
-        "--methods", type=names, help="--device cuda: e.g. triton,sdpa_flash"
-    )
+    parser.add_argument("--head-dims", type=numbers, help="--device cuda: e.g. 64,128")
+    parser.add_argument("--methods", type=names, help="--device cuda: e.g. triton,sdpa_flash")
     parser.add_argument(
         "--method-timeout", type=float, default=900, help="--device cuda: seconds allowed per method"
     )

@@ -39,7 +39,9 @@ def numbers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas; got {text!r}") from None
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, quick: str, timeout: float, what: str = "point") -> None:
+def add_run_arguments(
+    parser: argparse.ArgumentParser, quick: str, timeout: float, what: str = "point"
+) -> None:
     """--quick (what it shrinks to), --out (the JSON and PNG's folder) and --timeout (per worker)."""
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")

@@ -199,4 +199,3 @@ def reference() -> str:
         text = re.sub(r"^usage: .*?(flashformer|cli\.py|pytest)", "usage: flashformer", text)
         parts.append(f"### `{command}`\n\n```\n{text.rstrip()}\n```")
     return "\n\n".join(parts)
-

@@ -70,5 +70,3 @@ def main_from_args(args) -> None:
     for piece in stream_text(tokenizer, (int(t[0]) for t in model.stream(input_ids, **settings))):
         print(piece, end="", flush=True)
     print(flush=True)
-
-

@@ -327,7 +327,9 @@ class Engine(ModelLoop):
         self._last_delta(sequence, text, logprobs)
         self._retire(sequence)
 
-    def _last_delta(self, sequence: Sequence, text: str = "", logprobs: list[TokenLogprob] | None = None) -> None:
+    def _last_delta(
+        self, sequence: Sequence, text: str = "", logprobs: list[TokenLogprob] | None = None
+    ) -> None:
         """An ending sequence's last text (with what the detokenizer held back) and its count."""
         text += sequence.detokenizer.finish()
         if text or logprobs:

@@ -20,6 +20,7 @@ PAD = "<pad>"
 NUM_SENTINELS = 100  # T5's <extra_id_0> ... <extra_id_99>
 SPECIAL_TOKENS = [EOS, PAD, MASK] + [f"<extra_id_{i}>" for i in range(NUM_SENTINELS)]
 
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, special tokens after them."""
 

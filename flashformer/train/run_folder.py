@@ -66,7 +66,10 @@ def prepare_data(config, data_dir: Path, is_main: bool, show_progress: bool) -> 
                     flush=True,
                 )
                 tokenizer = bpe.train_bpe(
-                    (corpus.read_text(d.path) for d in train_docs), config.vocab_size, show_progress, len(train_docs)
+                    (corpus.read_text(d.path) for d in train_docs),
+                    config.vocab_size,
+                    show_progress,
+                    len(train_docs),
                 )
             else:
                 tokenizer = bpe.ByteTokenizer()

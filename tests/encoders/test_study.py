@@ -87,8 +87,6 @@ def test_baselines_are_what_a_model_that_learned_nothing_scores():
     )
 
 
-
-
 def test_table_and_figure_come_from_the_payload(tmp_path):
     text = study.table(study_payload())
     assert (

@@ -30,7 +30,9 @@ def full_decode_pieces(tokenizer, ids, stops):
             pieces.append(text[sent:cut])
             return [p for p in pieces if p], True
         certain = text.rstrip("\ufffd")  # an incomplete character's bytes decode to U+FFFD
-        held = max([k for stop in stops for k in range(1, len(stop)) if certain.endswith(stop[:k])], default=0)
+        held = max(
+            [k for stop in stops for k in range(1, len(stop)) if certain.endswith(stop[:k])], default=0
+        )
         end = max(len(certain) - held, sent)
         pieces.append(text[sent:end])
         sent = end

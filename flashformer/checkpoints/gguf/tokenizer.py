@@ -131,9 +131,7 @@ def tokenizer_from_metadata(metadata: dict, source: str = "the GGUF metadata") -
         if index is None:
             return None
         if not 0 <= index < len(tokens):
-            raise ValueError(
-                f"{source}: tokenizer.ggml.{key}={index} is outside the {len(tokens)} tokens"
-            )
+            raise ValueError(f"{source}: tokenizer.ggml.{key}={index} is outside the {len(tokens)} tokens")
         return tokens[index]
 
     special = {
@@ -147,9 +145,7 @@ def tokenizer_from_metadata(metadata: dict, source: str = "the GGUF metadata") -
     backend.post_processor = _bos_eos_template(backend, special, add_bos, add_eos, source)
 
     stops = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    stops += [
-        i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN_TEXTS
-    ]
+    stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN_TEXTS]
     return Tokenizer(backend, special, add_bos, add_eos, _gguf_chat_templates(metadata), unique_ids(stops))
 
 
