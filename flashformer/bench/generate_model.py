@@ -262,7 +262,7 @@ def table(payload: dict) -> str:
                 "-" if load is None else f"{load:.1f}",
                 f"{1e3 * p['prefill_s'][name]:.0f}",
                 f"{p['decode_tokens_per_s'][name]:.1f}",
-                f"{p['decode_tokens_per_s'][name] / p['decode_tokens_per_s'].get('llama.cpp', float('nan')):.2f}",
+                _ratio(p["decode_tokens_per_s"][name], p["decode_tokens_per_s"].get("llama.cpp")),
                 "-"
                 if name.split("+")[0] not in p["prompt_tokens_per_s"]
                 else f"{p['prompt_tokens_per_s'][name.split('+')[0]]:.0f}",
@@ -296,6 +296,11 @@ def table(payload: dict) -> str:
         )
         text += f"; the same tokens at every batch size: {p['same_tokens_every_batch']}"
     return text
+
+
+def _ratio(rate: float, peer: float | None) -> str:
+    """rate / the peer's, or "-" where the peer did not run (llama-cpp-python not installed)."""
+    return "-" if peer is None else f"{rate / peer:.2f}"
 
 
 def plot(payload: dict, path: Path) -> None:
