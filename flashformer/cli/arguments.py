@@ -9,6 +9,7 @@ import typing
 from pathlib import Path
 
 from flashformer.checkpoints.loading import load
+from flashformer.generate.chat import Chat
 from flashformer.model.quantize import MODES
 from flashformer.text.bpe import EOS
 
@@ -78,6 +79,21 @@ def sampling_settings(args) -> dict:
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
         compile=args.compile,
+    )
+
+
+def chat_from_args(args, model, tokenizer, **options) -> Chat:
+    """The conversation `chat` and `generate --chat` hold: the chat and sampling flags, the
+    model's stop tokens, and any option of the command's own (chat's --context)."""
+    return Chat(
+        model,
+        tokenizer,
+        system=args.system,
+        seed=args.seed,
+        chat_template=chat_template(args),
+        eos_token_id=stop_ids(model, tokenizer),
+        **sampling_settings(args),
+        **options,
     )
 
 

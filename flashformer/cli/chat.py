@@ -15,12 +15,9 @@ from flashformer.cli.arguments import (
     add_chat_arguments,
     add_model_arguments,
     add_sampling_arguments,
-    chat_template,
+    chat_from_args,
     load_model,
-    sampling_settings,
-    stop_ids,
 )
-from flashformer.generate.chat import Chat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,16 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args, input_line=input) -> None:
     model, tokenizer = load_model(args)
-    chat = Chat(
-        model,
-        tokenizer,
-        system=args.system,
-        context=args.context,
-        seed=args.seed,
-        chat_template=chat_template(args),
-        eos_token_id=stop_ids(model, tokenizer),
-        **sampling_settings(args),
-    )
+    chat = chat_from_args(args, model, tokenizer, context=args.context)
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input())
 

@@ -11,12 +11,11 @@ from flashformer.cli.arguments import (
     add_chat_arguments,
     add_model_arguments,
     add_sampling_arguments,
-    chat_template,
+    chat_from_args,
     load_model,
     sampling_settings,
     stop_ids,
 )
-from flashformer.generate.chat import Chat
 from flashformer.text.detokenizer import stream_text
 
 
@@ -40,15 +39,7 @@ def main_from_args(args) -> None:
     if args.chat:
         if args.num_beams != 1:
             raise ValueError("--chat streams its answer: it does not take --num-beams")
-        chat = Chat(
-            model,
-            tokenizer,
-            system=args.system,
-            seed=args.seed,
-            chat_template=chat_template(args),
-            **settings,
-        )
-        for piece in chat.send(args.prompt):
+        for piece in chat_from_args(args, model, tokenizer).send(args.prompt):
             print(piece, end="", flush=True)
         print(flush=True)
         return

@@ -42,6 +42,7 @@ async def collect(request, events, http, ident, created, model_name, chat, engin
     except asyncio.CancelledError:
         request.cancel()
         raise
+    asked = request.params.logprobs is not None
     choices = []
     for index, (text, reason) in enumerate(zip(texts, reasons)):
         if chat:
@@ -50,14 +51,9 @@ async def collect(request, events, http, ident, created, model_name, chat, engin
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": reason,
             }
-            choice["logprobs"] = (
-                chat_logprobs(logprobs[index], engine) if request.params.logprobs is not None else None
-            )
         else:
             choice = {"index": index, "text": text, "finish_reason": reason}
-            choice["logprobs"] = (
-                completion_logprobs(logprobs[index], engine) if request.params.logprobs is not None else None
-            )
+        choice["logprobs"] = logprobs_of(logprobs[index], engine, chat) if asked else None
         choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {
@@ -87,10 +83,9 @@ async def stream_events(request, events, ident, created, model_name, chat, inclu
                 {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             )
             out = {"index": index, "delta": delta, "finish_reason": reason}
-            out["logprobs"] = chat_logprobs(logprobs, engine) if logprobs else None
         else:
             out = {"index": index, "text": text or "", "finish_reason": reason}
-            out["logprobs"] = completion_logprobs(logprobs, engine) if logprobs else None
+        out["logprobs"] = logprobs_of(logprobs, engine, chat) if logprobs else None
         return out
 
     try:
@@ -116,6 +111,11 @@ async def stream_events(request, events, ident, created, model_name, chat, inclu
     finally:
         if not request.finished:
             request.cancel()
+
+
+def logprobs_of(entries, engine, chat: bool) -> dict:
+    """The tokens' log-probabilities in the endpoint's shape (chat's or completions')."""
+    return chat_logprobs(entries, engine) if chat else completion_logprobs(entries, engine)
 
 
 def token_text(engine: Engine, token: int) -> str:
