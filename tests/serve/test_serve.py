@@ -280,6 +280,20 @@ BAD = [
     ("too long", {"messages": [{"role": "user", "content": "word " * 400}]}, 400, "maximum context length"),
     ("no messages", {"messages": []}, 400, "messages"),
     ("temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+    ("top_k", {"messages": [{"role": "user", "content": "x"}], "top_k": 5}, 400, "top_k is not supported"),
+    (
+        "logit_bias",
+        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"11": 5}},
+        400,
+        "logit_bias is not supported",
+    ),
+    (
+        "json mode",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        400,
+        "response_format is not supported",
+    ),
+    ("unknown field", {"messages": [{"role": "user", "content": "x"}], "beam_width": 4}, 400, "beam_width"),
 ]
 
 
@@ -292,6 +306,24 @@ def test_bad_requests_get_openai_errors(server, tiny_chat_model, name, body, sta
     assert code == status
     error = json.loads(text)["error"]
     assert message in error["message"] and error["type"]
+
+
+def test_fields_that_ask_for_nothing_are_accepted_and_change_nothing(client):
+    """Who asks (user, metadata) and the no-op values of unimplemented fields (top_k -1, an empty
+    logit_bias, a text response_format) are no reason to refuse: the same greedy answer."""
+    plain = chat(client, QUESTIONS[0], max_tokens=16, temperature=0).choices[0].message.content
+    extras = {"top_k": -1, "min_p": 0, "repetition_penalty": 1.0, "metadata": {"run": "test"}}
+    same = chat(
+        client,
+        QUESTIONS[0],
+        max_tokens=16,
+        temperature=0,
+        user="someone",
+        logit_bias={},
+        response_format={"type": "text"},
+        extra_body=extras,
+    )
+    assert same.choices[0].message.content == plain and plain
 
 
 def test_a_text_model_refuses_embeddings_by_name(client, tiny_chat_model):

@@ -125,6 +125,11 @@ def metrics(server) -> dict:
         ({"model": "minilm", "input": [[101, 10**7, 102]]}, 400, "outside the vocabulary"),
         ({"model": "minilm", "input": [[101] * 300]}, 400, "at most 256"),
         ({"model": "other", "input": "x"}, 404, "does not exist"),
+        (
+            {"model": "minilm", "input": "x", "truncate_prompt_tokens": 4},
+            400,
+            "truncate_prompt_tokens is not",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, message):

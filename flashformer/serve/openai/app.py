@@ -10,7 +10,8 @@ Requests and responses have OpenAI's shapes, so the `openai` client (and
 everything built on it) works unchanged: max_tokens, temperature (0 =
 greedy), top_p, seed, stop (strings, never returned), n, stream (server-sent
 events ending with `data: [DONE]`, stream_options.include_usage), logprobs /
-top_logprobs, usage. Errors are OpenAI's error JSON with the matching status
+top_logprobs, usage; any other field is refused by name (400) unless it cannot change the
+answer (user, metadata, ...) or holds its no-op value. Errors are OpenAI's error JSON with the matching status
 (400 for a bad request, 401 for a wrong API key, 404 for an unknown model,
 503 when the queue is full). A client that goes away has its request
 cancelled within one engine step.
@@ -36,6 +37,7 @@ from flashformer.serve.openai.protocol import (
     CompletionRequest,
     EmbeddingsRequest,
     Sampling,
+    refuse_unsupported,
 )
 from flashformer.serve.openai.responses import collect, embedding_response, prometheus, stream_events
 
@@ -90,7 +92,11 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(body.model, model_name)
         _check_generates(engine, model_name)
-        messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
+        refuse_unsupported(body)
+        # a message's other fields (name, tool_calls, ...) reach the template, as in transformers
+        messages = [
+            {**(m.model_extra or {}), "role": m.role, "content": _text_of(m.content)} for m in body.messages
+        ]
         try:
             prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as error:
@@ -106,6 +112,7 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
     async def completions(body: CompletionRequest, http: Request):
         _check_model(body.model, model_name)
         _check_generates(engine, model_name)
+        refuse_unsupported(body)
         if body.echo:
             raise APIError(400, "echo=true is not supported", param="echo")
         prompt = body.prompt
@@ -133,6 +140,7 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingsRequest, http: Request):
         _check_model(body.model, model_name)
+        refuse_unsupported(body)
         if not isinstance(engine, EmbeddingEngine):
             raise APIError(
                 400,

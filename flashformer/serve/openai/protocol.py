@@ -18,7 +18,9 @@ class StreamOptions(BaseModel):
 class Sampling(BaseModel):
     """The settings both endpoints share (OpenAI's names and defaults)."""
 
-    model_config = ConfigDict(extra="allow")  # clients send fields we do not use (user, metadata, ...)
+    # other fields are kept for refuse_unsupported: each is refused by name unless it cannot
+    # change the answer (user, metadata, ...) or holds its no-op value
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -60,6 +62,41 @@ class EmbeddingsRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: str = "float"
     dimensions: int | None = None
+
+
+# ---- fields outside the models above ----
+
+# fields that cannot change an answer: who asks, what to store, how to bill
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "prediction", "parallel_tool_calls"}
+
+# fields this server does not implement, with the values that ask for nothing (OpenAI's and
+# vLLM's defaults); any other value would change the answer, so it is refused by name
+NO_OP_VALUES: dict[str, tuple] = {
+    "logit_bias": ({},),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # without tools, both mean plain text
+    "modalities": (["text"],),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+}
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """Raise a 400 naming the first field of the request that this server would not honour: a
+    field it does not know or implement, unless it cannot change the answer or holds its no-op
+    value (null counts as absent). Nothing a client sends is silently ignored."""
+    for name, value in (body.model_extra or {}).items():
+        if value is None or name in NO_EFFECT:
+            continue
+        if name in NO_OP_VALUES and any(value == no_op for no_op in NO_OP_VALUES[name]):
+            continue
+        raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
 
 
 # ---- errors ----
