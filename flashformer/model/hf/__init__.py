@@ -227,6 +227,10 @@ def names_table() -> str:
         "gpt2": preset("gpt2-tiny", n_layers=1),
         "t5": preset("t5-tiny", n_layers=1, n_decoder_layers=1),
         "llama": preset("llama-tiny", n_layers=1),
+        "qwen2": preset(
+            "llama-tiny", n_layers=1, hf_model_type="qwen2", attention_bias=True, attention_out_bias=False
+        ),
+        "phi3": preset("llama-tiny", n_layers=1, hf_model_type="phi3", fused_gate_up=True),
     }
     for family, config in configs.items():
         layout = FAMILIES[family]
