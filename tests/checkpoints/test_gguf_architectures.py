@@ -32,6 +32,7 @@ from helpers.gguf import (
 
 import flashformer
 from flashformer.checkpoints.gguf import GGUFError, read_gguf
+from flashformer.checkpoints.gguf.rope_freqs import llama3_rope_parameters
 
 
 def llama3_tensors(model, types):
@@ -230,3 +231,36 @@ def test_rope_freqs_of_ones_is_plain_rope(parts, tmp_path):
         _read(tmp_path, "llama", metadata, dict(tensors, **ones)).config["rope_parameters"]["rope_type"]
         == "default"
     )
+
+
+@pytest.mark.parametrize(
+    "head_dim, theta, factor",
+    [(128, 500000.0, 8.0), (64, 500000.0, 32.0)],  # Llama 3.1 8B, Llama 3.2 1B
+    ids=["llama-3.1-8b", "llama-3.2-1b"],
+)
+def test_real_llama3_shapes_recover_their_rope_parameters(head_dim, theta, factor):
+    rope = dict(
+        LLAMA3_ROPE,
+        rope_theta=theta,
+        factor=factor,
+        original_max_position_embeddings=8192,
+    )
+    divisors = torch.from_numpy(llama3_rope_freqs(rope, head_dim))
+    recovered = llama3_rope_parameters(divisors, head_dim, theta, "test.gguf")
+    assert recovered == {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
+@pytest.mark.parametrize("name", ["qwen2_untied", "phi3_partial_rotary"])
+def test_gguf_blocks_run_in_place(name, tmp_path):
+    """quantize="gguf" takes Q8_0 blocks through the families' rules: q/k/v with qwen2's biases,
+    phi3's fused qkv and gate_up; with float32 activations it is the dequantized model."""
+    build, metadata, tensors, _ = CASES[name]
+    model = build()
+    path = write_gguf(
+        tmp_path / f"{name}.gguf", name.split("_")[0], metadata(model), tensors(model, cycle_types("Q8_0"))
+    )
+    dequantized = flashformer.from_pretrained(path)
+    blocks = flashformer.from_pretrained(path, quantize="gguf", activations="float32")
+    assert type(blocks.decoder.blocks[0].attn.qkv).__name__ == "QuantizedLinear"
+    with torch.no_grad():
+        assert (blocks(_inputs()).logits - dequantized(_inputs()).logits).abs().max() < 1e-5

@@ -204,12 +204,25 @@ class Llama:
     Llama 3.1/3.2 with their per-frequency RoPE divisors (`rope_freqs.weight`)."""
 
     name = "llama"
-    keys = LLAMA_SHAPED_KEYS + ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear")
+    keys = LLAMA_SHAPED_KEYS + (
+        "rope.scaling.type",
+        "rope.scaling.factor",
+        "rope.scale_linear",
+        # informational beside linear scaling (yarn, which reads them, is refused)
+        "rope.scaling.original_context_length",
+        "rope.scaling.finetuned",
+        "tensor_data_layout",  # older files: "Meta AI original pth", the same interleaved q/k rows
+    )
 
     def config(self, file: GGUFFile) -> dict:
         key = "llama."
         refuse_unread_keys(file, "llama", self.keys)
         hf = llama_shaped_config(file, "llama")
+        layout = file.value(key + "tensor_data_layout", str, "Meta AI original pth")
+        if layout != "Meta AI original pth":
+            raise GGUFError(
+                f"{file.path}: llama.tensor_data_layout={layout!r} is not supported ('Meta AI original pth')"
+            )
         rope = hf["rope_parameters"]
         scaling = file.value(key + "rope.scaling.type", str, "none")
         factor = file.value(key + "rope.scaling.factor", (int, float), None)
