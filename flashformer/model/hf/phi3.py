@@ -35,7 +35,7 @@ class Phi3(Llama):
             hf,
             weights,
             "phi3",
-            head_dim=d_model // n_heads,  # transformers' Phi3 has no head_dim of its own
+            head_dim=hf.get("head_dim") or d_model // n_heads,  # as transformers' Phi3 reads it
             rotary_fraction=rope_fraction(hf),
             attention_bias=False,
             ffn_bias=False,
