@@ -148,14 +148,21 @@ def llama_shaped_config(file: GGUFFile, arch: str, rope_dims: str = "all") -> di
     }
 
 
-def llama_shaped_tensors(hf: dict, q_rope_heads: int | None, k_rope_heads: int | None) -> list[TensorSpec]:
+def llama_shaped_tensors(
+    hf: dict,
+    rope_permuted: bool,
+    qkv_bias: bool = False,
+    out_bias: bool = False,
+    mlp_bias: bool = False,
+) -> list[TensorSpec]:
     """Embedding, final norm, head (untied) and each block's norms, separate q, k, v, o and
-    gate, up, down, with the biases the config names; q/k rows permuted where rope_heads say."""
+    gate, up, down, with the biases asked for. rope_permuted: llama.cpp reordered the q/k rows
+    for ggml's interleaved RoPE (llama), q over the query heads and k over the KV heads."""
     d, vocab, ff = hf["hidden_size"], hf["vocab_size"], hf["intermediate_size"]
     q_rows = hf["num_attention_heads"] * hf["head_dim"]
     kv_rows = hf["num_key_value_heads"] * hf["head_dim"]
-    qkv_bias = hf.get("attention_bias", False) or hf["model_type"] == "qwen2"
-    out_bias = hf.get("attention_bias", False)
+    q_rope_heads = hf["num_attention_heads"] if rope_permuted else None
+    k_rope_heads = hf["num_key_value_heads"] if rope_permuted else None
     specs = [
         TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, d)),
         TensorSpec("output_norm.weight", "model.norm.weight", (d,)),
@@ -182,7 +189,7 @@ def llama_shaped_tensors(hf: dict, q_rope_heads: int | None, k_rope_heads: int |
             specs.append(TensorSpec(f"{blk}.{gguf_name}.weight", f"{hf_name}.weight", shape, rope_heads))
             if bias:
                 specs.append(TensorSpec(f"{blk}.{gguf_name}.bias", f"{hf_name}.bias", shape[:1], rope_heads))
-        if hf.get("mlp_bias", False):
+        if mlp_bias:
             for gguf_name, hf_name, rows in (
                 ("ffn_gate", "gate_proj", ff),
                 ("ffn_up", "up_proj", ff),
@@ -257,7 +264,8 @@ class Llama:
         }
 
     def tensors(self, hf: dict) -> list[TensorSpec]:
-        specs = llama_shaped_tensors(hf, hf["num_attention_heads"], hf["num_key_value_heads"])
+        bias = hf["attention_bias"]
+        specs = llama_shaped_tensors(hf, True, qkv_bias=bias, out_bias=bias, mlp_bias=hf["mlp_bias"])
         # read into the config (the llama3 rope parameters, or none for divisors of 1), not a weight
         return specs + [TensorSpec("rope_freqs.weight", None, (hf["head_dim"] // 2,), optional=True)]
 
@@ -283,7 +291,7 @@ class Qwen2:
         }
 
     def tensors(self, hf: dict) -> list[TensorSpec]:
-        return llama_shaped_tensors(hf, None, None)
+        return llama_shaped_tensors(hf, False, qkv_bias=True)
 
     def summary(self, hf: dict) -> str:
         return llama_shaped_summary(hf)
