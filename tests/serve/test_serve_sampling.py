@@ -9,6 +9,7 @@ own forward of the same folder."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 
@@ -169,11 +170,17 @@ def test_fields_with_no_effect_are_accepted(server, tiny_chat_model):  # noqa: F
 # ---- prompt log-probabilities ----
 
 
-def transformers_logprobs(folder, ids: list[int]) -> torch.Tensor:
-    """log P(token | before) of each token after the first, from transformers' own forward."""
+@functools.cache
+def transformers_model(folder):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def transformers_logprobs(folder, ids: list[int]) -> torch.Tensor:
+    """Row p: log P(next token | ids[: p + 1]) over the vocabulary, from transformers' own
+    forward of the same folder (float64 softmax)."""
+    model = transformers_model(folder)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].double()  # (L, V)
     return torch.log_softmax(logits, -1)  # (L, V)
@@ -232,3 +239,103 @@ def test_tokenize_and_detokenize(server, tiny_chat_model, local):  # noqa: F811
     assert post(server, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
     info = json.loads(http("GET", server + "/tokenizer_info")[1])
     assert info["eos_token"] == tokenizer.special_tokens["eos_token"]
+
+
+# ---- lm-evaluation-harness against the server ----
+
+QUIZ = [
+    ("The capital of France is", [" Paris", " Berlin", " Madrid"], 0),
+    ("Two plus two equals", [" four", " five", " seven", " one"], 0),
+    ("The opposite of hot is", [" cold", " warm", " loud"], 0),
+    ("A baby cat is called a", [" kitten", " puppy", " calf"], 0),
+    ("The sky on a clear day is", [" blue", " green", " red", " purple"], 0),
+    ("Water freezes at zero degrees", [" Celsius", " Fahrenheit", " Kelvin"], 0),
+    ("The first letter of the alphabet is", [" A", " Z", " M"], 0),
+    ("Bees make", [" honey", " milk", " silk"], 0),
+]
+
+TASK = """task: tiny_quiz
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def lm_eval_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness' split of a (context, continuation) into tokens (api/model.py
+    _encode_pair, with its remote tokenizer: no special tokens): trailing spaces of the context
+    move to the continuation, the whole is encoded and the context's tokens cut off."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    return context_ids, whole[len(context_ids) :]
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_scores_as_in_process(
+    server,
+    tiny_chat_model,  # noqa: F811
+    local,
+    tmp_path,
+    monkeypatch,
+):
+    """lm-evaluation-harness' local-completions model (echo, logprobs, max_tokens 1, prompts as
+    token ids from the server's /tokenize) on a local multiple-choice task: the same accuracy
+    and per-choice log-likelihoods (within 1e-4) as transformers' forward of the same folder and
+    flashformer's in-process eval.loglikelihood, with the tokens lm-evaluation-harness sends."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    lm_eval = pytest.importorskip(
+        "lm_eval", reason="lm-evaluation-harness is not installed (pip install lm_eval)"
+    )
+    pytest.importorskip("tenacity", reason="lm-evaluation-harness' API models need lm_eval[api]")
+    from lm_eval.tasks import TaskManager
+
+    from flashformer.eval.loglikelihood import token_logprobs
+
+    data = tmp_path / "quiz.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUIZ)
+    )
+    (tmp_path / "tiny_quiz.yaml").write_text(TASK.format(data=data))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model={tiny_chat_model.name},base_url={server}/v1/completions,tokenizer_backend=remote,"
+        "num_concurrent=1,max_retries=1,tokenized_requests=True",
+        tasks=["tiny_quiz"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+        batch_size=1,
+    )
+    model, tokenizer = local
+    samples = sorted(results["samples"]["tiny_quiz"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(QUIZ)
+    correct = 0
+    for sample, (_, choices, answer) in zip(samples, QUIZ):
+        theirs = [float(resp[0][0]) for resp in sample["resps"]]
+        ours, reference = [], []
+        for context, continuation in sample["arguments"]:  # (context, continuation) per choice
+            context_ids, continuation_ids = lm_eval_pair(tokenizer, context, continuation)
+            assert context_ids and continuation_ids
+            ids = context_ids + continuation_ids
+            expected = transformers_logprobs(tiny_chat_model, ids)
+            reference.append(sum(float(expected[p - 1, ids[p]]) for p in range(len(context_ids), len(ids))))
+            scored = token_logprobs(model, ids)
+            ours.append(sum(scored[p].logprob for p in range(len(context_ids), len(ids))))
+        assert theirs == pytest.approx(reference, abs=1e-4) and ours == pytest.approx(reference, abs=1e-4)
+        correct += int(max(range(len(choices)), key=reference.__getitem__) == answer)
+    assert results["results"]["tiny_quiz"]["acc,none"] == pytest.approx(correct / len(QUIZ))
