@@ -4,14 +4,18 @@ key, the errors and their statuses.
     POST /v1/chat/completions   messages through the model's chat template
     POST /v1/completions        a prompt string or token ids
     POST /v1/embeddings         sentence vectors (when the model is an encoder)
+    POST /tokenize, /detokenize, GET /tokenizer_info (tokenize.py)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Requests and responses have OpenAI's shapes, so the `openai` client (and
 everything built on it) works unchanged: max_tokens, temperature (0 =
 greedy), top_p, seed, stop (strings, never returned), n, stream (server-sent
 events ending with `data: [DONE]`, stream_options.include_usage), logprobs /
-top_logprobs, usage; any other field is refused by name (400) unless it cannot change the
-answer (user, metadata, ...) or holds its no-op value. Errors are OpenAI's error JSON with the matching status
+top_logprobs, echo (the prompt's log-probabilities, max_tokens 0 allowed), usage; vLLM's
+top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids and OpenAI's
+presence / frequency penalties and logit_bias (generate.sampling, as generate() applies
+them); any other field is refused by name (400) unless it cannot change the
+answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
 (400 for a bad request, 401 for a wrong API key, 404 for an unknown model,
 503 when the queue is full). A client that goes away has its request
 cancelled within one engine step.
