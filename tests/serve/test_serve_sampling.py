@@ -117,7 +117,7 @@ def test_sampling_fields_are_batch_invariant_and_seeded(server, tiny_chat_model)
 
 
 def test_min_tokens_ignore_eos_and_stop_token_ids(server, tiny_chat_model, local):  # noqa: F811
-    _, tokenizer = local
+    model, tokenizer = local
     eos = tokenizer.eos_token_id
     forced = {"logit_bias": {str(eos): 100}, "temperature": 0, "max_tokens": 10, "prompt": PROMPT}
     ended = complete(server, tiny_chat_model, **forced)
@@ -126,13 +126,14 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(server, tiny_chat_model, local
     assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
     ignored = complete(server, tiny_chat_model, **forced, ignore_eos=True)
     assert ignored["usage"]["completion_tokens"] == 10 and ignored["choices"][0]["finish_reason"] == "length"
-    free = complete(server, tiny_chat_model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0,
-                    ignore_eos=True)  # fmt: skip
-    third = tokenizer.encode(free["choices"][0]["logprobs"]["tokens"][2], add_special_tokens=False)
-    stopped = complete(server, tiny_chat_model, prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True,
-                       stop_token_ids=third)  # fmt: skip
+    ids = tokenizer.encode(PROMPT)
+    free = model.generate(torch.tensor([ids]), max_new_tokens=10, eos_token_id=[])[0, len(ids) :].tolist()
+    stopped = complete(server, tiny_chat_model, prompt=ids, max_tokens=10, temperature=0, ignore_eos=True,
+                       stop_token_ids=[free[2]])  # fmt: skip
+    first = free.index(free[2]) + 1  # the first time that token comes
     assert stopped["choices"][0]["finish_reason"] == "stop"
-    assert stopped["usage"]["completion_tokens"] <= 3
+    assert stopped["usage"]["completion_tokens"] == first
+    assert stopped["choices"][0]["text"] == tokenizer.decode(free[: first - 1])
 
 
 BAD = [
