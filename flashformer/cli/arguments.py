@@ -47,6 +47,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below MIN_P x the likeliest's probability"
+    )
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
@@ -77,6 +80,7 @@ def sampling_settings(args) -> dict:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         compile=args.compile,
     )

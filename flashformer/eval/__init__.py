@@ -1,4 +1,5 @@
-"""Evaluation: perplexity and bits per byte of a causal LM over long texts (perplexity.py)."""
+"""Evaluation: perplexity and bits per byte of a causal LM over long texts (perplexity.py);
+every token's log-probability and its top alternatives (loglikelihood.py)."""
 
 from flashformer.eval.perplexity import perplexity
 

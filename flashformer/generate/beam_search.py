@@ -58,9 +58,8 @@ def beam_search(
     finished_done = torch.zeros(batch, beams, dtype=torch.bool, device=device)
     finished_lengths = torch.zeros(batch, beams, dtype=torch.long, device=device)  # new tokens of each
     may_improve = torch.ones(batch, 1, dtype=torch.bool, device=device)
-    history = None
-    if s.repetition_penalty != 1.0:
-        history = TokenHistory(prompt, real, vocab)
+    history = TokenHistory.for_settings(s, prompt, real, vocab)
+    if history is not None:
         history.expand(beams)
 
     logits = session.prefill().repeat_interleave(beams, dim=0)  # (B*K, V): one prefill per prompt

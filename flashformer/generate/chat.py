@@ -92,11 +92,7 @@ class Chat:
         self.reused = min(_common_prefix(self.cached, ids), len(ids) - 1)
         input_ids = torch.tensor([ids], device=self.caches[0].k.device)
         session = DecoderSession(self.model, input_ids, None, settings, self.caches, self.reused)
-        history = (
-            TokenHistory(input_ids, None, self.model.config.vocab_size)
-            if settings.repetition_penalty != 1.0
-            else None
-        )
+        history = TokenHistory.for_settings(settings, input_ids, None, self.model.config.vocab_size)
         answer: list[int] = []
         try:
             tokens = (int(t[0]) for t in stream_tokens(session, settings, history, self.generator))

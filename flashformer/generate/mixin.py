@@ -162,9 +162,11 @@ class GenerationMixin:
 
         input_ids: (B, P) prompts, left-padded for a decoder; attention_mask (B, P), 1 = real token.
         Keyword arguments (transformers' names): max_new_tokens=20, min_new_tokens=0,
-        do_sample=False, temperature=1.0, top_k=None, top_p=None, repetition_penalty=1.0,
-        num_beams=1, length_penalty=1.0, early_stopping=False, eos_token_id (int or list;
-        default the config's), pad_token_id, decoder_start_token_id; and flashformer's
+        do_sample=False, temperature=1.0, top_k=None, top_p=None, min_p=None,
+        repetition_penalty=1.0, num_beams=1, length_penalty=1.0, early_stopping=False,
+        eos_token_id (int or list, the stop tokens; default the config's), pad_token_id,
+        decoder_start_token_id; OpenAI's logit_bias ({token id: bias}), presence_penalty=0,
+        frequency_penalty=0 and ignore_eos=False (vLLM's); and flashformer's
         prefill_chunk_size (None = the whole prompt at once) and compile (torch.compile
         the decode step). generator or seed make sampling reproducible.
         Returns (B, P + n) for a decoder, (B, 1 + n) for an encoder-decoder, or a
@@ -180,9 +182,7 @@ class GenerationMixin:
                 make_session(self, input_ids, attention_mask, s), s, prompt, real, generator, logits_out
             )
         else:
-            history = (
-                TokenHistory(prompt, real, self.config.vocab_size) if s.repetition_penalty != 1.0 else None
-            )
+            history = TokenHistory.for_settings(s, prompt, real, self.config.vocab_size)
             session = make_session(self, input_ids, attention_mask, s)
             steps = list(stream_tokens(session, s, history, generator, logits_out))
             sequences = torch.cat([prompt] + [t[:, None] for t in steps], dim=1)
@@ -211,6 +211,6 @@ class GenerationMixin:
     @torch.no_grad()
     def _stream(self, input_ids, attention_mask, s, generator) -> Iterator[Tensor]:
         prompt, real = _decoder_prompt(self, input_ids, attention_mask, s)
-        history = TokenHistory(prompt, real, self.config.vocab_size) if s.repetition_penalty != 1.0 else None
+        history = TokenHistory.for_settings(s, prompt, real, self.config.vocab_size)
         session = make_session(self, input_ids, attention_mask, s)
         yield from stream_tokens(session, s, history, generator)

@@ -3,11 +3,15 @@ what turns a step's logits into scores to pick from.
 
     settings = settings_from(model, max_new_tokens=50, do_sample=True, top_p=0.9)
     process = LogitsProcessor(settings, device)
-    scores = process(logits, history, new_tokens)   # repetition penalty, min length, temperature, top-k, top-p
+    history = TokenHistory.for_settings(settings, prompt, real, vocab)  # None when no penalty reads it
+    scores = process(logits, history, new_tokens)   # bias, penalties, min length, temperature, filters
     tokens = choose_tokens(scores, settings.do_sample, generator)   # (B,)
 
-Every setting has transformers' name, default and meaning, and is checked
-before any compute; errors name the argument.
+Every setting has transformers' name, default and meaning (OpenAI's for
+logit_bias and the presence and frequency penalties, which transformers
+lacks), and is checked before any compute; errors name the argument. The
+server builds the same settings from a request (serve/engine.py), so a
+request and a generate() call with the same settings pick the same tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ class GenerationSettings:
     temperature: float = 1.0
     top_k: int | None = None  # None or 0: no top-k filter
     top_p: float | None = None  # None or 1.0: no nucleus filter
-    repetition_penalty: float = 1.0
+    min_p: float | None = None  # None or 0: no min-p filter
+    repetition_penalty: float = 1.0  # over the prompt's and the generated tokens
+    presence_penalty: float = 0.0  # OpenAI's: over the generated tokens only
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, as OpenAI's
+    ignore_eos: bool = False  # keep going past eos tokens (settings_from then stops on none)
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
@@ -57,6 +66,8 @@ def settings_from(model, **kwargs) -> GenerationSettings:
         pad = eos_list[0]  # finished rows need some filler; transformers uses eos too
     start = kwargs.pop("decoder_start_token_id", None)
     start = config.decoder_start_token_id if start is None else start
+    if kwargs.get("ignore_eos") is True:
+        eos_list = []  # nothing ends a row early; pad keeps the eos id chosen above
     settings = GenerationSettings(
         eos_token_id=eos_list, pad_token_id=pad, decoder_start_token_id=start, **kwargs
     )
@@ -79,10 +90,19 @@ def check_settings(s: GenerationSettings, model) -> None:
         _check_int("top_k", s.top_k, 0)
     if s.top_p is not None and not (_is_number(s.top_p) and 0 < s.top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1]; got {s.top_p!r}")
-    if not (_is_number(s.repetition_penalty) and s.repetition_penalty > 0):
+    if s.min_p is not None and not (_is_number(s.min_p) and 0 <= s.min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1] (0 = none); got {s.min_p!r}")
+    if not (_is_number(s.repetition_penalty) and 0 < s.repetition_penalty < math.inf):
         raise ValueError(
-            f"repetition_penalty must be a number > 0 (1.0 = none); got {s.repetition_penalty!r}"
+            f"repetition_penalty must be a finite number > 0 (1.0 = none); got {s.repetition_penalty!r}"
         )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (_is_number(value) and -2 <= value <= 2):
+            raise ValueError(f"{name} must be a number in [-2, 2] (0 = none), as OpenAI's; got {value!r}")
+    check_logit_bias(s.logit_bias, vocab)
+    if not isinstance(s.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be True or False; got {s.ignore_eos!r}")
     if not _is_number(s.length_penalty) or not math.isfinite(s.length_penalty):
         raise ValueError(f"length_penalty must be a finite number; got {s.length_penalty!r}")
     if s.early_stopping not in (True, False, "never"):
@@ -104,6 +124,20 @@ def check_settings(s: GenerationSettings, model) -> None:
                 f"an encoder-decoder needs decoder_start_token_id, a token id in [0, {vocab}) "
                 f"(from the argument or the model's config); got {start!r}"
             )
+
+
+def check_logit_bias(bias, vocab: int) -> None:
+    """A logit_bias maps token ids in the vocabulary to finite numbers in [-100, 100] (OpenAI's
+    range: -100 bans a token, 100 all but forces it)."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers; got {bias!r}")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"logit_bias: {token!r} is not a token id in [0, {vocab})")
+        if not (_is_number(value) and -100 <= value <= 100):
+            raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100]; got {value!r}")
 
 
 def _in_vocabulary(ids, vocab: int):
@@ -141,8 +175,15 @@ def _is_number(value) -> bool:
 # ---- from logits to scores ----
 
 
+def needs_history(s: GenerationSettings) -> bool:
+    """Whether a penalty of `s` reads the tokens seen so far (a TokenHistory)."""
+    return s.repetition_penalty != 1.0 or bool(s.presence_penalty) or bool(s.frequency_penalty)
+
+
 class TokenHistory:
-    """Which tokens each row has produced so far (B, vocab) bool, for the repetition penalty.
+    """What the penalties read: which tokens each row has seen, prompt included (B, vocab) bool,
+    for the repetition penalty; how often each was generated (B, vocab) int32, for OpenAI's
+    presence and frequency penalties, which count the generated tokens only.
 
     Updated per step (one scatter), never recomputed from the whole sequence.
     Padding is not part of a prompt, so it is not penalized.
@@ -154,15 +195,24 @@ class TokenHistory:
         index = tokens if real is None else tokens.masked_fill(~real.bool(), vocab)
         seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=tokens.device)
         self.seen = seen.scatter_(1, index, True)[:, :vocab]  # (B, V)
+        self.counts = torch.zeros(batch, vocab, dtype=torch.int32, device=tokens.device)  # (B, V)
+
+    @staticmethod
+    def for_settings(s: GenerationSettings, tokens: Tensor, real: Tensor | None, vocab: int):
+        """A history for the prompts `tokens` (B, P), or None when no penalty of `s` reads one."""
+        return TokenHistory(tokens, real, vocab) if needs_history(s) else None
 
     def add(self, tokens: Tensor) -> None:  # tokens (B,)
-        self.seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        self.seen[rows, tokens] = True
+        self.counts[rows, tokens] += 1
 
     def reorder(self, rows: Tensor) -> None:
-        self.seen = self.seen[rows]
+        self.seen, self.counts = self.seen[rows], self.counts[rows]
 
     def expand(self, times: int) -> None:
         self.seen = self.seen.repeat_interleave(times, dim=0)
+        self.counts = self.counts.repeat_interleave(times, dim=0)
 
 
 def penalize_repetition(scores: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -170,6 +220,14 @@ def penalize_repetition(scores: Tensor, seen: Tensor, penalty: float) -> Tensor:
     token's score is divided by the penalty if positive, multiplied if negative."""
     penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
     return torch.where(seen, penalized, scores)
+
+
+def penalize_presence_and_frequency(
+    scores: Tensor, counts: Tensor, presence: float, frequency: float
+) -> Tensor:
+    """OpenAI's penalties: each generated token's score loses frequency x its count, and
+    presence once if it appeared at all (counts (B, V) over the generated tokens)."""
+    return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
 
 
 def filter_top_k(scores: Tensor, top_k: int) -> Tensor:
@@ -191,19 +249,42 @@ def filter_top_p(scores: Tensor, top_p: float, min_keep: int = 1) -> Tensor:
     return scores.masked_fill(drop, -math.inf)
 
 
+def filter_min_p(scores: Tensor, min_p: float, min_keep: int = 1) -> Tensor:
+    """Min-p (Nguyen et al., 2024), as transformers applies it: drop the tokens whose
+    probability is below min_p times the most likely token's, keeping at least the
+    min_keep most likely."""
+    probs = scores.softmax(dim=-1)  # (B, V)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    best = torch.topk(probs, min(min_keep, probs.shape[-1])).indices  # (B, min_keep)
+    drop = drop.scatter(1, best, False)
+    return scores.masked_fill(drop, -math.inf)
+
+
 class LogitsProcessor:
-    """The score changes of one generate() call, in transformers' order:
-    repetition penalty, min_new_tokens (eos forbidden), then, when sampling,
-    temperature, top-k, top-p."""
+    """The score changes of one generate() call or request: logit_bias, the repetition
+    penalty, the presence and frequency penalties (vLLM's order: bias, then penalties),
+    min_new_tokens (eos forbidden), then, when sampling, transformers' warpers in its order:
+    temperature, top-k, top-p, min-p. Greedy choice skips the warpers (none changes the
+    argmax)."""
 
     def __init__(self, s: GenerationSettings, device, min_keep: int = 1):
         self.s, self.min_keep = s, min_keep
         self.eos = torch.tensor(s.eos_token_id, dtype=torch.long, device=device)
+        bias = s.logit_bias or {}
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device)  # (N,)
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)  # (N,)
 
     def __call__(self, scores: Tensor, history: TokenHistory | None, new_tokens: int) -> Tensor:
         s = self.s
+        if len(self.bias_ids):
+            added = self.bias_values.to(scores.dtype).expand(scores.shape[0], -1)  # (B, N)
+            scores = scores.index_add(1, self.bias_ids, added)
         if s.repetition_penalty != 1.0:
             scores = penalize_repetition(scores, history.seen, s.repetition_penalty)
+        if s.presence_penalty or s.frequency_penalty:
+            scores = penalize_presence_and_frequency(
+                scores, history.counts, s.presence_penalty, s.frequency_penalty
+            )
         if new_tokens < s.min_new_tokens and len(self.eos):
             scores = scores.index_fill(1, self.eos, -math.inf)
         if s.do_sample:
@@ -213,6 +294,8 @@ class LogitsProcessor:
                 scores = filter_top_k(scores, max(s.top_k, self.min_keep))
             if s.top_p is not None and s.top_p < 1.0:
                 scores = filter_top_p(scores, s.top_p, self.min_keep)
+            if s.min_p:
+                scores = filter_min_p(scores, s.min_p, self.min_keep)
         return scores
 
 

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, choose_tokens
+from flashformer.eval.loglikelihood import token_logprobs as score_prompt
+from flashformer.generate.sampling import (
+    GenerationSettings,
+    LogitsProcessor,
+    TokenHistory,
+    choose_tokens,
+    needs_history,
+)
 from flashformer.serve.loop import Busy, ModelLoop
 from flashformer.serve.paged_cache import BlockPool
 from flashformer.serve.runner import ModelRunner
@@ -47,27 +54,40 @@ __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int
+    """A request's settings in vLLM's names; generation_settings() turns them into the library's
+    GenerationSettings, so the server and generate() sample alike."""
+
+    max_tokens: int  # 0: no token (the prompt's log-probabilities alone, with prompt_logprobs)
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # the stop tokens are forbidden until this many are generated
     seed: int | None = None
     stop: tuple[str, ...] = ()  # strings that end the text, never returned
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the top k
-    stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None  # None: none; k: every prompt token's, and the top k
+    stop_token_ids: tuple[int, ...] = ()  # the tokens that end a sequence (never part of its text)
 
 
 @dataclass
 class TokenLogprob:
     token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top_logprobs alternatives, best first
+    logprob: float | None  # None: a prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] | None  # the top_logprobs alternatives, best first
 
 
 @dataclass
 class Event:
-    """What a client receives. kind "delta": new text (and its tokens' log-probabilities) of
-    choice `index`; "finish": choice `index` ended with `finish_reason`; "done": every choice
-    ended (usage holds the token counts); "error": the request failed (message)."""
+    """What a client receives. kind "prompt": the prompt's tokens' log-probabilities (logprobs,
+    the first None), before anything else; "delta": new text (and its tokens'
+    log-probabilities) of choice `index`; "finish": choice `index` ended with `finish_reason`;
+    "done": every choice ended (usage holds the token counts); "error": the request failed
+    (message)."""
 
     kind: str
     index: int = 0
@@ -118,6 +138,7 @@ class Sequence:
         self.blocks: list[int] = []
         self.computed = 0  # tokens whose keys and values are in the blocks
         self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
+        self.history: TokenHistory | None = None  # for the penalties; made at the first sample
         self.finish_reason: str | None = None
         self.arrival = next(Sequence._order)
         seed = request.params.seed
@@ -226,7 +247,36 @@ class Engine(ModelLoop):
     # ---- the loop ----
 
     def _accept(self, request: Request) -> None:
+        if request.params.prompt_logprobs is not None or request.params.max_tokens == 0:
+            if not self._score_prompt(request):
+                return
         self.waiting.extend(request.sequences)
+
+    def _score_prompt(self, request: Request) -> bool:
+        """The prompt's log-probabilities, when asked, in one forward of its own (eval's
+        token_logprobs: the same numbers alone or among others), sent before any token; a
+        request for no token ends here. Whether its sequences go on to be generated."""
+        params = request.params
+        try:
+            if params.prompt_logprobs is not None:
+                scored = score_prompt(self.model, request.prompt_ids, params.prompt_logprobs)
+                first = TokenLogprob(request.prompt_ids[0], None, None)
+                entries = [first] + [TokenLogprob(s.token, s.logprob, s.top) for s in scored[1:]]
+                request.emit(Event("prompt", logprobs=entries))
+                self.counts["prompt_tokens"] += len(request.prompt_ids)
+        except Exception as error:  # the loop must go on for the others
+            self._count_waiting(-len(request.sequences))
+            for sequence in request.sequences:
+                sequence.finish_reason = "error"
+            request.emit(Event("error", message=f"scoring the prompt failed: {error!r}"))
+            return False
+        if params.max_tokens > 0:
+            return True
+        self._count_waiting(-len(request.sequences))
+        for sequence in request.sequences:
+            sequence.finish_reason = "length"
+            self._announce(sequence)
+        return False
 
     def _has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -297,9 +347,13 @@ class Engine(ModelLoop):
         """Pick the next token from one row's logits (V,), then stream and check for the end."""
         request = sequence.request
         logits = logits.float()
-        scores = request.process(logits[None], None, len(sequence.generated))  # (1, V)
+        if sequence.history is None and needs_history(request.settings):
+            sequence.history = _history(sequence, request.settings, logits.shape[-1], logits.device)
+        scores = request.process(logits[None], sequence.history, len(sequence.generated))  # (1, V)
         token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
         sequence.tokens.append(token)
+        if sequence.history is not None:
+            sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
         self._note_progress(1)
         self._stream(sequence, token_logprobs(logits, token, request.params.logprobs))
@@ -357,11 +411,31 @@ class Engine(ModelLoop):
 
 
 def generation_settings(params: SamplingParams) -> GenerationSettings:
-    """The request's settings in generate()'s terms: temperature 0 is greedy; every other
-    setting (repetition penalty, top-k, min tokens) stays at its no-op default."""
+    """The request's settings in generate()'s terms: temperature 0 is greedy (the filters then
+    change nothing); min_tokens forbids the stop tokens (the settings' eos) until then."""
     return GenerationSettings(
-        do_sample=params.temperature > 0, temperature=params.temperature, top_p=params.top_p
+        do_sample=params.temperature > 0,
+        temperature=params.temperature if params.temperature > 0 else 1.0,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_new_tokens=params.min_tokens,
+        eos_token_id=list(params.stop_token_ids),
     )
+
+
+def _history(sequence: Sequence, settings: GenerationSettings, vocab: int, device) -> TokenHistory:
+    """The penalties' record of a sequence's prompt and generated tokens: made at its first
+    sample, then one token added per sample."""
+    prompt = torch.tensor([sequence.tokens[: sequence.prompt_len]], device=device)  # (1, P)
+    history = TokenHistory(prompt, None, vocab)
+    for token in sequence.generated:  # none: a sequence's first sample comes before any token
+        history.add(torch.tensor([token], device=device))
+    return history
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int | None) -> list[TokenLogprob]:

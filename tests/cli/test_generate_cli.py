@@ -57,6 +57,15 @@ def test_seeded_sampling_from_the_command_line_is_reproducible(tiny_run, capsys)
     assert first[0] == again[0] == 0 and first[1] == again[1] and first[1].startswith(PROMPT)
 
 
+def test_min_p_of_one_samples_the_greedy_text(tiny_run, capsys):
+    """--min-p reaches the sampler: 1.0 keeps only the likeliest token, so a draw is greedy."""
+    args = ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "12"]
+    greedy = run_cli([*args, "--greedy"], capsys)
+    drawn = run_cli([*args, "--seed", "3", "--top-k", "0", "--min-p", "1.0"], capsys)
+    free = run_cli([*args, "--seed", "3", "--top-k", "0"], capsys)
+    assert greedy[0] == drawn[0] == 0 and drawn[1] == greedy[1] != free[1]
+
+
 def test_beam_search_from_the_command_line(tiny_run, capsys):
     code, out, _ = run_cli(
         ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "8", "--num-beams", "3"], capsys

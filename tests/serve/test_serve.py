@@ -280,12 +280,12 @@ BAD = [
     ("too long", {"messages": [{"role": "user", "content": "word " * 400}]}, 400, "maximum context length"),
     ("no messages", {"messages": []}, 400, "messages"),
     ("temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
-    ("top_k", {"messages": [{"role": "user", "content": "x"}], "top_k": 5}, 400, "top_k is not supported"),
+    ("top_k", {"messages": [{"role": "user", "content": "x"}], "top_k": -5}, 400, "top_k"),
     (
-        "logit_bias",
-        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"11": 5}},
+        "best_of",
+        {"messages": [{"role": "user", "content": "x"}], "best_of": 3},
         400,
-        "logit_bias is not supported",
+        "best_of is not supported",
     ),
     (
         "json mode",

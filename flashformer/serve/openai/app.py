@@ -4,14 +4,18 @@ key, the errors and their statuses.
     POST /v1/chat/completions   messages through the model's chat template
     POST /v1/completions        a prompt string or token ids
     POST /v1/embeddings         sentence vectors (when the model is an encoder)
+    POST /tokenize, /detokenize, GET /tokenizer_info (tokenize.py)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Requests and responses have OpenAI's shapes, so the `openai` client (and
 everything built on it) works unchanged: max_tokens, temperature (0 =
 greedy), top_p, seed, stop (strings, never returned), n, stream (server-sent
 events ending with `data: [DONE]`, stream_options.include_usage), logprobs /
-top_logprobs, usage; any other field is refused by name (400) unless it cannot change the
-answer (user, metadata, ...) or holds its no-op value. Errors are OpenAI's error JSON with the matching status
+top_logprobs, echo (the prompt's log-probabilities, max_tokens 0 allowed), usage; vLLM's
+top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids and OpenAI's
+presence / frequency penalties and logit_bias (generate.sampling, as generate() applies
+them); any other field is refused by name (400) unless it cannot change the
+answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
 (400 for a bad request, 401 for a wrong API key, 404 for an unknown model,
 503 when the queue is full). A client that goes away has its request
 cancelled within one engine step.
@@ -40,6 +44,7 @@ from flashformer.serve.openai.protocol import (
     refuse_unsupported,
 )
 from flashformer.serve.openai.responses import collect, embedding_response, prometheus, stream_events
+from flashformer.serve.openai.tokenize import add_tokenizer_routes
 
 
 def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -61,7 +66,8 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {first.get('msg')}"
         else:
-            message = f"{where or 'the request body'}: {first.get('msg', 'invalid')}"
+            got = f"; got {first['input']!r}" if "input" in first and first.get("type") != "missing" else ""
+            message = f"{where or 'the request body'}: {first.get('msg', 'invalid')}{got}"
         return APIError(400, message, param=where).response()
 
     @app.middleware("http")
@@ -113,10 +119,10 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
         _check_model(body.model, model_name)
         _check_generates(engine, model_name)
         refuse_unsupported(body)
-        if body.echo:
-            raise APIError(400, "echo=true is not supported", param="echo")
+        if body.echo and body.stream:
+            raise APIError(400, "echo with stream=true is not supported (ask without stream)", param="echo")
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise APIError(
                     400, "prompt: one prompt per request (use n for several choices)", param="prompt"
@@ -134,8 +140,14 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
             ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt: the prompt is empty", param="prompt")
-        params = _params(body, body.max_tokens, body.logprobs, len(ids), engine)
-        return await _respond(engine, http, body, ids, params, model_name, chat=False)
+        scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's too
+        params = _params(body, body.max_tokens, body.logprobs, len(ids), engine, scored)
+        echo = None
+        if body.echo:
+            echo = (
+                prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+            )
+        return await _respond(engine, http, body, ids, params, model_name, chat=False, echo=echo)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingsRequest, http: Request):
@@ -150,6 +162,8 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
             )
         return await _embed(engine, http, body, model_name)
 
+    if isinstance(engine, Engine):
+        add_tokenizer_routes(app, engine, model_name)
     return app
 
 
@@ -237,12 +251,15 @@ def _text_of(content) -> str:
 
 
 def _params(
-    body: Sampling, max_tokens: int | None, logprobs: int | None, prompt_len: int, engine: Engine
+    body: Sampling,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_len: int,
+    engine: Engine,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    if body.presence_penalty or body.frequency_penalty:
-        raise APIError(
-            400, "presence_penalty and frequency_penalty are not supported (give 0)", param="presence_penalty"
-        )
+    """The request's settings, checked (400 naming the field and the value). max_tokens 0 is
+    allowed with echo (prompt_logprobs set, or echo alone): the prompt, and no token."""
     if prompt_len >= engine.context:
         raise APIError(
             400,
@@ -250,21 +267,57 @@ def _params(
             param="messages",
             code="context_length_exceeded",
         )
-    if max_tokens is not None and max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be at least 1; got {max_tokens}", param="max_tokens")
+    echo = getattr(body, "echo", False)
+    if max_tokens is not None and (max_tokens < 0 or (max_tokens == 0 and not echo)):
+        least = "0 (with echo)" if isinstance(body, CompletionRequest) else "1"
+        raise APIError(400, f"max_tokens must be at least {least}; got {max_tokens}", param="max_tokens")
     room = engine.context - prompt_len
+    limit = room if max_tokens is None else min(max_tokens, room)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
+    vocab = engine.model.config.vocab_size
+    bias = _logit_bias(body.logit_bias, vocab)
+    asked_stops = list(body.stop_token_ids or [])
+    bad = [t for t in asked_stops if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
+                       param="stop_token_ids")  # fmt: skip
+    # ignore_eos: the model's own stop tokens go on; the request's stop_token_ids still end it
+    own_stops = [] if body.ignore_eos else list(getattr(engine.tokenizer, "stop_token_ids", []) or [])
+    min_tokens = body.min_tokens or 0
+    if min_tokens > limit:
+        raise APIError(
+            400, f"min_tokens ({min_tokens}) must be at most max_tokens ({limit})", param="min_tokens"
+        )
     return SamplingParams(
-        max_tokens=min(max_tokens or room, room),
-        temperature=body.temperature,
-        top_p=body.top_p,
+        max_tokens=limit,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),  # -1 and 0: none
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        min_tokens=min_tokens,
         seed=body.seed,
         stop=tuple(stop),
         logprobs=logprobs,
-        stop_token_ids=tuple(getattr(engine.tokenizer, "stop_token_ids", []) or []),
+        prompt_logprobs=prompt_logprobs,
+        stop_token_ids=tuple(dict.fromkeys(own_stops + asked_stops)),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids as strings (JSON's keys), each in the vocabulary."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(pairs)
 
 
 async def _respond(
@@ -275,6 +328,7 @@ async def _respond(
     params: SamplingParams,
     model_name: str,
     chat: bool,
+    echo: str | None = None,
 ):
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -295,4 +349,4 @@ async def _respond(
             stream_events(request, events, ident, created, model_name, chat, usage, engine),
             media_type="text/event-stream",
         )
-    return await collect(request, events, http, ident, created, model_name, chat, engine)
+    return await collect(request, events, http, ident, created, model_name, chat, engine, echo)

@@ -3,7 +3,7 @@ error shape, for the endpoints of app.py."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,8 +15,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
+
+
 class Sampling(BaseModel):
-    """The settings both endpoints share (OpenAI's names and defaults)."""
+    """The settings both endpoints share: OpenAI's names, defaults and ranges, and vLLM's for
+    the fields OpenAI lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+    stop_token_ids). Null is the default. Every one reaches generate.sampling (engine.py)."""
 
     # other fields are kept for refuse_unsupported: each is refused by name unless it cannot
     # change the answer (user, metadata, ...) or holds its no-op value
@@ -24,15 +29,22 @@ class Sampling(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k filter (vLLM's)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys are) -> bias
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 class ChatMessage(BaseModel):
@@ -50,7 +62,7 @@ class ChatCompletionRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -71,19 +83,14 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "prediction", "paralle
 
 # fields this server does not implement, with the values that ask for nothing (OpenAI's and
 # vLLM's defaults); any other value would change the answer, so it is refused by name
+# (response_format, tools and tool_choice: until structured output lands)
 NO_OP_VALUES: dict[str, tuple] = {
-    "logit_bias": ({},),
-    "top_k": (0, -1),
-    "min_p": (0,),
-    "repetition_penalty": (1,),
     "best_of": (1,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # without tools, both mean plain text
     "modalities": (["text"],),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
 }
 
 

@@ -15,10 +15,13 @@ from flashformer.serve.engine import Engine
 from flashformer.serve.openai.protocol import APIError
 
 
-async def collect(request, events, http, ident, created, model_name, chat, engine) -> dict:
-    """Wait for the whole answer (cancelling it if the client goes away), then one response."""
+async def collect(request, events, http, ident, created, model_name, chat, engine, echo=None) -> dict:
+    """Wait for the whole answer (cancelling it if the client goes away), then one response.
+    echo: the prompt's text, which then opens every choice's text (and the prompt's tokens its
+    log-probabilities, when the engine scored them: OpenAI's legacy echo)."""
     texts = [""] * len(request.sequences)
     logprobs: list[list] = [[] for _ in request.sequences]
+    prompt_logprobs: list = []
     reasons: list[str | None] = [None] * len(request.sequences)
     usage = None
     try:
@@ -33,6 +36,8 @@ async def collect(request, events, http, ident, created, model_name, chat, engin
             if event.kind == "delta":
                 texts[event.index] += event.text
                 logprobs[event.index] += event.logprobs
+            elif event.kind == "prompt":
+                prompt_logprobs = event.logprobs
             elif event.kind == "finish":
                 reasons[event.index] = event.finish_reason
             elif event.kind == "done":
@@ -52,8 +57,9 @@ async def collect(request, events, http, ident, created, model_name, chat, engin
                 "finish_reason": reason,
             }
         else:
-            choice = {"index": index, "text": text, "finish_reason": reason}
-        choice["logprobs"] = logprobs_of(logprobs[index], engine, chat) if asked else None
+            choice = {"index": index, "text": text if echo is None else echo + text, "finish_reason": reason}
+        entries = prompt_logprobs + logprobs[index]
+        choice["logprobs"] = logprobs_of(entries, engine, chat) if asked else None
         choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {
@@ -144,8 +150,10 @@ def completion_logprobs(entries, engine) -> dict:
         at += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(engine, i): lp for i, lp in e.top} for e in entries],
+        "token_logprobs": [e.logprob for e in entries],  # None for a prompt's first token
+        "top_logprobs": [
+            None if e.top is None else {token_text(engine, i): lp for i, lp in e.top} for e in entries
+        ],
         "text_offset": offsets,
     }
 
