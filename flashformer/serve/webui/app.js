@@ -153,7 +153,10 @@ function rename(chat, item, title) {
   };
   input.addEventListener("keydown", (event) => {
     if (event.key === "Enter") commit();
-    if (event.key === "Escape") showConversations();
+    if (event.key === "Escape") {
+      done = true;
+      showConversations();
+    }
   });
   input.addEventListener("blur", commit);
   title.replaceWith(input);
@@ -237,8 +240,6 @@ function edit(chat, index, view) {
     button("Send", () => {
       chat.messages = chat.messages.slice(0, index);
       chat.messages.push({ role: "user", content: box.value });
-      save();
-      showMessages();
       ask(chat, performance.now());
     }, "resend"),
     button("Cancel", showMessages, "cancel"),
@@ -249,8 +250,6 @@ function edit(chat, index, view) {
 function regenerate(chat, index) {
   if (streaming) return;
   chat.messages = chat.messages.slice(0, index);
-  save();
-  showMessages();
   ask(chat, performance.now());
 }
 
@@ -261,10 +260,8 @@ function send(pressed) {
   if (!chat.messages.length) chat.title = text.trim().slice(0, 40);
   chat.messages.push({ role: "user", content: text });
   $("prompt").value = "";
-  save();
-  showConversations();
-  showMessages();
   ask(chat, pressed);
+  showConversations();
 }
 
 /** Stream the answer to `chat`'s messages into a new assistant message; `pressed`: when the user asked (performance.now()). */
@@ -273,10 +270,7 @@ async function ask(chat, pressed) {
   const history = chat.messages.filter((m) => m.meta?.state !== "error").map(({ role, content }) => ({ role, content }));
   const answer = { role: "assistant", content: "", meta: { state: "streaming" } };
   chat.messages.push(answer);
-  showMessages();
-  const view = $("messages").lastElementChild;
   streaming = new AbortController();
-  composing(true);
   let first = null;
   let pieces = 0;
   let usage = null;
@@ -285,13 +279,17 @@ async function ask(chat, pressed) {
     answer.meta.tokens = usage ? usage.completion_tokens : pieces;
     answer.meta.firstTokenMs = first === null ? null : first - pressed;
     answer.meta.tokensPerSecond = first !== null && answer.meta.tokens > 1 ? (answer.meta.tokens - 1) / seconds : null;
-    if (chat.id === current) draw(view, answer);
+    if (chat.id === current) draw($("messages").lastElementChild, answer); // redrawn views included
   };
   try {
     if (!model) await connect();
     if (!model) throw new Error("no model: the server did not answer /v1/models");
     const body = { model, messages: [...system, ...history], stream: true, stream_options: { include_usage: true }, ...sampling() };
-    const response = await api("/v1/chat/completions", body, streaming.signal);
+    const asked = api("/v1/chat/completions", body, streaming.signal); // sent before the page redraws
+    save();
+    showMessages();
+    composing(true);
+    const response = await asked;
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
     for (;;) {
