@@ -371,24 +371,29 @@ def test_markup_in_an_answer_is_shown_and_never_run(browser, echo_server, tmp_pa
 
 
 def test_first_paint_and_first_token_times(browser, server):
-    """The issue's targets: first paint <= 200 ms from the loopback server; Enter to the first
-    streamed token within 50 ms of the API's own time to first token (medians of five)."""
+    """The issue's targets: first paint <= 200 ms from the loopback server (Paint Timing's
+    first-contentful-paint, from the navigation's start); Enter to the first streamed token
+    within 50 ms of the API's own time to first token. Medians of seven; each page question
+    (a new conversation: the same messages) is paired with the same request sent right after
+    it from a raw socket, so that both see the same load on the machine."""
     paints = []
     paint = "return performance.getEntriesByName('first-contentful-paint')[0]?.startTime"
-    for _ in range(5):
+    for _ in range(7):
         open_page(browser, server)
         paints.append(wait_for(browser, lambda: js(browser, paint), what="the first contentful paint"))
     greedy(browser, 2)
     page, api = [], []
-    for i in range(5):
+    for i in range(7):
+        browser.find_element("id", "new-chat").click()
         page.append(answered(browser, f"Hello {i}")["firstTokenMs"])
         api.append(api_time_to_first_token(server, f"Hello {i}"))
-    print(
+    figures = (
         f"first paint {statistics.median(paints):.0f} ms; Enter to first token {statistics.median(page):.0f} ms,"
-        f" the API's {statistics.median(api):.0f} ms"
+        f" the API's {statistics.median(api):.0f} ms (page {[round(t) for t in page]}, API {[round(t) for t in api]})"
     )
-    assert statistics.median(paints) <= 200
-    assert statistics.median(page) <= statistics.median(api) + 50
+    print(figures)
+    assert statistics.median(paints) <= 200, figures
+    assert statistics.median(p - a for p, a in zip(page, api)) <= 50, figures
 
 
 def api_time_to_first_token(url: str, question: str) -> float:
