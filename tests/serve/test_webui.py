@@ -315,6 +315,22 @@ def test_stop_cancels_the_request_and_frees_its_blocks(browser, server, tmp_path
     browser.save_screenshot(str(tmp_path / "stopped.png"))
 
 
+def test_a_reload_mid_answer_cancels_it_and_keeps_what_came(browser, server):
+    open_page(browser, server)
+    set_field(browser, "max_tokens", None)
+    browser.find_element("id", "new-chat").click()
+    ask(browser, "Tell me a long story about the wind.")
+    wait_for(browser, lambda: len((last_answer(browser) or {}).get("text", "")) > 40, what="streaming")
+    browser.refresh()  # the page goes, and its fetch with it
+    wait_for(browser, lambda: js(browser, "return document.body.dataset.ready === 'true'"))
+    assert last_answer(browser)["state"] == "stopped" and len(last_answer(browser)["text"]) > 40
+    deadline = time.monotonic() + 5
+    while metrics(server)["flashformer_kv_blocks_in_use"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metrics(server)["flashformer_requests_running"] == 0
+    assert metrics(server)["flashformer_kv_blocks_in_use"] == 0
+
+
 def test_conversations_survive_a_reload_and_are_renamed_and_deleted(browser, server):
     open_page(browser, server)
     before = stored(browser)

@@ -20,6 +20,12 @@ let model = null; // the served model's id, from /v1/models
 let conversations = read(STORE.conversations, []); // [{id, title, messages: [{role, content, meta}]}]
 let current = localStorage.getItem(STORE.current);
 let streaming = null; // the AbortController of the answer streaming in
+let leaving = false; // the page is being closed or reloaded
+
+// an answer saved while it streamed, in a page since closed: its request ended with that page
+for (const message of conversations.flatMap((c) => c.messages)) {
+  if (message.meta?.state === "streaming") message.meta.state = "stopped";
+}
 
 function read(key, fallback) {
   try {
@@ -316,7 +322,7 @@ async function ask(chat, pressed) {
     }
     answer.meta.state = "done";
   } catch (error) {
-    if (error.name === "AbortError") answer.meta.state = "stopped";
+    if (error.name === "AbortError" || leaving) answer.meta.state = "stopped";
     else Object.assign(answer.meta, { state: "error", error: error.message });
   }
   streaming = null;
@@ -377,6 +383,9 @@ async function start() {
   });
   $("stop").addEventListener("click", () => streaming?.abort());
   $("compare").addEventListener("click", compare);
+  // leaving the page ends its fetch: an answer still streaming is kept as stopped, with what came
+  window.addEventListener("beforeunload", () => (leaving = true));
+  window.addEventListener("pagehide", save);
   $("key-form").addEventListener("submit", () => {
     localStorage.setItem(STORE.key, $("api-key").value);
     $("api-key").value = "";
