@@ -7,6 +7,9 @@
 An encoder (a sentence-transformers or BERT-style folder, a `flashformer finetune
 --task retrieval` run) is served for POST /v1/embeddings instead, pooled as its
 sentence-transformers files say.
+
+The server's root, http://127.0.0.1:8000/, is a chat page (an encoder's: two texts and
+their cosine similarity); `--no-webui` leaves only the API.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", help="the model's id in the API (default: the file or folder name)"
     )
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
+    parser.add_argument(
+        "--no-webui", dest="webui", action="store_false", help="no chat page at / (only the API)"
+    )
     parser.add_argument(
         "--max-batch",
         type=int,
@@ -79,9 +85,11 @@ def main_from_args(args) -> None:
         )
         what = f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens"
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
-    app = create_app(engine, name, api_key=args.api_key)
+    app = create_app(engine, name, api_key=args.api_key, webui=args.webui)
     engine.start()
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({what})", flush=True)
+    if args.webui:
+        print(f"the page: http://{args.host}:{args.port}/", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

@@ -6,6 +6,7 @@ key, the errors and their statuses.
     POST /v1/embeddings         sentence vectors (when the model is an encoder)
     POST /tokenize, /detokenize, GET /tokenizer_info (tokenize.py)
     GET  /v1/models, /health, /metrics (Prometheus text)
+    GET  /                      the chat page (page.py), unless webui=False
 
 Requests and responses have OpenAI's shapes, so the `openai` client (and
 everything built on it) works unchanged: max_tokens, temperature (0 =
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from flashformer.serve.embeddings import EmbeddingEngine, EmbeddingRequest
 from flashformer.serve.engine import Busy, Engine, Event, SamplingParams
 from flashformer.serve.engine import Request as EngineRequest
+from flashformer.serve.openai.page import add_page
 from flashformer.serve.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -47,11 +49,13 @@ from flashformer.serve.openai.responses import collect, embedding_response, prom
 from flashformer.serve.openai.tokenize import add_tokenizer_routes
 
 
-def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine | EmbeddingEngine, model_name: str, api_key: str | None = None, webui: bool = True
+) -> FastAPI:
     """The FastAPI app serving `engine` as the model `model_name`: a text Engine answers the
     completions endpoints, an EmbeddingEngine /v1/embeddings (each refuses the other's by
     name). With api_key, every /v1 call must carry `Authorization: Bearer <api_key>`
-    (compared in constant time)."""
+    (compared in constant time); the page at / asks for it. webui=False: no page (404 at /)."""
     app = FastAPI(title="flashformer", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -164,6 +168,8 @@ def create_app(engine: Engine | EmbeddingEngine, model_name: str, api_key: str |
 
     if isinstance(engine, Engine):
         add_tokenizer_routes(app, engine, model_name)
+    if webui:
+        add_page(app, "embeddings" if isinstance(engine, EmbeddingEngine) else "chat", api_key is not None)
     return app
 
 
