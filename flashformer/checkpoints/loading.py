@@ -69,7 +69,8 @@ def from_pretrained(
 
     dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
     quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
-    file's own Q4/Q8 blocks); see flashformer.model.quantize. activations: what a quantized layer does
+    file's own Q4/Q8 blocks, repacked once from the file's memory map with no float32 copy of
+    them: the model holds about the file's size); see flashformer.model.quantize. activations: what a quantized layer does
     with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
     with respect to the quantized weights, slower). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
