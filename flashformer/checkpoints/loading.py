@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -26,7 +28,7 @@ from safetensors import SafetensorError
 
 from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.checkpoint import CheckpointError
-from flashformer.checkpoints.gguf import GGUFCheckpoint, read_gguf
+from flashformer.checkpoints.gguf import GGUFCheckpoint, QuantizedTensor, read_gguf
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer, tokenizer_from_metadata
 from flashformer.files import publish_folder
 from flashformer.kernels.huge_pages import use_huge_pages
@@ -67,7 +69,8 @@ def from_pretrained(
 
     dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
     quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
-    file's own Q4/Q8 blocks); see flashformer.model.quantize. activations: what a quantized layer does
+    file's own Q4/Q8 blocks, repacked once from the file's memory map with no float32 copy of
+    them: the model holds about the file's size); see flashformer.model.quantize. activations: what a quantized layer does
     with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
     with respect to the quantized weights, slower). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
@@ -75,15 +78,13 @@ def from_pretrained(
     """
     use_huge_pages()
     kind, where = locate(path)
-    checkpoint = None
     if kind == "gguf":
-        checkpoint = read_gguf(where, show_progress=False)
-        model = _model_from_gguf(checkpoint)
-    elif kind == "hf":
+        return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False)[0]
+    if kind == "hf":
         model = build_with_weights(*hf.read_pretrained(where))
     else:
         model = _load_checkpoint(where)
-    return _finish(model, dtype, quantize, activations, checkpoint)
+    return _finish(model, dtype, quantize, activations, None)
 
 
 def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, activations: str, checkpoint):
@@ -105,9 +106,7 @@ def load(
     use_huge_pages()
     kind, folder = locate(path)
     if kind == "gguf":  # one read of the file serves the model and the tokenizer
-        checkpoint = read_gguf(folder, show_progress=False)
-        model = _finish(_model_from_gguf(checkpoint), dtype, quantize, activations, checkpoint)
-        return model, tokenizer_from_metadata(checkpoint.metadata, source=str(folder))
+        return _load_gguf(folder, dtype, quantize, activations, with_tokenizer=True)
     try:
         model = from_pretrained(folder, dtype, quantize, activations)
     except (ValueError, OSError, SafetensorError) as error:
@@ -153,10 +152,97 @@ def _starts_like_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, with_tokenizer: bool):
+    """(model, tokenizer or None) from one read of a GGUF file."""
+    checkpoint = read_gguf(path, dequantize=quantize_mode != "gguf", show_progress=False)
+    with _one_thread():
+        if quantize_mode == "gguf":
+            model = _quantized_model_from_gguf(checkpoint, dtype, activations)
+        else:
+            model = _finish(_model_from_gguf(checkpoint), dtype, quantize_mode, activations, checkpoint)
+    tokenizer = tokenizer_from_metadata(checkpoint.metadata, source=str(path)) if with_tokenizer else None
+    del checkpoint  # the file's map and the blocks' copies, before the heap is trimmed
+    _return_freed_memory()
+    return model, tokenizer
+
+
+def _return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). The repacking's
+    temporaries, a few MB each, are freed between the packed layers they helped build; the heap
+    keeps those holes, and the process's RSS with them: 22 MB more after loading a 72 MB file."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return
+    trim(0)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Loading a GGUF file is hundreds of copies and repacks of a few MB each, which torch
+    splits over its threads: on a busy 2-core machine the threads' hand-offs made SmolLM2's
+    quantized load 8-10 s with 2 threads against 0.8-1.0 s with one (same run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _model_from_gguf(checkpoint: GGUFCheckpoint) -> PreTrainedModel:
     """The float32 model of a GGUF file: the file's weights as gguf's dequantizer gives them,
     under transformers' names, turned into ours by the same family rules as a folder's."""
     return build_with_weights(*hf.state_from_hf(checkpoint.config, checkpoint.tensors, str(checkpoint.path)))
+
+
+def _quantized_model_from_gguf(checkpoint: GGUFCheckpoint, dtype, activations: str) -> PreTrainedModel:
+    """quantize="gguf" without a float32 copy of any weight a quantized kernel takes.
+
+    The model is built with every weight that has a block-quantized part left on the meta
+    device (a shape, no memory), quantize() replaces the layers whose blocks a kernel reads
+    (kernels.quantized.GGUF_TYPES) with layers holding the repacked blocks, and only what it
+    left behind (types no kernel reads, or a fused projection it did not take) is dequantized
+    then, with the same family rule and the same dequantizer as the float load: the same
+    weights, bit for bit. The blocks are read from the file's memory map once, by the repacking;
+    the map is released with the checkpoint.
+    """
+    source = str(checkpoint.path)
+    placeholders = {
+        name: torch.empty(record.shape[::-1] if record.hf_transposed else record.shape, device="meta")
+        for name, record in checkpoint.quantized.items()
+    }
+    on_meta = {name: tensor.to("meta") for name, tensor in checkpoint.tensors.items()}
+    config, skeleton = hf.state_from_hf(
+        checkpoint.config, {**on_meta, **placeholders}, source
+    )  # names, shapes
+
+    layout = hf.family(config.hf_model_type)
+    theirs = layout.strip_prefix({**checkpoint.tensors, **checkpoint.quantized})
+    rules = {rule.ours: rule for rule in layout.rules(config)}
+
+    def has_blocks(name: str) -> bool:
+        return any(isinstance(theirs[part], QuantizedTensor) for part in rules[name].theirs)
+
+    def materialize(name: str) -> torch.Tensor:  # ours <- theirs, blocks dequantized
+        return rules[name].load([_dequantized(theirs[part]) for part in rules[name].theirs])
+
+    state = {name: t if has_blocks(name) else materialize(name) for name, t in skeleton.items()}
+    model = _finish(build_with_weights(config, state), dtype, "gguf", activations, checkpoint)
+    left = {name: materialize(name) for name, p in model.named_parameters() if p.is_meta}
+    model.load_state_dict(left, strict=False, assign=True)
+    still = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still:  # a rule or a quantized layer that took a name and gave nothing back
+        raise RuntimeError(f"{source}: loading left {len(still)} tensors without values: {still[:5]}")
+    return model
+
+
+def _dequantized(tensor) -> torch.Tensor:
+    """A float tensor as it is; a QuantizedTensor as float32 in transformers' layout."""
+    if not isinstance(tensor, QuantizedTensor):
+        return tensor
+    values = tensor.dequantize()  # (out, in)
+    return values.t().contiguous() if tensor.hf_transposed else values
 
 
 def _read_config(folder: Path) -> dict:

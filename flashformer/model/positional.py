@@ -218,7 +218,10 @@ class RotaryEmbedding(nn.Module):
 
     def reset_buffers(self, device=None) -> None:
         """(Re)compute the frequencies; they are not saved with the weights."""
-        inv_freq = rope_inverse_frequencies(self.rotary_dim, self.theta, self.scaling)
+        with torch.device("cpu"):  # computed on the CPU, then moved: on the meta device (a model
+            # built to receive its weights) these ops run torch's Python kernels, seconds to import
+            inv_freq = rope_inverse_frequencies(self.rotary_dim, self.theta, self.scaling)
+        device = torch.get_default_device() if device is None else device
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # (rotary_dim/2,)
 
     def _apply(self, fn, recurse=True):

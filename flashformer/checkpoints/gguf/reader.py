@@ -1,8 +1,9 @@
-"""A GGUF file opened with the `gguf` library: its metadata as Python values, and its tensors
-as float32 or as the raw quantized blocks, with errors that name the file and the tensor.
+"""A GGUF file opened: its metadata as Python values, and its tensors as float32 or as the raw
+quantized blocks (views of the memory-mapped file), with errors that name the file and the tensor.
 
-The parsing is gguf's (`gguf.GGUFReader`); the dequantization is gguf's (`gguf.quants.dequantize`),
-so our float weights are bit for bit the ones transformers' GGUF loader produces.
+The header is parsed in header.py (gguf.GGUFReader took seconds over a large vocabulary); the
+dequantization is gguf's (`gguf.quants.dequantize`), so our float weights are bit for bit the
+ones transformers' GGUF loader produces.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor
+
+from flashformer.checkpoints.gguf.header import BadTensor, HeaderError, ShortRead, read_header
 
 # Tensor types read here: plain floats, the legacy block types and the K-quants. The others that
 # gguf knows (IQ*, TQ*, MXFP4, integers) are refused by name rather than half-supported.
@@ -79,13 +82,14 @@ class RawTensor:
     def to_float(self) -> Tensor:
         """float32 of the logical shape, as gguf.quants.dequantize gives it."""
         values = gguf.quants.dequantize(self.data, GGMLQuantizationType[self.ggml_type])
-        if not values.flags.writeable:  # F32 comes back as a view of the read-only file map
-            values = values.copy()
+        if np.may_share_memory(values, self.data):  # F32 comes back as a view of the file map:
+            values = values.copy()  # a tensor of our own, or the model would keep the map alive
         return torch.from_numpy(values.reshape(self.shape))
 
     def to_blocks(self) -> Tensor:
-        """The quantized blocks, copied out of the file: (*shape[:-1], bytes per row) uint8."""
-        return torch.from_numpy(np.array(self.data, dtype=np.uint8))
+        """The quantized blocks as a view of the mapped file, not a copy: (*shape[:-1], bytes per
+        row) uint8. The map is copy-on-write: writing to the view would never reach the file."""
+        return torch.from_numpy(self.data)
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,8 @@ def read_file(path: str | Path) -> GGUFFile:
     if magic != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
     try:
-        reader = _CheckedReader(path)
-    except _ShortRead as short:
+        header = read_header(path)
+    except ShortRead as short:
         place = (
             f"the data of tensor {short.tensor!r}"
             if short.tensor
@@ -137,75 +141,17 @@ def read_file(path: str | Path) -> GGUFFile:
             f"{path} is truncated: {place} needs bytes up to {short.end}, but the file ends at {size} "
             f"(an interrupted download or copy?)"
         ) from None
-    except _BadTensor as bad:
+    except BadTensor as bad:
         raise GGUFError(f"{path}: tensor {bad.tensor!r} cannot be read: {bad.reason}") from None
-    except (ValueError, KeyError, IndexError, OverflowError) as error:  # what gguf's parser raises
+    except HeaderError as error:
         raise GGUFError(f"{path} is not a readable GGUF file: {error}") from None
 
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):  # the header's own counts, not metadata
-            continue
-        try:
-            metadata[key] = field.contents()
-        except UnicodeDecodeError as error:
-            raise GGUFError(f"{path}: metadata {key!r} holds text that is not UTF-8: {error}") from None
-
     tensors = {}
-    for tensor in reader.tensors:
-        type_name = tensor.tensor_type.name
-        if type_name not in SUPPORTED_TYPES:
+    for entry in header.tensors:
+        if entry.ggml_type not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{path}: tensor {tensor.name!r} has type {type_name}, which flashformer does not read "
+                f"{path}: tensor {entry.name!r} has type {entry.ggml_type}, which flashformer does not read "
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml lists the fastest dim first
-        tensors[tensor.name] = RawTensor(tensor.name, type_name, shape, tensor.data)
-    return GGUFFile(path, metadata, tensors)
-
-
-# ---- gguf's reader, made to say where a damaged file goes wrong ----
-
-
-class _ShortRead(Exception):
-    def __init__(self, end: int, tensor: str | None = None):
-        super().__init__(end, tensor)
-        self.end, self.tensor = end, tensor
-
-
-class _BadTensor(Exception):
-    def __init__(self, tensor: str, reason: str):
-        super().__init__(tensor, reason)
-        self.tensor, self.reason = tensor, reason
-
-
-class _CheckedReader(gguf.GGUFReader):
-    """gguf.GGUFReader, with each read checked against the end of the file.
-
-    On a short file the stock reader fails inside numpy with no word of what was being read: an
-    IndexError on an empty slice (cut in the header), a ValueError from reshape or from a dtype
-    view (cut in the tensor data). Checking every read here, and
-    building the tensors one at a time, lets the error name the tensor whose data is missing.
-    These two methods are the reader's internals (gguf 0.19); the parsing itself stays gguf's.
-    """
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise _ShortRead(end)
-        return super()._get(offset, dtype, count, override_order)
-
-    def _build_tensors(self, start_offs, fields):
-        tensors, names = [], set()
-        for field in fields:
-            if field.name in names:
-                raise _BadTensor(field.name, "the file holds two tensors of this name")
-            names.add(field.name)
-            try:
-                super()._build_tensors(start_offs, [field])
-            except _ShortRead as short:
-                raise _ShortRead(short.end, field.name) from None
-            except (ValueError, KeyError) as error:  # a type id gguf does not know, a bad row size
-                raise _BadTensor(field.name, str(error)) from None
-            tensors += self.tensors
-        self.tensors = tensors
+        tensors[entry.name] = RawTensor(entry.name, entry.ggml_type, entry.shape, entry.data)
+    return GGUFFile(path, header.metadata, tensors)

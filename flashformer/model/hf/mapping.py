@@ -26,6 +26,9 @@ class Rule:
 
     def load(self, tensors: list[Tensor]) -> Tensor:
         if self.kind == "cat":
+            if any(t.is_meta for t in tensors):  # placeholders (a GGUF load of quantized blocks):
+                # the shape alone, without torch.cat's meta kernel (it imports torch._dynamo)
+                return torch.empty(sum(len(t) for t in tensors), *tensors[0].shape[1:], device="meta")
             return torch.cat(tensors, dim=0)
         # contiguous: a transposed view would reach the model as its parameter (load_state_dict
         # with assign=True), and its layout decides which GEMM kernels run (see layers.linear)
