@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama.
+"""Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama, qwen3, gemma,
+gemma2, gemma3_text.
 
     config, state = read_pretrained("path/to/folder")      # config.json + weights, in our names
     save_pretrained(model, "path/to/out")                  # transformers loads it back
@@ -48,9 +49,11 @@ from torch import Tensor
 from flashformer.formatting import markdown_table
 from flashformer.model.config import ModelConfig, preset
 from flashformer.model.hf.bert import Bert
+from flashformer.model.hf.gemma import Gemma
 from flashformer.model.hf.gpt2 import GPT2
 from flashformer.model.hf.llama import Llama
 from flashformer.model.hf.mapping import Family
+from flashformer.model.hf.qwen3 import Qwen3
 from flashformer.model.hf.t5 import T5
 
 # ---- reading and writing weight files ----
@@ -88,7 +91,19 @@ def _load_sharded(folder: Path, index_name: str, load: Callable[[Path], dict]) -
     return weights
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (Bert(), GPT2(), T5(), Llama())}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Bert(),
+        GPT2(),
+        T5(),
+        Llama(),
+        Qwen3(),
+        Gemma("gemma", 1),
+        Gemma("gemma2", 2),
+        Gemma("gemma3_text", 3),
+    )
+}
 
 
 # ---- reading ----
