@@ -239,7 +239,19 @@ def names_table() -> str:
         "gpt2": preset("gpt2-tiny", n_layers=1),
         "t5": preset("t5-tiny", n_layers=1, n_decoder_layers=1),
         "llama": preset("llama-tiny", n_layers=1),
+        "qwen3": preset("llama-tiny", n_layers=1, qk_norm=True, hf_model_type="qwen3"),
     }
+    gemma = dict(
+        n_layers=1,
+        activation="gelu_tanh",
+        tie_word_embeddings=True,
+        scale_embeddings=True,
+        hf_model_type="gemma",
+    )
+    configs["gemma"] = preset("llama-tiny", **gemma)
+    gemma.update(sandwich_norm=True, sliding_window=4, layer_types=("sliding_attention",))
+    configs["gemma2"] = preset("llama-tiny", **dict(gemma, hf_model_type="gemma2"))
+    configs["gemma3_text"] = preset("llama-tiny", **dict(gemma, qk_norm=True, hf_model_type="gemma3_text"))
     for family, config in configs.items():
         layout = FAMILIES[family]
         rules = layout.rules(config)
