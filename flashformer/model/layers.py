@@ -7,7 +7,7 @@ score is computed by `flashformer.attention`.
 
 A KV cache plugs into `MultiHeadAttention.forward(x, kv_cache=..., cache_position=...)`:
 a paged one (serve.paged_cache: `paged = True`) takes the new keys and values
-and the queries in `attend(q, k, v, scale)`; any other object with
+and the queries in `attend(q, k, v, scale, window, softcap)`; any other object with
 
     update(k, v, cache_position) -> (k_all, v_all)
 
