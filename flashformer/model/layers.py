@@ -262,15 +262,16 @@ class MultiHeadAttention(nn.Module):
         """
         batch, length, _ = x.shape
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
-        q = self.q_norm(q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2))  # (B, Hq, L, D)
-        k = self.k_norm(
-            k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        )  # (B, Hk, L, D)
+        q = q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, L, D)
+        k = k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        q, k = self.q_norm(q), self.k_norm(k)  # per head, over D (qk_norm), before RoPE
         v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
-            out = kv_cache.attend(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
+            out = kv_cache.attend(
+                q, k, v, scale=self.scale, window=self.window, softcap=self.softcap
+            )  # (B, Hq, L, D)
             return self.out(out.transpose(1, 2).reshape(batch, length, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, cache_position)  # (B, Hk, cache_position + L, D)
