@@ -350,10 +350,11 @@ def gemma3_layer_types(layers: int, pattern: int = GEMMA3_PATTERN) -> list[str]:
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
-def tiny_new_decoder(arch: str, seed: int = 0, **overrides):
+def tiny_new_decoder(arch: str, seed: int = 0, rope_scaling: dict | None = None, **overrides):
     """A random transformers model of `arch` (qwen3, gemma, gemma2, gemma3) of NEW_DECODER_SIZES,
     its norms away from their resting value so that a misplaced norm (or a lost 1 + w) shows;
-    gemma2's softcaps small enough to bend the scores. Eager attention: transformers' reference."""
+    gemma2's softcaps small enough to bend the scores. Eager attention: transformers' reference.
+    rope_scaling: gemma3's scaling of its full layers' RoPE (transformers' rope_scaling)."""
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -374,7 +375,10 @@ def tiny_new_decoder(arch: str, seed: int = 0, **overrides):
             **sizes, **window, attn_logit_softcapping=0.5, final_logit_softcapping=1.5
         ),
         "gemma3": lambda: Gemma3TextConfig(
-            **sizes, **window, layer_types=gemma3_layer_types(sizes["num_hidden_layers"])
+            **sizes,
+            **window,
+            layer_types=gemma3_layer_types(sizes["num_hidden_layers"]),
+            **({"rope_scaling": rope_scaling} if rope_scaling else {}),
         ),
     }[arch]()
     for key, value in overrides.items():

@@ -17,9 +17,11 @@ import flashformer
 ARCHS = ["qwen3", "gemma", "gemma2", "gemma3"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma3-linear-rope"])
 def test_folder_loads_into_transformers_logits_and_saves_back(tmp_path, arch):
-    reference = tiny_new_decoder(arch)
+    """gemma3-linear-rope: its full layers' RoPE scaled (linear, 4x), the sliding ones not."""
+    scaling = {"rope_type": "linear", "factor": 4.0} if arch.endswith("linear-rope") else None
+    reference = tiny_new_decoder(arch.removesuffix("-linear-rope"), rope_scaling=scaling)
     reference.save_pretrained(tmp_path / "theirs")
     ours = flashformer.from_pretrained(tmp_path / "theirs")
     ids = torch.randint(0, reference.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
