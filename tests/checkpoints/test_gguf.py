@@ -294,7 +294,7 @@ def test_unknown_architecture(parts, tmp_path):
         GGUFError, match=r"bad\.gguf: architecture 'falcon' is not supported \(supported: "
     ) as error:
         read_gguf(path)
-    for arch in ("gemma", "gemma2", "gemma3", "gpt2", "llama", "qwen3"):
+    for arch in ("gemma", "gemma2", "gemma3", "gpt2", "llama", "phi3", "qwen2", "qwen3"):
         assert f" {arch}," in str(error.value) or f" {arch})" in str(error.value), arch
 
 
@@ -376,9 +376,11 @@ def test_unsupported_llama_variants_are_refused(parts, tmp_path):
     ):
         with pytest.raises(GGUFError, match=key.replace(".", r"\.")):
             read_gguf(_write(tmp_path, dict(parts[0], **{key: value}), parts[1]))
-    tensors = dict(parts[1], **{"rope_freqs.weight": (np.ones(8, np.float32), "F32")})
-    with pytest.raises(GGUFError, match="rope_freqs.weight"):
+    tensors = dict(parts[1], **{"rope_freqs.weight": (np.full(8, 2.0, np.float32), "F32")})
+    with pytest.raises(GGUFError, match="rope_freqs.weight"):  # every frequency divided: not Llama 3's rule
         read_gguf(_write(tmp_path, parts[0], tensors))
+    with pytest.raises(GGUFError, match=r"metadata llama\.attention\.sliding_window=4 is not supported"):
+        read_gguf(_write(tmp_path, dict(parts[0], **{"llama.attention.sliding_window": 4}), parts[1]))
 
 
 def test_linear_rope_scaling_reaches_the_config(parts, tmp_path):

@@ -150,6 +150,8 @@ class Gemma(Family):
             gated_ffn=True,
             activation="gelu_tanh",
             attention_bias=False,
+            attention_out_bias=False,
+            fused_gate_up=False,
             ffn_bias=False,
             type_vocab_size=0,
             dropout=0.0,
