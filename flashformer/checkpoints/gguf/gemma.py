@@ -18,12 +18,27 @@ What the metadata leaves implicit, taken from llama.cpp's loader (src/llama-mode
 
 from __future__ import annotations
 
-from flashformer.checkpoints.gguf.architectures import special_token_ids, vocab_size
-from flashformer.checkpoints.gguf.common import attention_shape, decoder_specs, linear_rope_scaling, summary
+from flashformer.checkpoints.gguf.architectures import (
+    LLAMA_SHAPED_KEYS,
+    llama_shaped_config,
+    refuse_unread_keys,
+)
+from flashformer.checkpoints.gguf.common import ROPE_SCALING_KEYS, decoder_specs, linear_rope_scaling, summary
 from flashformer.checkpoints.gguf.reader import GGUFError, GGUFFile
 
 # llama.cpp's 27B types, whose attention scale uses d_model / heads instead of head_dim
 LAYERS_OF_27B = {"gemma2": 46, "gemma3": 62}
+# the keys each version reads beside the LLaMA-shaped ones; any other is refused by name
+KEYS = {
+    1: (),
+    2: ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"),
+    3: (
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "rope.freq_base_swa",
+        *ROPE_SCALING_KEYS,
+    ),
+}
 
 
 class Gemma:
@@ -34,35 +49,24 @@ class Gemma:
 
     def config(self, file: GGUFFile) -> dict:
         arch, key = self.name, self.name + "."
-        shape = attention_shape(file, arch)
-        n_layers = file.value(key + "block_count", int)
-        self._refuse_keys(file)
+        refuse_unread_keys(file, arch, LLAMA_SHAPED_KEYS + KEYS[self.version])
+        shape = llama_shaped_config(file, arch)  # the sizes and their checks; gemma's own keys below
+        n_layers = shape["num_hidden_layers"]
         hf = {
             "architectures": [
                 {1: "GemmaForCausalLM", 2: "Gemma2ForCausalLM", 3: "Gemma3ForCausalLM"}[self.version]
             ],
             "model_type": {1: "gemma", 2: "gemma2", 3: "gemma3_text"}[self.version],
-            "vocab_size": vocab_size(file, arch),
-            "hidden_size": shape["d_model"],
-            "intermediate_size": file.value(key + "feed_forward_length", int),
-            "num_hidden_layers": n_layers,
-            "num_attention_heads": shape["n_heads"],
-            "num_key_value_heads": shape["kv_heads"],
-            "head_dim": shape["head_dim"],
+            **{k: v for k, v in shape.items() if k not in ("hidden_act", "rope_theta", "rope_parameters")},
             ("hidden_act" if self.version == 1 else "hidden_activation"): "gelu_pytorch_tanh",
-            "max_position_embeddings": file.value(key + "context_length", int),
-            "rms_norm_eps": float(file.value(key + "attention.layer_norm_rms_epsilon", (int, float))),
             "attention_bias": False,
-            "tie_word_embeddings": "output.weight" not in file.tensors,
-            **special_token_ids(file),
-            "torch_dtype": "float32",
         }
         if self.version == 1:
             theta = float(file.value(key + "rope.freq_base", (int, float), 10000.0))
             return {**hf, "rope_parameters": self._full_rope(file, theta)}
-        scalar = shape["head_dim"]
+        scalar = hf["head_dim"]
         if n_layers == LAYERS_OF_27B[arch]:
-            scalar = shape["d_model"] // shape["n_heads"]
+            scalar = hf["hidden_size"] // hf["num_attention_heads"]
         hf.update(query_pre_attn_scalar=scalar, layer_types=self._layer_types(file, n_layers))
         if self.version == 2:
             theta = float(file.value(key + "rope.freq_base", (int, float), 10000.0))
@@ -92,9 +96,7 @@ class Gemma:
         }
 
     def _full_rope(self, file: GGUFFile, theta: float) -> dict:
-        scaling = linear_rope_scaling(file, self.name)
-        if scaling is not None and self.version < 3:
-            raise GGUFError(f"{file.path}: {self.name}.rope.scaling.* is not supported for {self.name}")
+        scaling = linear_rope_scaling(file, self.name) if self.version == 3 else None  # others: refused keys
         return {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
 
     def _layer_types(self, file: GGUFFile, n_layers: int) -> list[str]:
@@ -114,17 +116,6 @@ class Gemma:
                 f"{file.path}: {name} lists {len(pattern)} values; expected one bool per layer ({n_layers})"
             )
         return ["sliding_attention" if flag else "full_attention" for flag in pattern]
-
-    def _refuse_keys(self, file: GGUFFile) -> None:
-        """Keys that would change the computation in a way this architecture does not take."""
-        refused = {1: ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}
-        refused[3] = ("attn_logit_softcapping", "final_logit_softcapping")
-        for suffix in refused.get(self.version, ()):
-            if f"{self.name}.{suffix}" in file.metadata:
-                raise GGUFError(
-                    f"{file.path}: {self.name}.{suffix}={file.metadata[f'{self.name}.{suffix}']!r} is not "
-                    f"supported: flashformer's {self.name} (as llama.cpp's) has none"
-                )
 
     def tensors(self, hf: dict):
         norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
