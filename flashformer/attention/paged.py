@@ -169,6 +169,8 @@ def packed_paged_attention(
     q_starts: Tensor,
     *,
     scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
     validate: bool = True,
 ) -> Tensor:
     """paged_attention for sequences with different numbers of new queries, packed one after
@@ -177,7 +179,7 @@ def packed_paged_attention(
     q: (T, Hq, D), sequence s's queries are rows q_starts[s] .. q_starts[s + 1] - 1, the newest
     positions of its seq_lens[s] keys (bottom-right causal). q_starts: (S + 1,) int, from 0 to T;
     block_tables (S, max_blocks), seq_lens (S,) as in paged_attention (validate: check the
-    values of block_tables, seq_lens and q_starts). Returns (T, Hq, Dv). float32 on the CPU runs
+    values of block_tables, seq_lens and q_starts); scale, window and softcap as there. Returns (T, Hq, Dv). float32 on the CPU runs
     the C++ kernel in one call; anything else, paged_attention per sequence. Each sequence's
     result is what it gets alone (batch invariance).
     """
@@ -193,7 +195,7 @@ def packed_paged_attention(
         )
     # paged_attention's checks, on one query per sequence
     one_each = q[:1, None].expand(sequences, -1, -1, -1).transpose(1, 2)  # (S, Hq, 1, D)
-    rules = _check_paged(one_each, k_pool, v_pool, block_tables, seq_lens, None, None, None, validate)
+    rules = _check_paged(one_each, k_pool, v_pool, block_tables, seq_lens, None, window, softcap, validate)
     if validate:
         bounds = q_starts.tolist()
         if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
@@ -214,6 +216,8 @@ def packed_paged_attention(
                 block_tables[s : s + 1],
                 seq_lens[s : s + 1],
                 scale=scale,
+                window=window,
+                softcap=softcap,
                 validate=False,
             )
             out[begin:end] = result[0].transpose(0, 1)

@@ -21,7 +21,8 @@ ARCHS = ("encoder", "decoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama", "qwen2", "phi3")
+HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama", "qwen2", "phi3", "qwen3", "gemma", "gemma2", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 TASKS = ("sequence-classification", "token-classification")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
@@ -43,6 +44,9 @@ class ModelConfig:
         position: "learned" | "sinusoidal" (added to the embeddings), "rope",
             "alibi", "relative" (T5's bucketed bias), "none".
         rope_theta, rotary_fraction (partial rotary), rope_scaling.
+        rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's local
+            10,000 beside a global 1e6), which take no rope_scaling; None = the same RoPE
+            as every other layer.
         relative_buckets, relative_max_distance: T5's bucketing.
     Blocks
         norm: "layernorm" | "rmsnorm"; norm_eps.
@@ -57,10 +61,21 @@ class ModelConfig:
         fused_gate_up: a gated feed-forward's gate and up as one projection, gate rows first
             (Phi-3's gate_up_proj), so a checkpoint's fused tensor loads as it is.
         attention_scale: None = 1/sqrt(head_dim); T5 uses 1.0.
+        qk_norm: an RMSNorm over head_dim on every query and key head before RoPE
+            (Qwen3, Gemma 3).
+        sandwich_norm: a norm on each sub-layer's output too, before the residual add
+            (Gemma 2 and 3: x + norm(attn(norm(x)))).
+        attention_softcap: attention scores become c * tanh(scores / c) (Gemma 2); None = off.
+        sliding_window: how many keys (the query's own included) a sliding layer sees.
+        layer_types: per layer "full_attention" or "sliding_attention" (the window above,
+            and rope_local_theta); None = every layer full.
         share_layers: one block's weights for all layers of a stack (ALBERT).
     Heads
         type_vocab_size: segment embeddings (BERT's token types); 0 = none.
         tie_word_embeddings: the output projection is the token embedding.
+        scale_embeddings: the token embeddings are multiplied by sqrt(d_model), rounded to
+            their dtype first (Gemma).
+        final_logit_softcap: logits become c * tanh(logits / c) (Gemma 2); None = off.
         scale_decoder_output: multiply the final hidden state by d_model^-0.5
             before the LM head (T5 with tied embeddings).
         mlm_head, pooler: an encoder's masked-LM head and [CLS] pooler.
@@ -102,6 +117,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0
     rope_scaling: RopeScaling | None = None
+    rope_local_theta: float | None = None
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
@@ -116,10 +132,17 @@ class ModelConfig:
     ffn_bias: bool = True
     fused_gate_up: bool = False
     attention_scale: float | None = None
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    attention_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     share_layers: bool = False
 
     type_vocab_size: int = 0
     tie_word_embeddings: bool = True
+    scale_embeddings: bool = False
+    final_logit_softcap: float | None = None
     scale_decoder_output: bool = False
     mlm_head: bool = True
     pooler: bool = False
@@ -188,7 +211,35 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
+        self._check_layer_types()
         self._check_task()
+
+    def _check_layer_types(self) -> None:
+        """Sliding-window layers need a window; the softcaps must be positive."""
+        for name in ("attention_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be None or > 0; got {value!r}")
+        if self.layer_types is None:
+            return
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(
+                f"ModelConfig.layer_types must give one of {LAYER_TYPES} for each of the n_layers={self.n_layers} "
+                f"layers; got {self.layer_types!r}"
+            )
+        if "sliding_attention" in self.layer_types and not (
+            isinstance(self.sliding_window, int) and self.sliding_window >= 1
+        ):
+            raise ValueError(
+                f"sliding_attention layers need ModelConfig.sliding_window, an int >= 1; got {self.sliding_window!r}"
+            )
+        if self.share_layers and len(set(self.layer_types)) > 1:
+            raise ValueError("ModelConfig.share_layers=True needs every layer of one type (layer_types)")
+
+    def layer_type(self, index: int) -> str:
+        """ "full_attention" or "sliding_attention": what layer `index` attends to."""
+        return "full_attention" if self.layer_types is None else self.layer_types[index]
 
     def _check_task(self) -> None:
         """The task head's fields; a task decides which of the other heads the encoder keeps."""

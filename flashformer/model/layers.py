@@ -7,7 +7,7 @@ score is computed by `flashformer.attention`.
 
 A KV cache plugs into `MultiHeadAttention.forward(x, kv_cache=..., cache_position=...)`:
 a paged one (serve.paged_cache: `paged = True`) takes the new keys and values
-and the queries in `attend(q, k, v, scale)`; any other object with
+and the queries in `attend(q, k, v, scale, window, softcap)`; any other object with
 
     update(k, v, cache_position) -> (k_all, v_all)
 
@@ -60,6 +60,40 @@ def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, eps=config.norm_eps)
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+def make_output_norm(config: ModelConfig) -> nn.Module:
+    """The norm of a sub-layer's output before the residual add (sandwich_norm: Gemma 2 and 3),
+    or nothing."""
+    return make_norm(config) if config.sandwich_norm else nn.Identity()
+
+
+def make_head_norm(config: ModelConfig) -> nn.Module:
+    """qk_norm (Qwen3, Gemma 3): an RMSNorm over each head's head_dim channels, or nothing."""
+    return RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+
+
+class Softcap(nn.Module):
+    """cap * tanh(x / cap): values squashed smoothly into (-cap, cap) (Gemma 2's final logits)."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x / self.cap) * self.cap
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap}"
+
+
+def attention_window(config: ModelConfig, index: int, causal: bool) -> tuple[int, int | None] | None:
+    """The keys layer `index` sees around the diagonal, as attention()'s window: a sliding
+    layer sees its sliding_window most recent keys, itself included (key j for query i iff
+    i - sliding_window < j <= i, as transformers and llama.cpp mask); a full layer, None."""
+    if config.layer_type(index) != "sliding_attention":
+        return None
+    return (config.sliding_window - 1, None if causal else config.sliding_window - 1)
 
 
 # ---- feed-forward ----
@@ -169,6 +203,8 @@ def attend(
     backend: str,
     bias: Callable[[Tensor, Tensor], Tensor] | Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
     cross: bool = False,
 ) -> Tensor:
     """flashformer.attention for the layers; returns (B, Hq, Lq, Dv) in q's dtype.
@@ -189,6 +225,8 @@ def attend(
             key_padding_mask=key_padding_mask,
             bias=bias,
             alibi_slopes=alibi_slopes,
+            window=window,
+            softcap=softcap,
             scale=scale,
             dropout_p=dropout_p,
             backend=backend if maps is None else "eager",
@@ -208,18 +246,22 @@ class MultiHeadAttention(nn.Module):
     (cos, sin) for RoPE, `bias` (T5's relative bias function) or
     `alibi_slopes`. A KV cache enters through `kv_cache` and `cache_position`
     (see the module docstring).
+
+    What differs between layers of one model (Gemma's sliding-window layers) is fixed here,
+    at construction: `window` (attention_window), the softcap, the q/k head norms.
     """
 
-    def __init__(self, config: ModelConfig, causal: bool):
+    def __init__(self, config: ModelConfig, causal: bool, window: tuple[int, int | None] | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.causal = causal
+        self.causal, self.window, self.softcap = causal, window, config.attention_softcap
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout
         self.backend = config.attention_backend
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.split_sizes = (q_width, kv_width, kv_width)
         self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attention_bias)
+        self.q_norm, self.k_norm = make_head_norm(config), make_head_norm(config)
         self.out = Linear(q_width, config.d_model, bias=config.attention_out_bias)
 
     def forward(
@@ -241,11 +283,14 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, L, D)
         k = k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        q, k = self.q_norm(q), self.k_norm(k)  # per head, over D (qk_norm), before RoPE
         v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
-            out = kv_cache.attend(q, k, v, scale=self.scale)  # (B, Hq, L, D)
+            out = kv_cache.attend(
+                q, k, v, scale=self.scale, window=self.window, softcap=self.softcap
+            )  # (B, Hq, L, D)
             return self.out(out.transpose(1, 2).reshape(batch, length, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, cache_position)  # (B, Hk, cache_position + L, D)
@@ -257,6 +302,8 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask=key_padding_mask,
             bias=bias,
             alibi_slopes=alibi_slopes,
+            window=self.window,
+            softcap=self.softcap,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
@@ -332,14 +379,17 @@ def post_norm_residual(x: Tensor, norm: nn.Module, sublayer: Callable, dropout: 
 
 
 class EncoderBlock(nn.Module):
-    """Bidirectional self-attention, then the feed-forward, each with a residual and a norm."""
+    """Bidirectional self-attention, then the feed-forward, each with a residual and a norm.
+    index: the layer's place in its stack (what it attends to: config.layer_types)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.attn = MultiHeadAttention(config, causal=False)
+        self.attn = MultiHeadAttention(config, causal=False, window=attention_window(config, index, False))
+        self.attn_out_norm = make_output_norm(config)
         self.ffn_norm = make_norm(config)
         self.ffn = make_feed_forward(config)
+        self.ffn_out_norm = make_output_norm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.residual = pre_norm_residual if config.prenorm else post_norm_residual
 
@@ -347,26 +397,32 @@ class EncoderBlock(nn.Module):
         """x (B, L, d_model) -> (B, L, d_model); padding_mask (B, L) bool, True = real token."""
 
         def self_attention(h: Tensor) -> Tensor:
-            return self.attn(h, key_padding_mask=padding_mask, **position_args)
+            return self.attn_out_norm(self.attn(h, key_padding_mask=padding_mask, **position_args))
+
+        def feed_forward(h: Tensor) -> Tensor:
+            return self.ffn_out_norm(self.ffn(h))
 
         x = self.residual(x, self.attn_norm, self_attention, self.dropout)
-        return self.residual(x, self.ffn_norm, self.ffn, self.dropout)
+        return self.residual(x, self.ffn_norm, feed_forward, self.dropout)
 
 
 class DecoderBlock(nn.Module):
     """Causal self-attention, then (in an encoder-decoder) cross-attention to
-    the encoder's output, then the feed-forward."""
+    the encoder's output, then the feed-forward. index: the layer's place in its stack.
+    With sandwich_norm each sub-layer's output is normalized before the residual add."""
 
-    def __init__(self, config: ModelConfig, cross_attention: bool = False):
+    def __init__(self, config: ModelConfig, cross_attention: bool = False, index: int = 0):
         super().__init__()
         self.has_cross_attention = cross_attention
         self.attn_norm = make_norm(config)
-        self.attn = MultiHeadAttention(config, causal=True)
+        self.attn = MultiHeadAttention(config, causal=True, window=attention_window(config, index, True))
+        self.attn_out_norm = make_output_norm(config)
         if cross_attention:
             self.cross_norm = make_norm(config)
             self.cross_attn = CrossAttention(config)
         self.ffn_norm = make_norm(config)
         self.ffn = make_feed_forward(config)
+        self.ffn_out_norm = make_output_norm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.residual = pre_norm_residual if config.prenorm else post_norm_residual
 
@@ -388,13 +444,17 @@ class DecoderBlock(nn.Module):
         """
 
         def self_attention(h: Tensor) -> Tensor:
-            return self.attn(
+            out = self.attn(
                 h,
                 key_padding_mask=padding_mask,
                 kv_cache=kv_cache,
                 cache_position=cache_position,
                 **position_args,
             )
+            return self.attn_out_norm(out)
+
+        def feed_forward(h: Tensor) -> Tensor:
+            return self.ffn_out_norm(self.ffn(h))
 
         def cross_attention(h: Tensor) -> Tensor:
             return self.cross_attn(h, memory, memory_padding_mask=memory_padding_mask, memory_kv=memory_kv)
@@ -402,4 +462,4 @@ class DecoderBlock(nn.Module):
         x = self.residual(x, self.attn_norm, self_attention, self.dropout)
         if self.has_cross_attention:
             x = self.residual(x, self.cross_norm, cross_attention, self.dropout)
-        return self.residual(x, self.ffn_norm, self.ffn, self.dropout)
+        return self.residual(x, self.ffn_norm, feed_forward, self.dropout)

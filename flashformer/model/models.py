@@ -35,7 +35,7 @@ from flashformer.kernels.cpu import Linear, linear
 from flashformer.model import hf
 from flashformer.model.config import ModelConfig, preset
 from flashformer.model.heads import MaskedLMHead, Pooler, make_task_head
-from flashformer.model.layers import recording_attention
+from flashformer.model.layers import Softcap, recording_attention
 from flashformer.model.stacks import Decoder, Embeddings, Encoder
 
 
@@ -223,6 +223,9 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         )
+        self.logit_softcap = (
+            Softcap(config.final_logit_softcap) if config.final_logit_softcap is not None else nn.Identity()
+        )
         self.init_weights()
 
     def forward(
@@ -273,10 +276,11 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
     def project(self, hidden: Tensor) -> Tensor:
         """The LM head: hidden (B, L, d_model) -> logits (B, L, vocab). Tied to the token
         embedding unless the model has its own head (a quantized model always has one: the
-        embedding's packed bytes read as a matrix, kernels.quantized)."""
+        embedding's packed bytes read as a matrix, kernels.quantized); then the final-logit
+        softcap where the model has one (Gemma 2)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return linear(hidden, self.embeddings.tokens.weight)
+            return self.logit_softcap(self.lm_head(hidden))
+        return self.logit_softcap(linear(hidden, self.embeddings.tokens.weight))
 
     @property
     def output_embedding(self) -> Tensor:

@@ -8,6 +8,7 @@ positional module they share (RoPE, T5's relative bias, ALiBi).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -26,12 +27,13 @@ from flashformer.model.positional import (
 
 
 class Embeddings(nn.Module):
-    """Token embeddings, plus absolute positions and token types where the
-    config has them, then (BERT) a norm, then dropout."""
+    """Token embeddings (times sqrt(d_model) with scale_embeddings, Gemma), plus absolute
+    positions and token types where the config has them, then (BERT) a norm, then dropout."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.token_scale = EmbeddingScale(config.d_model**0.5) if config.scale_embeddings else nn.Identity()
         self.positions = _absolute_positions(config)
         self.token_types = (
             nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
@@ -41,7 +43,7 @@ class Embeddings(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, L), positions (L,) or (B, L) -> (B, L, d_model)."""
-        x = self.tokens(input_ids)  # (B, L, d_model)
+        x = self.token_scale(self.tokens(input_ids))  # (B, L, d_model)
         if self.positions is not None:
             x = x + self.positions(positions)
         if self.token_types is not None:
@@ -50,6 +52,21 @@ class Embeddings(nn.Module):
                 self.token_types.weight[0] if token_type_ids is None else self.token_types(token_type_ids)
             )
         return self.dropout(self.norm(x))
+
+
+class EmbeddingScale(nn.Module):
+    """x * scale with the scale first rounded to x's dtype, as Gemma multiplies its embeddings
+    by sqrt(d_model) (in bfloat16 sqrt(640) = 25.30 becomes 25.25: the trained model saw that)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"
 
 
 def _absolute_positions(config: ModelConfig) -> nn.Module | None:
@@ -75,6 +92,14 @@ def _attention_positions(config: ModelConfig, bidirectional: bool) -> nn.Module:
     return NoAttentionPositions()
 
 
+def _sliding_positions(config: ModelConfig) -> nn.Module | None:
+    """The sliding-window layers' own RoPE (Gemma 3: base rope_local_theta, no scaling), or None
+    where they share the stack's positional module."""
+    if config.position != "rope" or config.rope_local_theta is None:
+        return None
+    return RotaryEmbedding(config.head_dim, config.rotary_fraction, config.rope_local_theta, None)
+
+
 # ---- stacks ----
 
 
@@ -84,14 +109,18 @@ class Stack(nn.Module):
     With share_layers (ALBERT) one block's weights serve every layer. The
     positional module (RoPE frequencies, T5's bias table, ALiBi slopes) is
     the stack's, as T5 keeps its relative bias in the first block only and
-    every layer reuses it.
+    every layer reuses it. Sliding-window layers may have RoPE of their own
+    (sliding_positions, Gemma 3); each layer reads the arguments of its type.
+    make_block(index) builds layer `index`.
     """
 
     def __init__(self, config: ModelConfig, n_layers: int, make_block, bidirectional: bool):
         super().__init__()
         self.n_layers = n_layers
-        self.blocks = nn.ModuleList(make_block() for _ in range(1 if config.share_layers else n_layers))
+        self.blocks = nn.ModuleList(make_block(i) for i in range(1 if config.share_layers else n_layers))
         self.positions = _attention_positions(config, bidirectional)
+        self.sliding_positions = _sliding_positions(config)
+        self.layer_types = [config.layer_type(i) for i in range(n_layers)]
         self.final_norm = make_norm(config) if config.prenorm else nn.Identity()
         self.final_dropout = nn.Dropout(config.dropout if config.dropout_after_final_norm else 0.0)
         self.activation_checkpointing = config.activation_checkpointing
@@ -106,6 +135,17 @@ class Stack(nn.Module):
             return checkpoint(self.block(index), x, use_reentrant=False, **kwargs)
         return self.block(index)(x, **kwargs)
 
+    def layer_position_args(self, positions: Tensor, cache_position: int) -> list[dict]:
+        """The positional keyword arguments of each layer, computed once per type."""
+        full = self.positions.attention_args(positions, cache_position)
+        sliding = (
+            full
+            if self.sliding_positions is None
+            else self.sliding_positions.attention_args(positions, cache_position)
+        )
+        by_type = {"full_attention": full, "sliding_attention": sliding}
+        return [by_type[kind] for kind in self.layer_types]
+
     def finish(self, x: Tensor) -> Tensor:
         return self.final_dropout(self.final_norm(x))
 
@@ -114,13 +154,13 @@ class Encoder(Stack):
     """A stack of EncoderBlocks: every token sees every (real) token."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__(config, config.n_layers, lambda: EncoderBlock(config), bidirectional=True)
+        super().__init__(config, config.n_layers, lambda i: EncoderBlock(config, i), bidirectional=True)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None, positions: Tensor) -> Tensor:
         """x (B, L, d_model), padding_mask (B, L) bool or None, positions (L,) -> (B, L, d_model)."""
-        position_args = self.positions.attention_args(positions, 0)
+        position_args = self.layer_position_args(positions, 0)
         for index in range(self.n_layers):
-            x = self.run_block(index, x, padding_mask=padding_mask, **position_args)
+            x = self.run_block(index, x, padding_mask=padding_mask, **position_args[index])
         return self.finish(x)
 
 
@@ -129,7 +169,9 @@ class Decoder(Stack):
     to an encoder's output when built with cross_attention=True."""
 
     def __init__(self, config: ModelConfig, n_layers: int, cross_attention: bool = False):
-        super().__init__(config, n_layers, lambda: DecoderBlock(config, cross_attention), bidirectional=False)
+        super().__init__(
+            config, n_layers, lambda i: DecoderBlock(config, cross_attention, i), bidirectional=False
+        )
 
     def forward(
         self,
@@ -148,7 +190,7 @@ class Decoder(Stack):
         kv_caches: one cache per layer (flashformer.generate.cache.KVCache, or any object
             with its update() and memory_kv), or None.
         """
-        position_args = self.positions.attention_args(positions, cache_position)
+        position_args = self.layer_position_args(positions, cache_position)
         for index in range(self.n_layers):
             cache = None if kv_caches is None else kv_caches[index]
             x = self.run_block(
@@ -160,7 +202,7 @@ class Decoder(Stack):
                 memory_kv=self._memory_kv(index, cache, memory),
                 kv_cache=cache,
                 cache_position=cache_position,
-                **position_args,
+                **position_args[index],
             )
         return self.finish(x)
 

@@ -116,9 +116,18 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.batch = batch
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """q (B, Hq, L, D), k and v (B, Hk, L, D) the new tokens -> (B, Hq, L, D).
-        (The batch's tables and slots were checked once, when set, not per layer.)"""
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """q (B, Hq, L, D), k and v (B, Hk, L, D) the new tokens -> (B, Hq, L, D); window and
+        softcap are the layer's (a sliding-window layer keeps every key in the pool and reads
+        only its window). (The batch's tables and slots were checked once, when set, not per layer.)"""
         write_kv(self.k, self.v, k, v, self.batch.slots, validate=False)
         if self.batch.q_starts is not None:  # one row of T tokens from S sequences
             out = packed_paged_attention(
@@ -129,12 +138,24 @@ class PagedKVCache:
                 self.batch.seq_lens,
                 self.batch.q_starts,
                 scale=scale,
+                window=window,
+                softcap=softcap,
                 validate=False,
             )  # (T, Hq, Dv)
             return out.transpose(0, 1)[None]  # (1, Hq, T, Dv)
         real = self.batch.real_rows
         tables, lengths = self.batch.block_tables[:real], self.batch.seq_lens[:real]
-        out = paged_attention(q[:real], self.k, self.v, tables, lengths, scale=scale, validate=False)
+        out = paged_attention(
+            q[:real],
+            self.k,
+            self.v,
+            tables,
+            lengths,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            validate=False,
+        )
         if real == q.shape[0]:
             return out
         return torch.cat([out, out.new_zeros(q.shape[0] - real, *out.shape[1:])])  # (B, Hq, L, D)

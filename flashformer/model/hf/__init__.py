@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama, qwen2, phi3.
+"""Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama, qwen2, phi3,
+qwen3, gemma, gemma2, gemma3_text.
 
     config, state = read_pretrained("path/to/folder")      # config.json + weights, in our names
     save_pretrained(model, "path/to/out")                  # transformers loads it back
@@ -49,11 +50,13 @@ from torch import Tensor
 from flashformer.formatting import markdown_table
 from flashformer.model.config import ModelConfig, preset
 from flashformer.model.hf.bert import Bert
+from flashformer.model.hf.gemma import Gemma
 from flashformer.model.hf.gpt2 import GPT2
 from flashformer.model.hf.llama import Llama
 from flashformer.model.hf.mapping import Family
 from flashformer.model.hf.phi3 import Phi3
 from flashformer.model.hf.qwen2 import Qwen2
+from flashformer.model.hf.qwen3 import Qwen3
 from flashformer.model.hf.t5 import T5
 
 # ---- reading and writing weight files ----
@@ -91,7 +94,21 @@ def _load_sharded(folder: Path, index_name: str, load: Callable[[Path], dict]) -
     return weights
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (Bert(), GPT2(), T5(), Llama(), Qwen2(), Phi3())}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Bert(),
+        GPT2(),
+        T5(),
+        Llama(),
+        Qwen2(),
+        Phi3(),
+        Qwen3(),
+        Gemma("gemma", 1),
+        Gemma("gemma2", 2),
+        Gemma("gemma3_text", 3),
+    )
+}
 
 
 # ---- reading ----
@@ -231,7 +248,19 @@ def names_table() -> str:
             "llama-tiny", n_layers=1, hf_model_type="qwen2", attention_bias=True, attention_out_bias=False
         ),
         "phi3": preset("llama-tiny", n_layers=1, hf_model_type="phi3", fused_gate_up=True),
+        "qwen3": preset("llama-tiny", n_layers=1, qk_norm=True, hf_model_type="qwen3"),
     }
+    gemma = dict(
+        n_layers=1,
+        activation="gelu_tanh",
+        tie_word_embeddings=True,
+        scale_embeddings=True,
+        hf_model_type="gemma",
+    )
+    configs["gemma"] = preset("llama-tiny", **gemma)
+    gemma.update(sandwich_norm=True, sliding_window=4, layer_types=("sliding_attention",))
+    configs["gemma2"] = preset("llama-tiny", **dict(gemma, hf_model_type="gemma2"))
+    configs["gemma3_text"] = preset("llama-tiny", **dict(gemma, qk_norm=True, hf_model_type="gemma3_text"))
     for family, config in configs.items():
         layout = FAMILIES[family]
         rules = layout.rules(config)

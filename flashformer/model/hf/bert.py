@@ -13,6 +13,7 @@ from flashformer.model.hf.mapping import (
     is_tied,
     linear,
     norm,
+    plain_layers,
     refuse,
     require,
     standard_heads,
@@ -82,6 +83,7 @@ class Bert(Family):
         )
 
     def config_to_hf(self, config):
+        plain_layers(config, "bert")
         require(
             config,
             "bert",

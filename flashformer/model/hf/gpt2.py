@@ -11,6 +11,7 @@ from flashformer.model.hf.mapping import (
     is_tied,
     linear,
     norm,
+    plain_layers,
     refuse,
     require,
     standard_heads,
@@ -57,6 +58,7 @@ class GPT2(Family):
         )
 
     def config_to_hf(self, config):
+        plain_layers(config, "gpt2")
         require(
             config,
             "gpt2",

@@ -12,6 +12,7 @@ from flashformer.model.hf.mapping import (
     is_tied,
     linear,
     norm,
+    plain_layers,
     require,
     strip,
 )
@@ -161,6 +162,7 @@ class Llama(Family):
         )
 
     def config_to_hf(self, config):
+        plain_layers(config, "llama")
         require(
             config,
             "llama",

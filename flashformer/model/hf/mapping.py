@@ -18,7 +18,9 @@ from flashformer.model.config import ModelConfig
 @dataclass(frozen=True)
 class Rule:
     """ours <- theirs. kind "copy": one tensor as is; "t": transposed (GPT-2's
-    Conv1D); "cat": ours is theirs concatenated on dim 0 (fused projections)."""
+    Conv1D); "cat": ours is theirs concatenated on dim 0 (fused projections);
+    "plus_one": ours = theirs + 1 (Gemma's RMSNorm scales by 1 + w and stores w;
+    ours scales by its weight), added in float32."""
 
     ours: str
     theirs: tuple[str, ...]
@@ -30,6 +32,8 @@ class Rule:
                 # the shape alone, without torch.cat's meta kernel (it imports torch._dynamo)
                 return torch.empty(sum(len(t) for t in tensors), *tensors[0].shape[1:], device="meta")
             return torch.cat(tensors, dim=0)
+        if self.kind == "plus_one":
+            return (tensors[0].float() + 1).to(tensors[0].dtype)
         # contiguous: a transposed view would reach the model as its parameter (load_state_dict
         # with assign=True), and its layout decides which GEMM kernels run (see layers.linear)
         return tensors[0].t().contiguous() if self.kind == "t" else tensors[0]
@@ -37,6 +41,8 @@ class Rule:
     def save(self, tensor: Tensor, sizes: list[int]) -> list[Tensor]:
         if self.kind == "cat":
             return list(tensor.split(sizes, dim=0))
+        if self.kind == "plus_one":
+            return [(tensor.float() - 1).to(tensor.dtype)]
         return [tensor.t() if self.kind == "t" else tensor]
 
 
@@ -59,6 +65,11 @@ def fused(ours: str, theirs: list[str], bias: bool) -> list[Rule]:
 def norm(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
     """A norm's weight (and, for LayerNorm, bias)."""
     return linear(ours, theirs, bias)
+
+
+def offset_norm(ours: str, theirs: str) -> list[Rule]:
+    """A Gemma RMSNorm: their w is our weight - 1."""
+    return [Rule(f"{ours}.weight", (f"{theirs}.weight",), "plus_one")]
 
 
 HF_TO_ACTIVATION = {
@@ -137,6 +148,24 @@ def require(config: ModelConfig, family: str, **expected) -> None:
                 f"ModelConfig.{name}={getattr(config, name)!r} cannot be saved as a Hugging Face {family} "
                 f"model (it needs {value!r})"
             )
+
+
+# the layer variants only some families have, at the values that mean "not there"
+PLAIN_LAYERS = dict(
+    qk_norm=False,
+    sandwich_norm=False,
+    attention_softcap=None,
+    final_logit_softcap=None,
+    scale_embeddings=False,
+    layer_types=None,
+    rope_local_theta=None,
+)
+
+
+def plain_layers(config: ModelConfig, family: str, **allowed) -> None:
+    """Raise for a layer variant (PLAIN_LAYERS) that the family cannot express; `allowed`
+    overrides the values a family takes (Qwen3: qk_norm=True)."""
+    require(config, family, **{**PLAIN_LAYERS, **allowed})
 
 
 def standard_heads(config: ModelConfig, family: str) -> None:

@@ -10,7 +10,7 @@ transformers applies it, llama.cpp switches it off).
 from __future__ import annotations
 
 from flashformer.model.hf.llama import Llama, decoder_config, decoder_to_hf, rope_fraction
-from flashformer.model.hf.mapping import Rule, linear, norm, require
+from flashformer.model.hf.mapping import Rule, linear, norm, plain_layers, require
 
 
 class Phi3(Llama):
@@ -48,6 +48,7 @@ class Phi3(Llama):
         )
 
     def config_to_hf(self, config):
+        plain_layers(config, "phi3")
         require(config, "phi3", fused_gate_up=True, attention_bias=False, ffn_bias=False)
         if config.head_dim * config.n_heads != config.d_model:
             raise ValueError(

@@ -8,7 +8,7 @@ Qwen2.5 checkpoints all ship with use_sliding_window false.
 from __future__ import annotations
 
 from flashformer.model.hf.llama import Llama, decoder_config, decoder_to_hf, rope_fraction
-from flashformer.model.hf.mapping import require
+from flashformer.model.hf.mapping import plain_layers, require
 
 
 def sliding_layers(hf: dict) -> list[int]:
@@ -55,6 +55,7 @@ class Qwen2(Llama):
         )
 
     def config_to_hf(self, config):
+        plain_layers(config, "qwen2")
         require(
             config,
             "qwen2",

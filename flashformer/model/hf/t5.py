@@ -14,6 +14,7 @@ from flashformer.model.hf.mapping import (
     is_tied,
     linear,
     norm,
+    plain_layers,
     refuse,
     require,
 )
@@ -93,6 +94,7 @@ class T5(Family):
         )
 
     def config_to_hf(self, config):
+        plain_layers(config, "t5")
         require(
             config,
             "t5",
