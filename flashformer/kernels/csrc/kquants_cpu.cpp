@@ -70,7 +70,8 @@ struct ScalesMins {
   uint8_t sc[8];
   uint8_t m[8];
 };
-inline ScalesMins unpack_scales(const uint8_t* bytes) {
+#define FF_INLINE __attribute__((always_inline)) inline
+FF_INLINE ScalesMins unpack_scales(const uint8_t* bytes) {
   uint32_t w[3];
   std::memcpy(w, bytes, sizeof(w));
   const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x30303030;
@@ -100,6 +101,8 @@ struct FloatX {
 };
 
 // ---- per type: the float step of a block's integer product, and its dequantization ----
+// Inlined into every kernel: a call from AVX code into code compiled for baseline x86 (SSE)
+// stalls on the transition of the vector registers' upper halves (80 % of a Q4_K call's time).
 // combine(): acc += the block's contribution, from sumi and summ (see the top of the file).
 
 template <class Block>
@@ -107,12 +110,12 @@ struct KQuant;
 
 template <>
 struct KQuant<Q4KBlock> {
-  static float combine(const Q4KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
+  FF_INLINE static float combine(const Q4KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
     acc = std::fma(half_to_float(blk.d) * dx, static_cast<float>(sumi), acc);
     return std::fma(-(half_to_float(blk.dmin) * dx), static_cast<float>(summ), acc);
   }
   // value v's quant, its sub-block of 16's scale and minimum weight, for the scalar kernel
-  static void decode(const Q4KBlock& blk, int* q, int* scale16, int* min16) {
+  FF_INLINE static void decode(const Q4KBlock& blk, int* q, int* scale16, int* min16) {
     const ScalesMins sm = unpack_scales(blk.scales);
     for (int v = 0; v < kSuper; ++v) {
       const uint8_t byte = blk.qs[32 * (v / 64) + v % 32];
@@ -120,7 +123,7 @@ struct KQuant<Q4KBlock> {
     }
     for (int i = 0; i < 16; ++i) scale16[i] = sm.sc[i / 2], min16[i] = sm.m[i / 2];
   }
-  static void dequantize(const Q4KBlock& blk, float* w) {
+  FF_INLINE static void dequantize(const Q4KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
     decode(blk, q, scale16, min16);
     const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
@@ -133,11 +136,11 @@ struct KQuant<Q4KBlock> {
 
 template <>
 struct KQuant<Q5KBlock> {
-  static float combine(const Q5KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
+  FF_INLINE static float combine(const Q5KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
     acc = std::fma(half_to_float(blk.d) * dx, static_cast<float>(sumi), acc);
     return std::fma(-(half_to_float(blk.dmin) * dx), static_cast<float>(summ), acc);
   }
-  static void decode(const Q5KBlock& blk, int* q, int* scale16, int* min16) {
+  FF_INLINE static void decode(const Q5KBlock& blk, int* q, int* scale16, int* min16) {
     const ScalesMins sm = unpack_scales(blk.scales);
     for (int v = 0; v < kSuper; ++v) {
       const uint8_t byte = blk.qs[32 * (v / 64) + v % 32];
@@ -146,7 +149,7 @@ struct KQuant<Q5KBlock> {
     }
     for (int i = 0; i < 16; ++i) scale16[i] = sm.sc[i / 2], min16[i] = sm.m[i / 2];
   }
-  static void dequantize(const Q5KBlock& blk, float* w) {
+  FF_INLINE static void dequantize(const Q5KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
     decode(blk, q, scale16, min16);
     const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
@@ -160,10 +163,10 @@ struct KQuant<Q5KBlock> {
 template <>
 struct KQuant<Q6KBlock> {
   // summ = sum_i sc[i] * xsum_i: the -32 of every quant
-  static float combine(const Q6KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
+  FF_INLINE static float combine(const Q6KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
     return std::fma(half_to_float(blk.d) * dx, static_cast<float>(sumi - 32 * summ), acc);
   }
-  static void decode(const Q6KBlock& blk, int* q, int* scale16, int* min16) {
+  FF_INLINE static void decode(const Q6KBlock& blk, int* q, int* scale16, int* min16) {
     for (int v = 0; v < kSuper; ++v) {
       const int half = v / 128, k = (v % 128) / 32, l = v % 32;
       const uint8_t low = blk.ql[64 * half + 32 * (k % 2) + l];
@@ -171,7 +174,7 @@ struct KQuant<Q6KBlock> {
     }
     for (int i = 0; i < 16; ++i) scale16[i] = blk.scales[i], min16[i] = blk.scales[i];
   }
-  static void dequantize(const Q6KBlock& blk, float* w) {
+  FF_INLINE static void dequantize(const Q6KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
     decode(blk, q, scale16, min16);
     const float d = half_to_float(blk.d);
