@@ -63,12 +63,10 @@ def magnitudes(type_name: str, raw: np.ndarray) -> torch.Tensor:
     nbytes, values, halves = LAYOUT[type_name]
     w = dequantized(type_name, raw).double().abs()
     blocks = raw.reshape(raw.shape[0], -1, nbytes)
-    if type_name in ("Q4_K", "Q5_K"):  # gguf with d = 0: the minimums alone
-        no_scale = blocks.copy()
-        no_scale[..., 0:2] = 0
-        return w + 2 * dequantized(type_name, no_scale.reshape(raw.shape)).double().abs()
-    if type_name == "Q6_K":  # one integer sum per block: |w| bounds it
-        return w
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf with d = 0 (Q6_K: the quants 0): the minimums alone
+        alone = blocks.copy()
+        alone[..., slice(0, 2) if type_name != "Q6_K" else slice(0, 192)] = 0
+        return w + 2 * dequantized(type_name, alone.reshape(raw.shape)).double().abs()
     at = halves[-1]  # Q5_0: m = -16 d; Q5_1: m
     m = torch.from_numpy(blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float64)).abs()
     m = m * 16 if type_name == "Q5_0" else m

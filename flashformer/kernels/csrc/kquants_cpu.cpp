@@ -15,9 +15,11 @@
 // - int8_activations: x is quantized per block of 256 (llama.cpp's Q8_K: one float scale
 //   d = amax / 127, q = round(x / d), and each 16 quants' sum). A block's product is then
 //   integers: sumi = sum_j sc[j] * (q . x)_j and summ = sum_i m[i / 2] * xsum_i (Q6_K:
-//   sum_i sc[i] * xsum_i, the -32's), exact whatever the order, then one or two float
-//   multiply-adds per block in block order: the same on every ISA (kquants_x86.inc forms the
-//   integers with AVX2's maddubs + madd, or VNNI's maddubs + vpdpwssd).
+//   sum_i sc[i] * xsum_i, the -32's), each kept in 8 lanes (a fixed partition of the terms,
+//   exact whatever the order), then per block one float multiply-add per lane, d * dx and
+//   -dmin * dx (Q6_K: -32 d * dx), in block order; the lanes are added at the end: the same on
+//   every ISA (kquants_x86.inc forms the integers with AVX2's maddubs + madd, or VNNI's
+//   maddubs + vpdpwssd on 512-bit vectors folded onto the 8 lanes).
 // - float activations: each block is dequantized to 256 floats exactly as gguf does, and x . w is
 //   formed in 8 float lanes (lane l: values l, l + 8, ...) added at the end; exact with respect to
 //   the dequantized weights, and the same bits on every ISA.
@@ -67,19 +69,19 @@ static_assert(sizeof(Q4KBlock) == 144 && sizeof(Q5KBlock) == 176 && sizeof(Q6KBl
 // bytes 8..11 (scales low nibbles, minimums high nibbles) and their top 2 bits from the top bits
 // of bytes 0..3 and 4..7. Four at a time in 32-bit words.
 struct ScalesMins {
-  uint8_t sc[8];
-  uint8_t m[8];
+  uint64_t sc;  // byte j: scale j
+  uint64_t m;   // byte j: minimum j
+  int scale(int j) const { return static_cast<int>((sc >> (8 * j)) & 0xFF); }
+  int min(int j) const { return static_cast<int>((m >> (8 * j)) & 0xFF); }
 };
 #define FF_INLINE __attribute__((always_inline)) inline
 FF_INLINE ScalesMins unpack_scales(const uint8_t* bytes) {
   uint32_t w[3];
   std::memcpy(w, bytes, sizeof(w));
   const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x30303030;
-  const uint32_t parts[4] = {w[0] & low6, (w[2] & low4) | ((w[0] >> 2) & top2), w[1] & low6,
-                             ((w[2] >> 4) & low4) | ((w[1] >> 2) & top2)};
-  ScalesMins out;
-  std::memcpy(&out, parts, sizeof(out));
-  return out;
+  const uint64_t sc_low = w[0] & low6, sc_high = (w[2] & low4) | ((w[0] >> 2) & top2);
+  const uint64_t m_low = w[1] & low6, m_high = ((w[2] >> 4) & low4) | ((w[1] >> 2) & top2);
+  return {sc_low | (sc_high << 32), m_low | (m_high << 32)};
 }
 
 // ---- what a kernel reads ----
@@ -103,17 +105,17 @@ struct FloatX {
 // ---- per type: the float step of a block's integer product, and its dequantization ----
 // Inlined into every kernel: a call from AVX code into code compiled for baseline x86 (SSE)
 // stalls on the transition of the vector registers' upper halves (80 % of a Q4_K call's time).
-// combine(): acc += the block's contribution, from sumi and summ (see the top of the file).
+// A block adds d * dx * sumi + min_factor * summ (see the top of the file), from the block's float16
+// factors widened (d, dmin: half_to_float here, F16C in the x86 kernels, exact both).
 
 template <class Block>
 struct KQuant;
 
 template <>
 struct KQuant<Q4KBlock> {
-  FF_INLINE static float combine(const Q4KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
-    acc = std::fma(half_to_float(blk.d) * dx, static_cast<float>(sumi), acc);
-    return std::fma(-(half_to_float(blk.dmin) * dx), static_cast<float>(summ), acc);
-  }
+  static uint16_t d_bits(const Q4KBlock& blk) { return blk.d; }
+  static uint16_t dmin_bits(const Q4KBlock& blk) { return blk.dmin; }
+  FF_INLINE static float min_factor(float, float dmin, float dx) { return -(dmin * dx); }
   // value v's quant, its sub-block of 16's scale and minimum weight, for the scalar kernel
   FF_INLINE static void decode(const Q4KBlock& blk, int* q, int* scale16, int* min16) {
     const ScalesMins sm = unpack_scales(blk.scales);
@@ -121,7 +123,7 @@ struct KQuant<Q4KBlock> {
       const uint8_t byte = blk.qs[32 * (v / 64) + v % 32];
       q[v] = (v / 32) % 2 ? byte >> 4 : byte & 15;
     }
-    for (int i = 0; i < 16; ++i) scale16[i] = sm.sc[i / 2], min16[i] = sm.m[i / 2];
+    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
   }
   FF_INLINE static void dequantize(const Q4KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
@@ -136,10 +138,9 @@ struct KQuant<Q4KBlock> {
 
 template <>
 struct KQuant<Q5KBlock> {
-  FF_INLINE static float combine(const Q5KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
-    acc = std::fma(half_to_float(blk.d) * dx, static_cast<float>(sumi), acc);
-    return std::fma(-(half_to_float(blk.dmin) * dx), static_cast<float>(summ), acc);
-  }
+  static uint16_t d_bits(const Q5KBlock& blk) { return blk.d; }
+  static uint16_t dmin_bits(const Q5KBlock& blk) { return blk.dmin; }
+  FF_INLINE static float min_factor(float, float dmin, float dx) { return -(dmin * dx); }
   FF_INLINE static void decode(const Q5KBlock& blk, int* q, int* scale16, int* min16) {
     const ScalesMins sm = unpack_scales(blk.scales);
     for (int v = 0; v < kSuper; ++v) {
@@ -147,7 +148,7 @@ struct KQuant<Q5KBlock> {
       const int high = (blk.qh[v % 32] >> (v / 32)) & 1;
       q[v] = ((v / 32) % 2 ? byte >> 4 : byte & 15) | (high << 4);
     }
-    for (int i = 0; i < 16; ++i) scale16[i] = sm.sc[i / 2], min16[i] = sm.m[i / 2];
+    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
   }
   FF_INLINE static void dequantize(const Q5KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
@@ -163,9 +164,9 @@ struct KQuant<Q5KBlock> {
 template <>
 struct KQuant<Q6KBlock> {
   // summ = sum_i sc[i] * xsum_i: the -32 of every quant
-  FF_INLINE static float combine(const Q6KBlock& blk, float dx, int32_t sumi, int32_t summ, float acc) {
-    return std::fma(half_to_float(blk.d) * dx, static_cast<float>(sumi - 32 * summ), acc);
-  }
+  static uint16_t d_bits(const Q6KBlock& blk) { return blk.d; }
+  static uint16_t dmin_bits(const Q6KBlock&) { return 0; }
+  FF_INLINE static float min_factor(float d, float, float dx) { return -32.f * (d * dx); }  // exact: a power of 2
   FF_INLINE static void decode(const Q6KBlock& blk, int* q, int* scale16, int* min16) {
     for (int v = 0; v < kSuper; ++v) {
       const int half = v / 128, k = (v % 128) / 32, l = v % 32;
@@ -203,26 +204,39 @@ void quantize_super_scalar(const float* x, int8_t* q, float* d, int16_t* sums) {
 }
 
 // One weight row (nb blocks) against x rows m0 .. m0 + tile - 1: out[t * ld] (+ bias[0]).
+// The integer sums are kept in the x86 kernels' 8 lanes (lane l: bytes 4l .. 4l + 3 of each 32
+// values, and minimums' pairs 2l, 2l + 1), each lane's accumulated in float, the lanes added at
+// the end: no horizontal sum per block.
 template <class Block>
 void kquant_int8act_scalar(int tile, const Block* row, int64_t nb, const SuperRows& x, int64_t m0, const Output& o) {
-  float acc[kScalarTile] = {};
+  float acc[kScalarTile][8] = {}, acc_min[kScalarTile][8] = {};
   for (int64_t b = 0; b < nb; ++b) {
     int q[kSuper], scale16[16], min16[16];
     KQuant<Block>::decode(row[b], q, scale16, min16);
+    const float d = half_to_float(KQuant<Block>::d_bits(row[b])), dmin = half_to_float(KQuant<Block>::dmin_bits(row[b]));
     for (int t = 0; t < tile; ++t) {
       const int64_t xb = (m0 + t) * nb + b;
       const int8_t* xq = x.quants(xb);
-      int32_t sumi = 0, summ = 0;
-      for (int i = 0; i < 16; ++i) {
-        int32_t dot = 0;
-        for (int v = 16 * i; v < 16 * i + 16; ++v) dot += q[v] * xq[v];
-        sumi += scale16[i] * dot;
-        summ += min16[i] * x.sums16(xb)[i];
+      const int16_t* sums = x.sums16(xb);
+      const float dx = x.d[xb];
+      for (int l = 0; l < 8; ++l) {
+        int32_t lane = 0;
+        for (int j = 0; j < 8; ++j) {
+          const int v0 = 32 * j + 4 * l;
+          int32_t dot = 0;
+          for (int v = v0; v < v0 + 4; ++v) dot += q[v] * xq[v];
+          lane += scale16[v0 / 16] * dot;
+        }
+        const int32_t min_lane = min16[2 * l] * sums[2 * l] + min16[2 * l + 1] * sums[2 * l + 1];
+        acc[t][l] = std::fma(d * dx, static_cast<float>(lane), acc[t][l]);
+        acc_min[t][l] = std::fma(KQuant<Block>::min_factor(d, dmin, dx), static_cast<float>(min_lane), acc_min[t][l]);
       }
-      acc[t] = KQuant<Block>::combine(row[b], x.d[xb], sumi, summ, acc[t]);
     }
   }
-  for (int t = 0; t < tile; ++t) o.out[t * o.ld] = o.bias ? acc[t] + o.bias[0] : acc[t];
+  for (int t = 0; t < tile; ++t) {
+    const float sum = hsum8_scalar(acc[t]) + hsum8_scalar(acc_min[t]);
+    o.out[t * o.ld] = o.bias ? sum + o.bias[0] : sum;
+  }
 }
 
 template <class Block>
