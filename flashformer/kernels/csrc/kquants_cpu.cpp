@@ -28,6 +28,7 @@
 //   L1 while a chunk of weight rows (in L2) passes over them.
 
 #include <cstring>
+#include <type_traits>
 
 #include "quantized_common.h"
 
@@ -116,6 +117,9 @@ struct KQuant<Q4KBlock> {
   static uint16_t d_bits(const Q4KBlock& blk) { return blk.d; }
   static uint16_t dmin_bits(const Q4KBlock& blk) { return blk.dmin; }
   FF_INLINE static float min_factor(float, float dmin, float dx) { return -(dmin * dx); }
+  FF_INLINE static void scales16(const ScalesMins& sm, int* scale16, int* min16) {
+    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
+  }
   // value v's quant, its sub-block of 16's scale and minimum weight, for the scalar kernel
   FF_INLINE static void decode(const Q4KBlock& blk, int* q, int* scale16, int* min16) {
     const ScalesMins sm = unpack_scales(blk.scales);
@@ -123,7 +127,7 @@ struct KQuant<Q4KBlock> {
       const uint8_t byte = blk.qs[32 * (v / 64) + v % 32];
       q[v] = (v / 32) % 2 ? byte >> 4 : byte & 15;
     }
-    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
+    scales16(sm, scale16, min16);
   }
   FF_INLINE static void dequantize(const Q4KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
@@ -141,6 +145,9 @@ struct KQuant<Q5KBlock> {
   static uint16_t d_bits(const Q5KBlock& blk) { return blk.d; }
   static uint16_t dmin_bits(const Q5KBlock& blk) { return blk.dmin; }
   FF_INLINE static float min_factor(float, float dmin, float dx) { return -(dmin * dx); }
+  FF_INLINE static void scales16(const ScalesMins& sm, int* scale16, int* min16) {
+    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
+  }
   FF_INLINE static void decode(const Q5KBlock& blk, int* q, int* scale16, int* min16) {
     const ScalesMins sm = unpack_scales(blk.scales);
     for (int v = 0; v < kSuper; ++v) {
@@ -148,7 +155,7 @@ struct KQuant<Q5KBlock> {
       const int high = (blk.qh[v % 32] >> (v / 32)) & 1;
       q[v] = ((v / 32) % 2 ? byte >> 4 : byte & 15) | (high << 4);
     }
-    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
+    scales16(sm, scale16, min16);
   }
   FF_INLINE static void dequantize(const Q5KBlock& blk, float* w) {
     int q[kSuper], scale16[16], min16[16];
