@@ -131,8 +131,6 @@ struct Int8Rows {
   const int8_t* quants(int64_t block) const { return q.data() + block * kBlock; }  // (32,)
 };
 
-
-
 // ---- scalar kernels (any CPU; the reference order of operations) ----
 
 void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* offset) {
@@ -150,7 +148,6 @@ void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_
   *s = scale * static_cast<float>(sum);
   *offset = -128 * sum;
 }
-
 
 // The int8-activation kernels: for an x row and an output row, block b's whole integer dot
 // product P (exact: |P| < 2^24), then acc = fma(d_w * d_x, P, acc) over the blocks in order, and
@@ -347,7 +344,6 @@ std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
   return sums;
 }
 
-
 // The packed matrices, and the part of one a kernel reads.
 template <class Block>
 struct NibbleMatrix {
@@ -368,7 +364,6 @@ struct Int8Matrix {
     return {blocks + g * nb, block_scales ? block_scales + g * nb : nullptr, row_scales ? row_scales + g : nullptr, nb};
   }
 };
-
 
 // int4 and int5: the same driver, their blocks' own kernels.
 template <class Block>
@@ -575,7 +570,6 @@ int64_t quantized_kernel_isa(int64_t request) {
   if (request >= 0) use_isa().store(std::min<int>(static_cast<int>(request), best_isa()));
   return use_isa().load();
 }
-
 
 constexpr char kInt4Linear[] = "flashformer::int4_linear";
 constexpr char kInt5Linear[] = "flashformer::int5_linear";
