@@ -3,8 +3,10 @@ first use (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about 15 s 
 
 It implements the operators defined here (their schemas are Python's, so torch.compile and
 the fallbacks see them whether or not the build succeeds):
-- int4_linear, int8_linear, quantized_kernel_isa: the quantized layers (quantized.py,
+- int4_linear, int5_linear, int8_linear, quantized_kernel_isa: the quantized layers (quantized.py,
   csrc/quantized_cpu.cpp and quantized_x86.inc);
+- q4_k_linear, q5_k_linear, q6_k_linear: GGUF's K-quant blocks (quantized.py, csrc/kquants_cpu.cpp
+  and kquants_x86.inc);
 - paged_attention_cpu, attention_cpu: attention of a batch over a paged or a static KV cache,
   one call for every sequence (attention/cpu_kernel.py, csrc/paged_attention_cpu.cpp).
 
@@ -24,13 +26,19 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
-INCLUDES = [_CSRC / "quantized_x86.inc"]  # torch hashes only SOURCES to decide a rebuild
+SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "kquants_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
+# torch hashes only SOURCES to decide a rebuild
+INCLUDES = [_CSRC / "quantized_common.h", _CSRC / "quantized_x86.inc", _CSRC / "kquants_x86.inc"]
 
 LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
 _LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
 LIBRARY.define("int4_linear" + _LINEAR_SCHEMA)
+LIBRARY.define("int5_linear" + _LINEAR_SCHEMA)
 LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
+# K-quants: the blocks hold their own scales
+_KQUANT_SCHEMA = "(Tensor x, Tensor blocks, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
+for _name in ("q4_k_linear", "q5_k_linear", "q6_k_linear"):
+    LIBRARY.define(_name + _KQUANT_SCHEMA)
 LIBRARY.define("quantized_kernel_isa(int request) -> int")
 LIBRARY.define(
     "paged_attention_cpu(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "

@@ -9,6 +9,10 @@ memory; the activations stay float32 at the module's boundary. Two formats:
 - "int8": weight = s * q, q in int8, with s float16 per block of 32 (GGUF Q8_0, as stored) or
   float32 per output row (a float weight quantized here).
 
+and, from GGUF files only (gguf_blocks.py describes their layouts): "int5" (Q5_0 / Q5_1, int4
+with a fifth bit) and "q4_k", "q5_k", "q6_k" (the K-quants' blocks of 256, as the file stores
+them; with int8 activations x is quantized per block of 256, as llama.cpp's Q8_K).
+
 `QuantizedLinear(x)` computes x @ W^T + b with a C++ kernel (csrc/quantized_cpu.cpp) that
 streams the packed bytes and widens them in registers: a decode step's time is the time to read
 the weights, and 4-bit blocks are 0.625 bytes a weight instead of 4. By default the kernel also
@@ -33,21 +37,24 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flashformer.kernels import extension
+from flashformer.kernels import extension, gguf_blocks
+from flashformer.kernels.gguf_blocks import KQUANT_FORMATS, SUPER_BLOCK
 
 BLOCK = 32  # values per quantization block along the input dim (GGUF's QK4_0, QK4_1, QK8_0)
 # Output rows interleaved in the packed layout: 8 for int4, whose one-row kernel reads 8 rows per
 # block (the x block's loads and scale shared by 8 rows) as one sequential stream, which the
 # hardware prefetches best (docs/benchmarks.md, "Packed layouts"). 4 for int8: 4 rows x 32 bytes
 # are already a 128-byte sequential block.
-GROUP_ROWS = {"int4": 8, "int8": 4}
-FORMATS = ("int4", "int8")
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# int5 as int4; the K-quants are not interleaved: a row's blocks are one sequential stream already.
+GROUP_ROWS = {"int4": 8, "int8": 4, "int5": 8, "q4_k": 1, "q5_k": 1, "q6_k": 1}
+FORMATS = ("int4", "int8")  # what a float weight is quantized to
+PACKED_FORMATS = tuple(GROUP_ROWS)  # what a layer holds
+BLOCK_VALUES = {fmt: SUPER_BLOCK if fmt in KQUANT_FORMATS.values() else BLOCK for fmt in PACKED_FORMATS}
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 ACTIVATIONS = ("int8", "float32")
 FALLBACK_TILE_ROWS = 1024  # output rows dequantized at a time by the PyTorch fallback
 
@@ -73,7 +80,20 @@ for _name in ("int4_linear", "int8_linear"):
 _LINEAR_OPS = {
     "int4": torch.ops.flashformer.int4_linear.default,
     "int8": torch.ops.flashformer.int8_linear.default,
+    "int5": gguf_blocks.INT5_OP,
 }
+
+
+def _kquant_op(fmt: str):
+    op = gguf_blocks.KQUANT_OPS[fmt]
+
+    def call(x, qweight, scales, bias, out_features, int8_activations):  # scales: None, the blocks hold them
+        return op(x, qweight, bias, out_features, int8_activations)
+
+    return call
+
+
+_LINEAR_OPS |= {fmt: _kquant_op(fmt) for fmt in KQUANT_FORMATS.values()}
 
 
 KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
@@ -138,6 +158,17 @@ def pack_int4(d: Tensor, m: Tensor, nibbles: Tensor) -> tuple[Tensor, Tensor]:
     return qweight, scales
 
 
+def pack_int5(d: Tensor, m: Tensor, nibbles: Tensor, words: Tensor) -> tuple[Tensor, Tensor]:
+    """Q5_1 fields of N rows (d, m, nibbles as pack_int4's; words int32 (N, blocks): the fifth
+    bits, gguf_blocks.fifth_bit_words) -> qweight (G, blocks, 160) uint8, scales as int4's."""
+    nibble_blocks, scales = pack_int4(d, m, nibbles)  # (G, blocks, 8, 16)
+    groups, blocks = nibble_blocks.shape[:2]
+    rows = GROUP_ROWS["int5"]
+    words = F.pad(words, (0, 0, 0, groups * rows - words.shape[0])).view(groups, rows, blocks)
+    word_bytes = words.permute(0, 2, 1).contiguous().view(torch.uint8)  # (G, blocks, 32)
+    return torch.cat((nibble_blocks.reshape(groups, blocks, 128), word_bytes), dim=-1), scales
+
+
 def pack_int8(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     """int8 quants (N, blocks, 32) and their scales, float16 (N, blocks) per block or float32 (N,)
     per row -> qweight (G, blocks, 4, 32) int8 and scales (G, blocks, 4) or (G * 4,)."""
@@ -198,29 +229,43 @@ def quantize_int8_per_row(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q.view(n, -1, BLOCK), scale
 
 
-def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str, Tensor, Tensor]:
+def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str, Tensor, Tensor | None]:
     """Raw GGUF blocks of a (N, K) tensor (torch order: GGUF's ne reversed) -> (format, qweight, scales).
 
-    raw: the tensor's bytes (uint8, any shape: gguf.GGUFReader's tensor.data is (N, bytes per row)).
-    Q4_0 becomes Q4_1 with m = -8 d, exact in float16 (a multiplication by a power of two)."""
+    raw: the tensor's bytes (uint8, any shape: gguf.GGUFReader's tensor.data is (N, bytes per row);
+    a numpy array is copied, GGUFReader's are read-only views of the mapped file; a torch tensor
+    is used as it is). Q4_0 becomes Q4_1 with m = -8 d and Q5_0 Q5_1 with m = -16 d, exact in
+    float16 (multiplications by powers of two). K-quants keep their bytes (scales None)."""
     if type_name not in GGUF_TYPES:
         raise ValueError(f"type_name: expected one of {GGUF_TYPES}, got {type_name!r}")
     n, k = _check_shape("shape", shape)
-    if k % BLOCK:
+    block = SUPER_BLOCK if type_name in KQUANT_FORMATS else BLOCK
+    if k % block:
         raise ValueError(
-            f"shape: in_features must be a multiple of {BLOCK} for {type_name}, got shape {tuple(shape)}"
+            f"shape: in_features must be a multiple of {block} for {type_name}, got shape {tuple(shape)}"
         )
-    # a copy: GGUFReader's arrays are read-only views of the mapped file
-    data = raw.contiguous() if isinstance(raw, Tensor) else torch.from_numpy(np.array(raw, copy=True))
-    if data.dtype != torch.uint8:
-        raise ValueError(f"raw_uint8_blocks: expected uint8 bytes, got dtype {data.dtype}")
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-    blocks = k // BLOCK
+    data = gguf_blocks.to_bytes(raw)
+    block_bytes = {
+        "Q4_0": 18,
+        "Q4_1": 20,
+        "Q5_0": 22,
+        "Q5_1": 24,
+        "Q8_0": 34,
+        "Q4_K": 144,
+        "Q5_K": 176,
+        "Q6_K": 210,
+    }
+    block_bytes = block_bytes[type_name]
+    blocks = k // block
     if data.numel() != n * blocks * block_bytes:
         raise ValueError(
             f"raw_uint8_blocks: a {type_name} tensor of shape {tuple(shape)} takes {n * blocks * block_bytes} "
             f"bytes ({n} x {blocks} blocks of {block_bytes}), got {data.numel()} (shape {tuple(data.shape)})"
         )
+    if type_name in KQUANT_FORMATS:
+        return KQUANT_FORMATS[type_name], gguf_blocks.parse_kquant(type_name, data, n, k), None
+    if type_name in ("Q5_0", "Q5_1"):
+        return ("int5", *pack_int5(*gguf_blocks.parse_int5(type_name, data, n, blocks)))
     data = data.reshape(n, blocks, block_bytes)
     d = data[..., :2].contiguous().view(torch.float16).squeeze(-1)  # (N, blocks)
     if type_name == "Q8_0":
@@ -256,8 +301,18 @@ def _quantize_float(weight: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     return pack_int8(*quantize_int8_per_row(weight))
 
 
-def _dequantize(fmt: str, qweight: Tensor, scales: Tensor) -> Tensor:
-    return dequantize_int4(qweight, scales) if fmt == "int4" else dequantize_int8(qweight, scales)
+_DEQUANTIZE = {
+    "int4": dequantize_int4,
+    "int8": dequantize_int8,
+    "int5": gguf_blocks.dequantize_int5,
+} | {fmt: functools.partial(gguf_blocks.dequantize_kquant, fmt) for fmt in KQUANT_FORMATS.values()}
+
+
+def _dequantize(fmt: str, qweight: Tensor, scales: Tensor | None) -> Tensor:
+    """The float32 weight (padded rows and columns included) of a packed layout."""
+    if fmt in KQUANT_FORMATS.values():
+        return _DEQUANTIZE[fmt](qweight)
+    return _DEQUANTIZE[fmt](qweight, scales)
 
 
 def _keep_dtypes(module: nn.Module, fn, recurse: bool, apply) -> nn.Module:
@@ -294,15 +349,16 @@ class QuantizedLinear(nn.Module):
         activations: str = "int8",
     ):
         super().__init__()
-        if fmt not in FORMATS:
-            raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+        if fmt not in PACKED_FORMATS:
+            raise ValueError(f"fmt: expected one of {PACKED_FORMATS}, got {fmt!r}")
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations: expected one of {ACTIVATIONS}, got {activations!r}")
         groups = -(-out_features // GROUP_ROWS[fmt])
-        padded_in = -(-in_features // BLOCK) * BLOCK
-        if qweight.shape[:2] != (groups, padded_in // BLOCK):
+        block = BLOCK_VALUES[fmt]
+        padded_in = -(-in_features // block) * block
+        if qweight.shape[:2] != (groups, padded_in // block):
             raise ValueError(
-                f"qweight: expected ({groups}, {padded_in // BLOCK}, ...) for a ({out_features}, {in_features}) "
+                f"qweight: expected ({groups}, {padded_in // block}, ...) for a ({out_features}, {in_features}) "
                 f"weight, got {tuple(qweight.shape)}"
             )
         if bias is not None and (bias.shape != (out_features,) or not bias.is_floating_point()):
@@ -346,7 +402,7 @@ class QuantizedLinear(nn.Module):
         bias: Tensor | None = None,
         activations: str = "int8",
     ) -> QuantizedLinear:
-        """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's bytes, repacked as they are (see parse_gguf_blocks).
+        """A GGUF tensor's bytes (a type of GGUF_TYPES), repacked as they are (see parse_gguf_blocks).
         shape: (out_features, in_features), the reverse of GGUF's ne."""
         fmt, qweight, scales = parse_gguf_blocks(type_name, raw_uint8_blocks, shape)
         return cls(shape[1], shape[0], fmt, qweight, scales, bias, activations)
@@ -365,25 +421,30 @@ class QuantizedLinear(nn.Module):
         )
 
     @classmethod
-    def cat(cls, linears: list[QuantizedLinear]) -> QuantizedLinear:
+    def cat(cls, linears: list[QuantizedLinear]) -> QuantizedLinear | ConcatenatedLinear:
         """One layer computing several that read the same x (q, k, v; gate and up): their rows
         stacked, the same bytes. One call instead of several saves a call's fixed cost and a pass
         over x (docs/benchmarks.md, "Packed layouts"); torch.split the output to get the parts.
         Every part but the last needs out_features a multiple of the rows per packed group
-        (8 for int4, 4 for int8)."""
+        (8 for int4 and int5, 4 for int8, 1 for the K-quants). Parts of different formats (a
+        Q4_K_M file's Q5_0 q and k beside a Q8_0 v) cannot share a kernel: each run of one format
+        is fused, and a ConcatenatedLinear joins the runs' outputs."""
         first = linears[0]
         for i, lin in enumerate(linears):
-            same = (lin.fmt, lin.in_features, lin.int8_activations, lin.scales.dim()) == (
-                first.fmt,
-                first.in_features,
-                first.int8_activations,
-                first.scales.dim(),
-            )
-            if not same:
+            if (lin.in_features, lin.int8_activations) != (first.in_features, first.int8_activations):
                 raise ValueError(
                     f"linears[{i}]: {lin.extra_repr()} does not match linears[0]: {first.extra_repr()}"
                 )
-            if i < len(linears) - 1 and lin.out_features % GROUP_ROWS[lin.fmt]:
+        runs = [[first]]
+        for lin in linears[1:]:
+            if _packing(lin) == _packing(runs[-1][-1]):
+                runs[-1].append(lin)
+            else:
+                runs.append([lin])
+        if len(runs) > 1:
+            return ConcatenatedLinear([run[0] if len(run) == 1 else cls.cat(run) for run in runs])
+        for i, lin in enumerate(linears[:-1]):
+            if lin.out_features % GROUP_ROWS[lin.fmt]:
                 raise ValueError(
                     f"linears[{i}]: out_features={lin.out_features} is not a multiple of {GROUP_ROWS[lin.fmt]}"
                     f" ({lin.fmt}'s rows per group); put it last"
@@ -398,12 +459,13 @@ class QuantizedLinear(nn.Module):
                     for lin in linears
                 ]
             )
+        scales = None if first.scales is None else torch.cat([lin.scales for lin in linears])
         return cls(
             first.in_features,
             sum(lin.out_features for lin in linears),
             first.fmt,
             torch.cat([lin.qweight for lin in linears]),
-            torch.cat([lin.scales for lin in linears]),
+            scales,
             bias,
             "int8" if first.int8_activations else "float32",
         )
@@ -428,7 +490,7 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if self._pad_in:  # int8 rows padded with zero weights to whole blocks
             x2 = F.pad(x2, (0, self._pad_in))
-        op = _LINEAR_OPS[self.fmt]
+        op = _LINEAR_OPS[self.fmt]  # the format's kernel, fixed at construction
         out = op(
             x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations
         )  # (M, out)
@@ -442,14 +504,39 @@ class QuantizedLinear(nn.Module):
         )
 
 
+def _packing(lin: QuantizedLinear) -> tuple:
+    """What layers must share to be stacked into one: the format and its kind of scales."""
+    return lin.fmt, None if lin.scales is None else lin.scales.dim()
+
+
+class ConcatenatedLinear(nn.Module):
+    """Quantized layers of different formats reading the same x, as one layer: their outputs
+    joined along the last dim (QuantizedLinear.cat makes it where formats differ), plus an
+    optional bias over the whole output."""
+
+    def __init__(self, parts: list[QuantizedLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.register_buffer("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)  # (..., out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
 class QuantizedEmbedding(nn.Module):
     """An embedding table stored quantized: ids (...) -> float32 (..., embedding_dim), the rows
     gathered and dequantized. `QuantizedLinear.from_embedding` makes the tied output head."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str, qweight: Tensor, scales: Tensor):
         super().__init__()
-        if fmt not in FORMATS:
-            raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+        if fmt not in PACKED_FORMATS:
+            raise ValueError(f"fmt: expected one of {PACKED_FORMATS}, got {fmt!r}")
         self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
@@ -480,6 +567,13 @@ class QuantizedEmbedding(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"ids: expected an integer tensor, got {ids.dtype} (shape {tuple(ids.shape)})")
         flat = ids.reshape(-1).long()  # (L,)
+        if self.fmt in KQUANT_FORMATS.values():
+            rows = gguf_blocks.dequantize_kquant(self.fmt, self.qweight[flat])  # (L, dim)
+            return rows.reshape(*ids.shape, -1)[..., : self.embedding_dim]
+        if self.fmt == "int5":
+            return gguf_blocks.int5_rows(self.qweight, self.scales, flat).reshape(*ids.shape, -1)[
+                ..., : self.embedding_dim
+            ]
         group, row = flat // GROUP_ROWS[self.fmt], flat % GROUP_ROWS[self.fmt]
         q = self.qweight[group, :, row]  # (L, blocks, 16 or 32): each id's row of its group
         if self.fmt == "int4":

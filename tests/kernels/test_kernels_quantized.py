@@ -309,8 +309,8 @@ def test_bad_inputs_raise_value_errors():
         ValueError, match=r"raw_uint8_blocks: a Q4_1 tensor of shape \(8, 64\) takes 320 bytes"
     ):
         QuantizedLinear.from_gguf_blocks("Q4_1", np.zeros(100, np.uint8), (8, 64))
-    with pytest.raises(ValueError, match=r"type_name: expected one of .*'Q5_K'"):
-        QuantizedLinear.from_gguf_blocks("Q5_K", np.zeros(100, np.uint8), (8, 64))
+    with pytest.raises(ValueError, match=r"type_name: expected one of .*'Q2_K'"):
+        QuantizedLinear.from_gguf_blocks("Q2_K", np.zeros(100, np.uint8), (8, 64))
     with pytest.raises(ValueError, match=r"mode: expected one of .*'int3'"):
         QuantizedLinear.from_float(torch.randn(8, 64), "int3")
     with pytest.raises(ValueError, match=r"weight: expected a 2-D float tensor.*\(64,\)"):
@@ -346,8 +346,10 @@ def test_cat_stacks_rows():
         assert torch.equal(y, lin(x))
     with pytest.raises(ValueError, match=r"linears\[0\]: out_features=6 is not a multiple of 8"):
         QuantizedLinear.cat(parts[::-1])
-    with pytest.raises(ValueError, match=r"linears\[1\]: .*fmt=int8.* does not match"):
-        QuantizedLinear.cat([parts[0], QuantizedLinear.from_float(torch.randn(8, 64), "int8")])
+    with pytest.raises(ValueError, match=r"linears\[1\]: in_features=32.* does not match"):
+        QuantizedLinear.cat([parts[0], QuantizedLinear.from_float(torch.randn(8, 32), "int8")])
+    mixed = QuantizedLinear.cat([parts[0], QuantizedLinear.from_float(torch.randn(8, 64), "int8")])
+    assert [part.fmt for part in mixed.parts] == ["int4", "int8"]  # formats apart: joined, not fused
 
 
 def test_dtype_casts_leave_the_packed_buffers_alone():

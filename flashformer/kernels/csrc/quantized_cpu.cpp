@@ -10,6 +10,9 @@
 //       qweight uint8 (G, nb, 8, 16): for each group of 8 output rows and each block of 32 inputs,
 //       the 8 rows' 16 bytes of GGUF Q4_1 nibbles (byte j: q[j] low, q[j + 16] high);
 //       scales float16 (G, nb, 2, 8): the 8 rows' d, then their m. Weight = d * q + m.
+//   flashformer::int5_linear(x, qweight, scales, bias, out_features, int8_activations)
+//       qweight uint8 (G, nb, 160): Int5Block below, int4's nibbles and the fifth bits (GGUF Q5_0 /
+//       Q5_1); scales as int4's.
 //   flashformer::int8_linear(x, qweight, scales, bias, out_features, int8_activations)
 //       qweight int8 (G, nb, 4, 32); scales float16 (G, nb, 4) per block (GGUF Q8_0: weight = d * q)
 //       or float32 (G * 4,) per output row.
@@ -42,29 +45,12 @@
 //   (torch.library.register_autograd) adds a fixed cost to every call, even under no_grad, as
 //   large as a small product's whole time (docs/benchmarks.md, "Packed layouts and call costs").
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <vector>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define FF_X86 1
-#else
-#define FF_X86 0
-#endif
+#include "quantized_common.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;     // values per quantization block along K (GGUF's QK4_1, QK8_0)
+using namespace flashformer_cpu;
+
 constexpr int64_t kInt4Rows = 8;   // int4: output rows interleaved in the packed layout (one group)
 constexpr int64_t kGroupRows = 4;  // int8: the same; int4: half a group, what a float-activation kernel reads
 constexpr int64_t kScalarTile = 4;  // x rows per call of a scalar kernel (any tile gives the same bits)
@@ -77,8 +63,17 @@ constexpr int64_t kScalarTile = 4;  // x rows per call of a scalar kernel (any t
 // int4 (GGUF Q4_1): weight = d * q + m, q in 0..15.
 struct Int4Block {            // qweight[g, b]: (8, 16) uint8
   uint8_t qs[kInt4Rows][16];  // row r's 32 nibbles: byte j holds q[j] (low) and q[j + 16] (high)
+  static constexpr bool kFiveBit = false;
 };
-struct Int4Scales {       // scales[g, b]: (2, 8) float16
+// int5 (GGUF Q5_1; Q5_0 with m = -16 d): weight = d * q + m, q in 0..31, int4's nibbles and a
+// fifth bit. The fifth bits are rearranged at packing so that a kernel's transposed word i
+// (inputs 4i..4i+3 and 16+4i..16+4i+3) finds them with one shift and one mask.
+struct Int5Block {            // qweight[g, b]: (160,) uint8
+  uint8_t qs[kInt4Rows][16];  // the low 4 bits, as in Int4Block
+  uint32_t qh[kInt4Rows];     // row r's fifth bits: byte k, bit i: q[4i + k]'s; bit 4 + i: q[16 + 4i + k]'s
+  static constexpr bool kFiveBit = true;
+};
+struct Int4Scales {       // scales[g, b]: (2, 8) float16 (int4 and int5)
   uint16_t d[kInt4Rows];  // the rows' d, float16 bits
   uint16_t m[kInt4Rows];  // and their m
 };
@@ -94,16 +89,18 @@ struct Int8RowScales {  // float32 scales[4 g .. 4 g + 3]
   float d[kGroupRows];  // the rows' d
 };
 
-static_assert(sizeof(Int4Block) == 128 && sizeof(Int4Scales) == 32 && sizeof(Int8Block) == 128 &&
+static_assert(sizeof(Int4Block) == 128 && sizeof(Int5Block) == 160 && sizeof(Int4Scales) == 32 && sizeof(Int8Block) == 128 &&
                   sizeof(Int8BlockScales) == 8 && sizeof(Int8RowScales) == 16,
               "the structs must match the packed tensors byte for byte");
 
 // ---- what a kernel reads and writes ----
 
-// One group of int4 rows. The int8-activation kernels read all 8 rows; the float-activation
-// ones 4 of them, first_row .. first_row + 3 (a half group: first_row 0 or 4).
-struct Int4Weights {
-  const Int4Block* blocks;   // (nb,)
+// One group of int4 (Block = Int4Block) or int5 (Int5Block) rows. The int8-activation kernels
+// read all 8 rows; the float-activation ones 4 of them, first_row .. first_row + 3 (a half
+// group: first_row 0 or 4).
+template <class Block>
+struct NibbleWeights {
+  const Block* blocks;       // (nb,)
   const Int4Scales* scales;  // (nb,)
   int64_t nb;
   int64_t first_row;
@@ -134,43 +131,6 @@ struct Int8Rows {
   const int8_t* quants(int64_t block) const { return q.data() + block * kBlock; }  // (32,)
 };
 
-// Where a kernel's results go: x row m0 + t (t in the tile) at out + t * ld, the kernel's first
-// output row first; only `rows` of its rows are stored (fewer at the end of the matrix), each
-// plus bias[r] when there is a bias. The x86 kernels take it by value: their vector stores may
-// write any memory as far as the compiler knows, and a copy of their own keeps its fields in
-// registers.
-struct Output {
-  float* out;
-  int64_t ld;
-  int64_t rows;
-  const float* bias;  // at the first row, or nullptr
-};
-
-// Which kernels run: the best this CPU has, or one chosen by quantized_kernel_isa (tests compare them).
-enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
-
-int best_isa() {
-#if FF_X86
-  __builtin_cpu_init();
-  const bool avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-  return avx2 ? (vnni ? kVnni : kAvx2) : kScalar;
-#else
-  return kScalar;
-#endif
-}
-
-std::atomic<int>& use_isa() {
-  static std::atomic<int> isa{best_isa()};
-  return isa;
-}
-
-inline float half_to_float(uint16_t bits) {
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
-
 // ---- scalar kernels (any CPU; the reference order of operations) ----
 
 void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_t* offset) {
@@ -189,23 +149,25 @@ void quantize_block_scalar(const float* x, int8_t* q, float* d, float* s, int32_
   *offset = -128 * sum;
 }
 
-// The 8-lane horizontal sum in the order of hsum8 below.
-inline float hsum8_scalar(const float* a) {
-  const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
-  return (s0 + s2) + (s1 + s3);
-}
-
-// Tile row t's results (o.rows of them) plus their bias.
-__attribute__((always_inline)) inline void store_rows(const float* acc, const Output& o, int t) {
-  float* out = o.out + t * o.ld;
-  for (int64_t r = 0; r < o.rows; ++r) out[r] = o.bias ? acc[r] + o.bias[r] : acc[r];
-}
-
 // The int8-activation kernels: for an x row and an output row, block b's whole integer dot
 // product P (exact: |P| < 2^24), then acc = fma(d_w * d_x, P, acc) over the blocks in order, and
 // for int4 acc = fma(m_w, s_x, acc) after each block (the block's minimum times the x block's sum).
 // int8 with per-row scales: acc = fma(d_x, P, acc), and the row's scale multiplies the sum.
-void int4_int8act_scalar(int tile, const Int4Weights& w, const Int8Rows& x, int64_t m0, const Output& o) {
+// Row r's 32 quants of a block, in input order.
+inline void block_quants(const Int4Block& block, int r, int* q) {
+  for (int j = 0; j < 16; ++j) q[j] = block.qs[r][j] & 15, q[j + 16] = block.qs[r][j] >> 4;
+}
+inline void block_quants(const Int5Block& block, int r, int* q) {
+  const uint32_t h = block.qh[r];
+  for (int j = 0; j < 16; ++j) {
+    const int bit = 8 * (j % 4) + j / 4;  // see Int5Block
+    q[j] = (block.qs[r][j] & 15) | (((h >> bit) & 1) << 4);
+    q[j + 16] = (block.qs[r][j] >> 4) | (((h >> (bit + 4)) & 1) << 4);
+  }
+}
+
+template <class Block>
+void nibble_int8act_scalar(int tile, const NibbleWeights<Block>& w, const Int8Rows& x, int64_t m0, const Output& o) {
   for (int t = 0; t < tile; ++t) {
     float res[kInt4Rows];
     for (int r = 0; r < kInt4Rows; ++r) {
@@ -213,9 +175,10 @@ void int4_int8act_scalar(int tile, const Int4Weights& w, const Int8Rows& x, int6
       for (int64_t b = 0; b < w.nb; ++b) {
         const int64_t xb = (m0 + t) * w.nb + b;
         const int8_t* xq = x.quants(xb);
-        const uint8_t* qs = w.blocks[b].qs[r];
+        int q[kBlock];
+        block_quants(w.blocks[b], r, q);
         int product = 0;
-        for (int j = 0; j < 16; ++j) product += (qs[j] & 15) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+        for (int j = 0; j < kBlock; ++j) product += q[j] * xq[j];
         const float scale = half_to_float(w.scales[b].d[r]) * x.d[xb];
         acc = std::fma(scale, static_cast<float>(product), acc);
         acc = std::fma(half_to_float(w.scales[b].m[r]), x.s[xb], acc);
@@ -250,7 +213,8 @@ void int8_int8act_scalar(int tile, const Int8Weights& w, const Int8Rows& x, int6
 // The float-activation kernels: per block and row, 8 lanes of x[j] * w[j] chained with FMAs over
 // the block's 4 slices of 8, scaled into 8 lane accumulators; an int4 row's minimums multiply the
 // block's float sum of x, accumulated apart and added after the lanes' sum.
-void int4_f32act_scalar(int tile, const Int4Weights& w, const FloatRows& x, int64_t m0, const Output& o) {
+template <class Block>
+void nibble_f32act_scalar(int tile, const NibbleWeights<Block>& w, const FloatRows& x, int64_t m0, const Output& o) {
   for (int t = 0; t < tile; ++t) {
     const float* xr = x.x + (m0 + t) * x.ld;
     float acc[kGroupRows][8] = {};
@@ -261,9 +225,10 @@ void int4_f32act_scalar(int tile, const Int4Weights& w, const FloatRows& x, int6
         acc_min[r] = std::fma(half_to_float(scales.m[w.first_row + r]), x.sums[(m0 + t) * w.nb + b], acc_min[r]);
       }
       for (int r = 0; r < kGroupRows; ++r) {
-        const uint8_t* qs = w.blocks[b].qs[w.first_row + r];
+        int qi[kBlock];
+        block_quants(w.blocks[b], static_cast<int>(w.first_row) + r, qi);
         float q[kBlock];
-        for (int j = 0; j < 16; ++j) q[j] = static_cast<float>(qs[j] & 15), q[j + 16] = static_cast<float>(qs[j] >> 4);
+        for (int j = 0; j < kBlock; ++j) q[j] = static_cast<float>(qi[j]);
         const float d = half_to_float(scales.d[w.first_row + r]);
         const float* xb = xr + b * kBlock;
         for (int l = 0; l < 8; ++l) {
@@ -379,36 +344,13 @@ std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
   return sums;
 }
 
-// Groups of output rows per task: at least kTaskBlocks (x row, weight row, block) triples, so that
-// a small product is not split finer than a fork/join (a few microseconds) is worth.
-constexpr int64_t kTaskBlocks = 4096;
-
-int64_t group_grain(int64_t nb, int64_t rows, int64_t group_rows) {
-  return std::max<int64_t>(1, kTaskBlocks / std::max<int64_t>(1, nb * rows * group_rows));
-}
-
-void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t k, int64_t group_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x: expected a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == k, "x: expected ", k, " columns (the packed weight's in_features), got ", x.sizes());
-  TORCH_CHECK(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
-  const int64_t groups = qweight.size(0);
-  TORCH_CHECK(out_features > (groups - 1) * group_rows && out_features <= groups * group_rows,
-              "out_features: ", out_features, " does not fit ", groups, " groups of ", group_rows, " rows");
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(),
-                "bias: expected a contiguous float32 tensor of shape (", out_features, "), got ", bias->sizes());
-  }
-}
-
 // The packed matrices, and the part of one a kernel reads.
-struct Int4Matrix {
-  const Int4Block* blocks;   // (groups, nb)
+template <class Block>
+struct NibbleMatrix {
+  const Block* blocks;       // (groups, nb)
   const Int4Scales* scales;  // (groups, nb)
   int64_t groups, nb;
-  Int4Weights group(int64_t g, int64_t first_row = 0) const {
+  NibbleWeights<Block> group(int64_t g, int64_t first_row = 0) const {
     return {blocks + g * nb, scales + g * nb, nb, first_row};
   }
 };
@@ -423,22 +365,10 @@ struct Int8Matrix {
   }
 };
 
-// The product's output (M, N) and bias (N,), and the part of them a kernel writes.
-struct OutputMatrix {
-  float* out;
-  int64_t n;
-  const float* bias;  // or nullptr
-  // x rows from m0, output rows row0 .. row0 + rows - 1 (fewer at the end of the matrix)
-  Output part(int64_t m0, int64_t row0, int64_t rows) const {
-    return {out + m0 * n + row0, n, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
-  }
-};
-
-at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kInt4Rows && qweight.size(3) == 16 &&
-                  qweight.scalar_type() == at::kByte,
-              "qweight: expected uint8 (groups, blocks, 8, 16), got ", qweight.sizes(), " ", qweight.scalar_type());
+// int4 and int5: the same driver, their blocks' own kernels.
+template <class Block>
+at::Tensor nibble_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
   const int64_t groups = qweight.size(0), nb = qweight.size(1);
   TORCH_CHECK(scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == 2 &&
                   scales.size(3) == kInt4Rows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
@@ -449,7 +379,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const float* xp = x.data_ptr<float>();
-  const Int4Matrix weights{reinterpret_cast<const Int4Block*>(qweight.data_ptr<uint8_t>()),
+  const NibbleMatrix<Block> weights{reinterpret_cast<const Block*>(qweight.data_ptr<uint8_t>()),
                            reinterpret_cast<const Int4Scales*>(scales.data_ptr<at::Half>()), groups, nb};
   const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
   const int isa = use_isa().load();
@@ -463,27 +393,27 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   const FloatRows xf{xp, k, xsum.data()};
   // With float activations: x rows [m0, m0 + tile) against half h (rows 4h..4h+3) of group g.
   auto half_group = [&](int64_t g, int h, int64_t m0, int tile) {
-    const Int4Weights w = weights.group(g, h * kGroupRows);
+    const NibbleWeights<Block> w = weights.group(g, h * kGroupRows);
     const Output o = result.part(m0, g * kInt4Rows + h * kGroupRows, kGroupRows);
 #if FF_X86
     if (isa != kScalar) {
-      (isa == kVnni ? vnni::int4_f32act_rows : avx2::int4_f32act_rows)(tile, w, xf, m0, o);
+      (isa == kVnni ? vnni::nibble_f32act_rows<Block> : avx2::nibble_f32act_rows<Block>)(tile, w, xf, m0, o);
       return;
     }
 #endif
-    int4_f32act_scalar(tile, w, xf, m0, o);
+    nibble_f32act_scalar(tile, w, xf, m0, o);
   };
   // With int8 activations: x rows [m0, m0 + tile) against the whole group g.
   auto whole_group = [&](int64_t g, int64_t m0, int tile) {
-    const Int4Weights w = weights.group(g);
+    const NibbleWeights<Block> w = weights.group(g);
     const Output o = result.part(m0, g * kInt4Rows, kInt4Rows);
 #if FF_X86
     if (isa != kScalar) {
-      (isa == kVnni ? vnni::int4_int8act_rows : avx2::int4_int8act_rows)(tile, w, xa, m0, o);
+      (isa == kVnni ? vnni::nibble_int8act_rows<Block> : avx2::nibble_int8act_rows<Block>)(tile, w, xa, m0, o);
       return;
     }
 #endif
-    int4_int8act_scalar(tile, w, xa, m0, o);
+    nibble_int8act_scalar(tile, w, xa, m0, o);
   };
   const int64_t tile_rows = row_tile(isa, int8_activations);
 #if FF_X86
@@ -500,7 +430,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
             whole_group(g, m0, tile);
             continue;
           }
-          vnni::int4_int8act_pair_rows(tile, weights.group(g), weights.group(g + 1), xa, m0,
+          vnni::nibble_int8act_pair_rows<Block>(tile, weights.group(g), weights.group(g + 1), xa, m0,
                                        result.part(m0, g * kInt4Rows, 2 * kInt4Rows));
         }
       }
@@ -524,6 +454,22 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
     }
   });
   return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kInt4Rows && qweight.size(3) == 16 &&
+                  qweight.scalar_type() == at::kByte,
+              "qweight: expected uint8 (groups, blocks, 8, 16), got ", qweight.sizes(), " ", qweight.scalar_type());
+  return nibble_linear<Int4Block>(x, qweight, scales, bias, out_features, int8_activations);
+}
+
+at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  TORCH_CHECK(qweight.dim() == 3 && qweight.size(2) == static_cast<int64_t>(sizeof(Int5Block)) &&
+                  qweight.scalar_type() == at::kByte,
+              "qweight: expected uint8 (groups, blocks, 160), got ", qweight.sizes(), " ", qweight.scalar_type());
+  return nibble_linear<Int5Block>(x, qweight, scales, bias, out_features, int8_activations);
 }
 
 template <bool kPerBlock>
@@ -625,42 +571,21 @@ int64_t quantized_kernel_isa(int64_t request) {
   return use_isa().load();
 }
 
-using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, int64_t, bool);
-
-template <const char* kName>
-at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<LinearSignature>();
-  at::Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = op.call(x, qweight, scales, bias, out_features, int8_activations);
-  }
-  if (torch::autograd::compute_requires_grad(x, bias)) {
-    auto error = c10::make_intrusive<torch::autograd::Error>(
-        std::string(kName) +
-            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
-            "buffers. Train or fine-tune the float model, then quantize it.",
-        torch::autograd::collect_next_edges(x, bias));
-    torch::autograd::set_history(out, error);
-  }
-  return out;
-}
-
 constexpr char kInt4Linear[] = "flashformer::int4_linear";
+constexpr char kInt5Linear[] = "flashformer::int5_linear";
 constexpr char kInt8Linear[] = "flashformer::int8_linear";
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("int4_linear", &int4_linear);
+  m.impl("int5_linear", &int5_linear);
   m.impl("int8_linear", &int8_linear);
 }
 
 TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
   m.impl("int4_linear", &linear_autograd<kInt4Linear>);
+  m.impl("int5_linear", &linear_autograd<kInt5Linear>);
   m.impl("int8_linear", &linear_autograd<kInt8Linear>);
 }
 

@@ -1,0 +1,414 @@
+// GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) multiplied as the file stores them: out = x @ W^T
+// (+ bias), x float32 (M, K), W (N, K) as N rows of K / 256 blocks, each block the file's bytes
+// (the structs below are ggml-common.h's block_q4_K, block_q5_K, block_q6_K, field for field).
+// Nothing is repacked: a row is one sequential stream, and the tensor can be the file's own
+// memory. The operators (schemas in kernels/extension.py, fallbacks in kernels/quantized.py):
+//
+//   flashformer::q4_k_linear(x, blocks, bias, out_features, int8_activations)   blocks uint8 (N, K / 256, 144)
+//   flashformer::q5_k_linear(...)                                                 (N, K / 256, 176)
+//   flashformer::q6_k_linear(...)                                                 (N, K / 256, 210)
+//
+// Weights, as gguf's dequantizer computes them (float32): Q4_K and Q5_K: d * sc[j] * q - dmin * m[j]
+// for sub-block j of 32 values (sc, m 6-bit), q 4- or 5-bit; Q6_K: d * sc[i] * (q - 32) for
+// sub-block i of 16 (sc int8), q 6-bit.
+//
+// - int8_activations: x is quantized per block of 256 (llama.cpp's Q8_K: one float scale
+//   d = amax / 127, q = round(x / d), and each 16 quants' sum). A block's product is then
+//   integers: sumi = sum_j sc[j] * (q . x)_j and summ = sum_i m[i / 2] * xsum_i (Q6_K:
+//   sum_i sc[i] * xsum_i, the -32's), each kept in 8 lanes (a fixed partition of the terms,
+//   exact whatever the order), then per block one float multiply-add per lane, d * dx and
+//   -dmin * dx (Q6_K: -32 d * dx), in block order; the lanes are added at the end: the same on
+//   every ISA (kquants_x86.inc forms the integers with AVX2's maddubs + madd, or VNNI's
+//   maddubs + vpdpwssd on 512-bit vectors folded onto the 8 lanes).
+// - float activations: each block is dequantized to 256 floats exactly as gguf does, and x . w is
+//   formed in 8 float lanes (lane l: values l, l + 8, ...) added at the end; exact with respect to
+//   the dequantized weights, and the same bits on every ISA.
+// - Batch invariance: a (x row, weight row) pair's operations do not depend on M or the tile.
+// - Threads: at::parallel_for over chunks of weight rows; x is read in tiles of rows that stay in
+//   L1 while a chunk of weight rows (in L2) passes over them.
+
+#include <cstring>
+#include <type_traits>
+
+#include "quantized_common.h"
+
+namespace {
+
+using namespace flashformer_cpu;
+
+constexpr int64_t kSuper = 256;    // values per K-quant block (GGUF's QK_K)
+constexpr int64_t kChunkRows = 16;  // weight rows a task's x tiles pass over (in L2, the tile in L1)
+constexpr int kScalarTile = 4;      // x rows per scalar kernel call (any tile gives the same bits)
+
+// ---- the blocks, as in the file ----
+
+struct Q4KBlock {       // 144 bytes
+  uint16_t d;           // float16: the scales' scale
+  uint16_t dmin;        // float16: the minimums' scale
+  uint8_t scales[12];   // 8 6-bit scales and 8 6-bit minimums, packed (see unpack_scales)
+  uint8_t qs[128];      // 32 bytes per 64 values: low nibbles values 0..31, high nibbles 32..63
+};
+struct Q5KBlock {       // 176 bytes
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[12];
+  uint8_t qh[32];       // fifth bits: byte l, bit j belongs to value 32 j + l
+  uint8_t qs[128];      // the low 4 bits, as Q4_K's
+};
+struct Q6KBlock {       // 210 bytes
+  uint8_t ql[128];      // low 4 bits: per 128 values, 64 bytes: bytes 0..31 low nibbles values 0..31,
+                        // bytes 32..63 values 32..63, their high nibbles values 64..95, 96..127
+  uint8_t qh[64];       // high 2 bits: per 128 values, byte l bits 2k, 2k + 1 belong to value 32 k + l
+  int8_t scales[16];    // one per 16 values
+  uint16_t d;           // float16
+};
+static_assert(sizeof(Q4KBlock) == 144 && sizeof(Q5KBlock) == 176 && sizeof(Q6KBlock) == 210,
+              "the structs must match GGUF's blocks byte for byte");
+
+// Q4_K / Q5_K's 12 bytes -> 8 scales and 8 minimums, 6 bits each: the first four of each are the
+// low 6 bits of bytes 0..3 (scales) and 4..7 (minimums); the last four take their low 4 bits from
+// bytes 8..11 (scales low nibbles, minimums high nibbles) and their top 2 bits from the top bits
+// of bytes 0..3 and 4..7. Four at a time in 32-bit words.
+struct ScalesMins {
+  uint64_t sc;  // byte j: scale j
+  uint64_t m;   // byte j: minimum j
+  int scale(int j) const { return static_cast<int>((sc >> (8 * j)) & 0xFF); }
+  int min(int j) const { return static_cast<int>((m >> (8 * j)) & 0xFF); }
+};
+#define FF_INLINE __attribute__((always_inline)) inline
+FF_INLINE ScalesMins unpack_scales(const uint8_t* bytes) {
+  uint32_t w[3];
+  std::memcpy(w, bytes, sizeof(w));
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x30303030;
+  const uint64_t sc_low = w[0] & low6, sc_high = (w[2] & low4) | ((w[0] >> 2) & top2);
+  const uint64_t m_low = w[1] & low6, m_high = ((w[2] >> 4) & low4) | ((w[1] >> 2) & top2);
+  return {sc_low | (sc_high << 32), m_low | (m_high << 32)};
+}
+
+// ---- what a kernel reads ----
+
+// x (M, K) quantized per block of 256: x[m, 256 b + v] ~ d[m, b] * q[m, b, v], q in [-127, 127].
+struct SuperRows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;      // (M, blocks, 256)
+  std::vector<float> d;       // (M, blocks)
+  std::vector<int16_t> sums;  // (M, blocks, 16): each 16 quants' sum
+  const int8_t* quants(int64_t block) const { return q.data() + block * kSuper; }
+  const int16_t* sums16(int64_t block) const { return sums.data() + block * 16; }
+};
+
+// x (M, K) float32 as it is.
+struct FloatX {
+  const float* x;
+  int64_t ld;  // K
+};
+
+// ---- per type: the float step of a block's integer product, and its dequantization ----
+// Inlined into every kernel: a call from AVX code into code compiled for baseline x86 (SSE)
+// stalls on the transition of the vector registers' upper halves (80 % of a Q4_K call's time).
+// A block adds d * dx * sumi + min_factor * summ (see the top of the file), from the block's float16
+// factors widened (d, dmin: half_to_float here, F16C in the x86 kernels, exact both).
+
+template <class Block>
+struct KQuant;
+
+template <>
+struct KQuant<Q4KBlock> {
+  static uint16_t d_bits(const Q4KBlock& blk) { return blk.d; }
+  static uint16_t dmin_bits(const Q4KBlock& blk) { return blk.dmin; }
+  FF_INLINE static float min_factor(float, float dmin, float dx) { return -(dmin * dx); }
+  FF_INLINE static void scales16(const ScalesMins& sm, int* scale16, int* min16) {
+    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
+  }
+  // value v's quant, its sub-block of 16's scale and minimum weight, for the scalar kernel
+  FF_INLINE static void decode(const Q4KBlock& blk, int* q, int* scale16, int* min16) {
+    const ScalesMins sm = unpack_scales(blk.scales);
+    for (int v = 0; v < kSuper; ++v) {
+      const uint8_t byte = blk.qs[32 * (v / 64) + v % 32];
+      q[v] = (v / 32) % 2 ? byte >> 4 : byte & 15;
+    }
+    scales16(sm, scale16, min16);
+  }
+  FF_INLINE static void dequantize(const Q4KBlock& blk, float* w) {
+    int q[kSuper], scale16[16], min16[16];
+    decode(blk, q, scale16, min16);
+    const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
+    for (int v = 0; v < kSuper; ++v) {
+      const float ds = d * static_cast<float>(scale16[v / 16]), dm = dmin * static_cast<float>(min16[v / 16]);
+      w[v] = ds * static_cast<float>(q[v]) - dm;  // gguf: (d * sc) * q - (dmin * m), in float32
+    }
+  }
+};
+
+template <>
+struct KQuant<Q5KBlock> {
+  static uint16_t d_bits(const Q5KBlock& blk) { return blk.d; }
+  static uint16_t dmin_bits(const Q5KBlock& blk) { return blk.dmin; }
+  FF_INLINE static float min_factor(float, float dmin, float dx) { return -(dmin * dx); }
+  FF_INLINE static void scales16(const ScalesMins& sm, int* scale16, int* min16) {
+    for (int i = 0; i < 16; ++i) scale16[i] = sm.scale(i / 2), min16[i] = sm.min(i / 2);
+  }
+  FF_INLINE static void decode(const Q5KBlock& blk, int* q, int* scale16, int* min16) {
+    const ScalesMins sm = unpack_scales(blk.scales);
+    for (int v = 0; v < kSuper; ++v) {
+      const uint8_t byte = blk.qs[32 * (v / 64) + v % 32];
+      const int high = (blk.qh[v % 32] >> (v / 32)) & 1;
+      q[v] = ((v / 32) % 2 ? byte >> 4 : byte & 15) | (high << 4);
+    }
+    scales16(sm, scale16, min16);
+  }
+  FF_INLINE static void dequantize(const Q5KBlock& blk, float* w) {
+    int q[kSuper], scale16[16], min16[16];
+    decode(blk, q, scale16, min16);
+    const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
+    for (int v = 0; v < kSuper; ++v) {
+      const float ds = d * static_cast<float>(scale16[v / 16]), dm = dmin * static_cast<float>(min16[v / 16]);
+      w[v] = ds * static_cast<float>(q[v]) - dm;
+    }
+  }
+};
+
+template <>
+struct KQuant<Q6KBlock> {
+  // summ = sum_i sc[i] * xsum_i: the -32 of every quant
+  static uint16_t d_bits(const Q6KBlock& blk) { return blk.d; }
+  static uint16_t dmin_bits(const Q6KBlock&) { return 0; }
+  FF_INLINE static float min_factor(float d, float, float dx) { return -32.f * (d * dx); }  // exact: a power of 2
+  FF_INLINE static void decode(const Q6KBlock& blk, int* q, int* scale16, int* min16) {
+    for (int v = 0; v < kSuper; ++v) {
+      const int half = v / 128, k = (v % 128) / 32, l = v % 32;
+      const uint8_t low = blk.ql[64 * half + 32 * (k % 2) + l];
+      q[v] = (k < 2 ? low & 15 : low >> 4) | (((blk.qh[32 * half + l] >> (2 * k)) & 3) << 4);
+    }
+    for (int i = 0; i < 16; ++i) scale16[i] = blk.scales[i], min16[i] = blk.scales[i];
+  }
+  FF_INLINE static void dequantize(const Q6KBlock& blk, float* w) {
+    int q[kSuper], scale16[16], min16[16];
+    decode(blk, q, scale16, min16);
+    const float d = half_to_float(blk.d);
+    for (int v = 0; v < kSuper; ++v) {
+      w[v] = (d * static_cast<float>(scale16[v / 16])) * static_cast<float>(q[v] - 32);  // gguf: (d * sc) * (q - 32)
+    }
+  }
+};
+
+// ---- scalar kernels (any CPU; the reference) ----
+
+void quantize_super_scalar(const float* x, int8_t* q, float* d, int16_t* sums) {
+  float amax = 0.f;
+  for (int v = 0; v < kSuper; ++v) amax = std::max(amax, std::fabs(x[v]));
+  const float inverse = amax != 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < 16; ++i) {
+    int sum = 0;
+    for (int v = 16 * i; v < 16 * i + 16; ++v) {
+      const int value = static_cast<int>(std::nearbyint(x[v] * inverse));  // half to even, as AVX2's round
+      q[v] = static_cast<int8_t>(value);
+      sum += value;
+    }
+    sums[i] = static_cast<int16_t>(sum);
+  }
+  *d = amax / 127.f;
+}
+
+// One weight row (nb blocks) against x rows m0 .. m0 + tile - 1: out[t * ld] (+ bias[0]).
+// The integer sums are kept in the x86 kernels' 8 lanes (lane l: bytes 4l .. 4l + 3 of each 32
+// values, and minimums' pairs 2l, 2l + 1), each lane's accumulated in float, the lanes added at
+// the end: no horizontal sum per block.
+template <class Block>
+void kquant_int8act_scalar(int tile, const Block* row, int64_t nb, const SuperRows& x, int64_t m0, const Output& o) {
+  float acc[kScalarTile][8] = {}, acc_min[kScalarTile][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    int q[kSuper], scale16[16], min16[16];
+    KQuant<Block>::decode(row[b], q, scale16, min16);
+    const float d = half_to_float(KQuant<Block>::d_bits(row[b])), dmin = half_to_float(KQuant<Block>::dmin_bits(row[b]));
+    for (int t = 0; t < tile; ++t) {
+      const int64_t xb = (m0 + t) * nb + b;
+      const int8_t* xq = x.quants(xb);
+      const int16_t* sums = x.sums16(xb);
+      const float dx = x.d[xb];
+      for (int l = 0; l < 8; ++l) {
+        int32_t lane = 0;
+        for (int j = 0; j < 8; ++j) {
+          const int v0 = 32 * j + 4 * l;
+          int32_t dot = 0;
+          for (int v = v0; v < v0 + 4; ++v) dot += q[v] * xq[v];
+          lane += scale16[v0 / 16] * dot;
+        }
+        const int32_t min_lane = min16[2 * l] * sums[2 * l] + min16[2 * l + 1] * sums[2 * l + 1];
+        acc[t][l] = std::fma(d * dx, static_cast<float>(lane), acc[t][l]);
+        acc_min[t][l] = std::fma(KQuant<Block>::min_factor(d, dmin, dx), static_cast<float>(min_lane), acc_min[t][l]);
+      }
+    }
+  }
+  for (int t = 0; t < tile; ++t) {
+    const float sum = hsum8_scalar(acc[t]) + hsum8_scalar(acc_min[t]);
+    o.out[t * o.ld] = o.bias ? sum + o.bias[0] : sum;
+  }
+}
+
+template <class Block>
+void kquant_f32act_scalar(int tile, const Block* row, int64_t nb, const FloatX& x, int64_t m0, const Output& o) {
+  float acc[kScalarTile][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    float w[kSuper];
+    KQuant<Block>::dequantize(row[b], w);
+    for (int t = 0; t < tile; ++t) {
+      const float* xb = x.x + (m0 + t) * x.ld + b * kSuper;
+      for (int v = 0; v < kSuper; ++v) acc[t][v % 8] = std::fma(xb[v], w[v], acc[t][v % 8]);
+    }
+  }
+  for (int t = 0; t < tile; ++t) {
+    const float sum = hsum8_scalar(acc[t]);
+    o.out[t * o.ld] = o.bias ? sum + o.bias[0] : sum;
+  }
+}
+
+// ---- x86 kernels: kquants_x86.inc, twice ----
+#if FF_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define FF_VNNI 0
+#include "kquants_x86.inc"
+#undef FF_VNNI
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace vnni {
+#define FF_VNNI 1
+#include "kquants_x86.inc"
+#undef FF_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+#endif  // FF_X86
+
+// ---- drivers ----
+
+SuperRows quantize_super_rows(const float* x, int64_t rows, int64_t k, int isa) {
+  SuperRows xa;
+  xa.blocks = k / kSuper;
+  const int64_t n = rows * xa.blocks;
+  xa.q.resize(n * kSuper);
+  xa.d.resize(n);
+  xa.sums.resize(n * 16);
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+#if FF_X86
+      if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
+        avx2::quantize_super(x + i * kSuper, xa.q.data() + i * kSuper, &xa.d[i], xa.sums.data() + i * 16);
+        continue;
+      }
+#endif
+      quantize_super_scalar(x + i * kSuper, xa.q.data() + i * kSuper, &xa.d[i], xa.sums.data() + i * 16);
+    }
+  });
+  (void)isa;
+  return xa;
+}
+
+template <class Block>
+at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                         int64_t out_features, bool int8_activations) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == static_cast<int64_t>(sizeof(Block)) &&
+                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", sizeof(Block), "), got ",
+              blocks.sizes(), " ", blocks.scalar_type());
+  const int64_t nb = blocks.size(1), k = nb * kSuper;
+  TORCH_CHECK(blocks.size(0) == out_features, "out_features: ", out_features, " does not match blocks of ",
+              blocks.size(0), " rows");
+  check_common(x_in, blocks, bias, out_features, k, 1);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = out_features;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const Block* weights = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
+  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
+  const int isa = use_isa().load();
+  SuperRows xa;
+  if (int8_activations) xa = quantize_super_rows(xp, rows, k, isa);
+  const FloatX xf{xp, k};
+  int64_t tile_rows = kScalarTile;
+#if FF_X86
+  if (isa != kScalar) tile_rows = int8_activations ? avx2::kKInt8Tile : avx2::kKFloatTile;
+#endif
+  // one weight row against x rows [m0, m0 + tile)
+  auto row_tile = [&](int64_t r, int64_t m0, int tile) {
+    const Block* row = weights + r * nb;
+    const Output o = result.part(m0, r, 1);
+#if FF_X86
+    if (isa != kScalar) {
+      if (int8_activations) {
+        // one x row: AVX2's kernel on either (the same bits); VNNI's, compiled for AVX-512, ran
+        // Q6_K's at half the speed (4096 x 4096, M = 1, one thread: 1.33 ms against 0.75)
+        const bool wide = isa == kVnni && tile > 1;
+        (wide ? vnni::kquant_int8act_rows<Block> : avx2::kquant_int8act_rows<Block>)(tile, row, nb, xa, m0, o);
+      } else {
+        (isa == kVnni ? vnni::kquant_f32act_rows<Block> : avx2::kquant_f32act_rows<Block>)(tile, row, nb, xf, m0, o);
+      }
+      return;
+    }
+#endif
+    if (int8_activations) {
+      kquant_int8act_scalar<Block>(tile, row, nb, xa, m0, o);
+    } else {
+      kquant_f32act_scalar<Block>(tile, row, nb, xf, m0, o);
+    }
+  };
+  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
+  // 8 32-value blocks per K-quant block, for the grain's count of (x row, weight row, block)
+  at::parallel_for(0, chunks, group_grain(8 * nb, rows, kChunkRows), [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r1 = std::min(n, (c + 1) * kChunkRows);
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+        const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+        for (int64_t r = c * kChunkRows; r < r1; ++r) row_tile(r, m0, tile);
+      }
+    }
+  });
+  return out;
+}
+
+using KQuantSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                   bool);
+
+// The no-backward kernel of quantized_common.h's linear_autograd, for this signature.
+template <const char* kName>
+at::Tensor kquant_autograd(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                           int64_t out_features, bool int8_activations) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<KQuantSignature>();
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = op.call(x, blocks, bias, out_features, int8_activations);
+  }
+  if (torch::autograd::compute_requires_grad(x, bias)) {
+    auto error = c10::make_intrusive<torch::autograd::Error>(
+        std::string(kName) +
+            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
+            "buffers. Train or fine-tune the float model, then quantize it.",
+        torch::autograd::collect_next_edges(x, bias));
+    torch::autograd::set_history(out, error);
+  }
+  return out;
+}
+
+constexpr char kQ4K[] = "flashformer::q4_k_linear";
+constexpr char kQ5K[] = "flashformer::q5_k_linear";
+constexpr char kQ6K[] = "flashformer::q6_k_linear";
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
+  m.impl("q4_k_linear", &kquant_linear<Q4KBlock>);
+  m.impl("q5_k_linear", &kquant_linear<Q5KBlock>);
+  m.impl("q6_k_linear", &kquant_linear<Q6KBlock>);
+}
+
+TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
+  m.impl("q4_k_linear", &kquant_autograd<kQ4K>);
+  m.impl("q5_k_linear", &kquant_autograd<kQ5K>);
+  m.impl("q6_k_linear", &kquant_autograd<kQ6K>);
+}

@@ -1,0 +1,139 @@
+// What the quantized kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the
+// K-quants): where a kernel's results go, which ISA runs, the checks of a call's arguments and the
+// no-backward autograd kernel. Functions are inline, so that use_isa() is one switch for all.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FF_X86 1
+#else
+#define FF_X86 0
+#endif
+
+namespace flashformer_cpu {
+
+constexpr int64_t kBlock = 32;  // values per quantization block along K (GGUF's QK4_1, QK5_1, QK8_0)
+
+// Where a kernel's results go: x row m0 + t (t in the tile) at out + t * ld, the kernel's first
+// output row first; only `rows` of its rows are stored (fewer at the end of the matrix), each
+// plus bias[r] when there is a bias. The x86 kernels take it by value: their vector stores may
+// write any memory as far as the compiler knows, and a copy of their own keeps its fields in
+// registers.
+struct Output {
+  float* out;
+  int64_t ld;
+  int64_t rows;
+  const float* bias;  // at the first row, or nullptr
+};
+
+// Which kernels run: the best this CPU has, or one chosen by quantized_kernel_isa (tests compare them).
+enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+
+inline int best_isa() {
+#if FF_X86
+  __builtin_cpu_init();
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return avx2 ? (vnni ? kVnni : kAvx2) : kScalar;
+#else
+  return kScalar;
+#endif
+}
+
+inline std::atomic<int>& use_isa() {
+  static std::atomic<int> isa{best_isa()};
+  return isa;
+}
+
+inline float half_to_float(uint16_t bits) {
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// The 8-lane horizontal sum in the order of hsum8 below.
+inline float hsum8_scalar(const float* a) {
+  const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+  return (s0 + s2) + (s1 + s3);
+}
+
+// Tile row t's results (o.rows of them) plus their bias.
+__attribute__((always_inline)) inline void store_rows(const float* acc, const Output& o, int t) {
+  float* out = o.out + t * o.ld;
+  for (int64_t r = 0; r < o.rows; ++r) out[r] = o.bias ? acc[r] + o.bias[r] : acc[r];
+}
+
+// Groups of output rows per task: at least kTaskBlocks (x row, weight row, block) triples, so that
+// a small product is not split finer than a fork/join (a few microseconds) is worth.
+constexpr int64_t kTaskBlocks = 4096;
+
+inline int64_t group_grain(int64_t nb, int64_t rows, int64_t group_rows) {
+  return std::max<int64_t>(1, kTaskBlocks / std::max<int64_t>(1, nb * rows * group_rows));
+}
+
+inline void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
+                  int64_t out_features, int64_t k, int64_t group_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x: expected a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == k, "x: expected ", k, " columns (the packed weight's in_features), got ", x.sizes());
+  TORCH_CHECK(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
+  const int64_t groups = qweight.size(0);
+  TORCH_CHECK(out_features > (groups - 1) * group_rows && out_features <= groups * group_rows,
+              "out_features: ", out_features, " does not fit ", groups, " groups of ", group_rows, " rows");
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "bias: expected a contiguous float32 tensor of shape (", out_features, "), got ", bias->sizes());
+  }
+}
+
+// The product's output (M, N) and bias (N,), and the part of them a kernel writes.
+struct OutputMatrix {
+  float* out;
+  int64_t n;
+  const float* bias;  // or nullptr
+  // x rows from m0, output rows row0 .. row0 + rows - 1 (fewer at the end of the matrix)
+  Output part(int64_t m0, int64_t row0, int64_t rows) const {
+    return {out + m0 * n + row0, n, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
+  }
+};
+
+using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, int64_t, bool);
+
+template <const char* kName>
+at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<LinearSignature>();
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = op.call(x, qweight, scales, bias, out_features, int8_activations);
+  }
+  if (torch::autograd::compute_requires_grad(x, bias)) {
+    auto error = c10::make_intrusive<torch::autograd::Error>(
+        std::string(kName) +
+            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
+            "buffers. Train or fine-tune the float model, then quantize it.",
+        torch::autograd::collect_next_edges(x, bias));
+    torch::autograd::set_history(out, error);
+  }
+  return out;
+}
+
+}  // namespace flashformer_cpu

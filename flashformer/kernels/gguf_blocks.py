@@ -1,0 +1,206 @@
+"""GGUF's 5-bit (Q5_0, Q5_1) and K-quant (Q4_K, Q5_K, Q6_K) blocks for the quantized layers
+(quantized.py): their packed layouts, their dequantization (gguf's float32 arithmetic, bit for
+bit) and the PyTorch fallbacks of their operators.
+
+- "int5" (Q5_1, and Q5_0 as Q5_1 with m = -16 d, exact in float16): int4's packing (groups of 8
+  rows, GGUF's nibble order, d and m float16) plus each row's 32 fifth bits in one uint32,
+  rearranged so that the kernels' transposed 4-byte words find theirs with one shift: byte k,
+  bit i holds q[4i + k]'s and bit 4 + i q[16 + 4i + k]'s (FIFTH_BIT_SOURCE).
+      qweight uint8 (groups, blocks, 160): the 8 rows' 16 nibble bytes, then their 8 uint32 words
+      scales float16 (groups, blocks, 2, 8), as int4's
+- "q4_k", "q5_k", "q6_k": the file's blocks as they are, row after row: uint8 (N, K / 256,
+  144 / 176 / 210). Nothing is repacked (the C++ kernels read ggml's block structs), so the tensor
+  may be the file's own bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flashformer.kernels import extension
+
+SUPER_BLOCK = 256  # values per K-quant block (GGUF's QK_K)
+KQUANT_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}  # GGUF type -> format
+KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per block of 256
+INT5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per block of 32
+FALLBACK_TILE_ROWS = 1024  # weight rows dequantized at a time by the fallbacks
+# bit p of an int5 row's word holds the fifth bit of quant FIFTH_BIT_SOURCE[p] (see above)
+FIFTH_BIT_SOURCE = [
+    (4 * (p % 8) + p // 8) if p % 8 < 4 else (16 + 4 * (p % 8 - 4) + p // 8) for p in range(32)
+]
+
+
+def to_bytes(raw) -> Tensor:
+    """A tensor's raw bytes as a uint8 tensor: gguf.GGUFReader's read-only arrays are copied
+    (numpy memory-maps them), torch tensors taken as they are."""
+    data = raw if isinstance(raw, Tensor) else torch.from_numpy(np.array(raw, copy=True))
+    if data.dtype != torch.uint8:
+        raise ValueError(f"raw_uint8_blocks: expected uint8 bytes, got dtype {data.dtype}")
+    return data.contiguous()
+
+
+def _halves(data: Tensor, start: int) -> Tensor:
+    """float16 fields at byte `start` of every block, as float32: (..., blocks, bytes) -> (..., blocks)."""
+    return data[..., start : start + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+# ---- int5 (Q5_0, Q5_1) ----
+
+
+def fifth_bit_words(qh: Tensor) -> Tensor:
+    """GGUF's qh bytes (..., 4) (bit j of the little-endian word: q[j]'s fifth bit) -> the packed
+    layout's word (...,) int32, its bits rearranged as FIFTH_BIT_SOURCE says."""
+    word = qh.to(torch.int64) << torch.tensor([0, 8, 16, 24])
+    bits = (word.sum(-1, keepdim=True) >> torch.arange(32)) & 1  # (..., 32): bit j = q[j]'s
+    word = (bits[..., FIFTH_BIT_SOURCE] << torch.arange(32)).sum(-1)  # (...,) in 0 .. 2^32 - 1
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def gguf_bits_of(words: Tensor) -> Tensor:
+    """The packed words (...,) int32 -> the fifth bits (..., 32) uint8 in input order."""
+    bits = ((words.to(torch.int64) & 0xFFFFFFFF)[..., None] >> torch.arange(32)) & 1  # bit p
+    out = torch.empty_like(bits)
+    out[..., FIFTH_BIT_SOURCE] = bits
+    return out.to(torch.uint8)
+
+
+def parse_int5(type_name: str, data: Tensor, n: int, blocks: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q5_0 / Q5_1 bytes (N * blocks * 22 or 24) -> (d, m float16 (N, blocks), nibbles uint8
+    (N, blocks, 16), fifth-bit words int32 (N, blocks))."""
+    data = data.reshape(n, blocks, INT5_BYTES[type_name])
+    d = data[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    if type_name == "Q5_1":
+        m, rest = data[..., 2:4].contiguous().view(torch.float16).squeeze(-1), data[..., 4:]
+    else:
+        m, rest = d * -16, data[..., 2:]
+        if not torch.isfinite(m).all():
+            raise ValueError("raw_uint8_blocks: a Q5_0 scale d is too large for m = -16 d in float16")
+    return d, m, rest[..., 4:], fifth_bit_words(rest[..., :4])
+
+
+def dequantize_int5(qweight: Tensor, scales: Tensor) -> Tensor:
+    """Packed int5 -> float32 (G * 8, K): d * q + m, as gguf's dequantizer rounds it."""
+    groups, blocks = qweight.shape[:2]
+    nibbles = qweight[..., :128].reshape(groups, blocks, 8, 16)
+    words = qweight[..., 128:].contiguous().view(torch.int32)  # (G, blocks, 8)
+    q = torch.cat((nibbles & 15, nibbles >> 4), dim=3) | (gguf_bits_of(words) << 4)  # (G, blocks, 8, 32)
+    d, m = scales.float().unbind(2)  # (G, blocks, 8) each
+    weight = d[..., None] * q.float() + m[..., None]
+    return weight.permute(0, 2, 1, 3).reshape(groups * 8, blocks * 32)
+
+
+def int5_rows(qweight: Tensor, scales: Tensor, ids: Tensor) -> Tensor:
+    """Rows `ids` (L,) of a packed int5 matrix, dequantized: (L, K) float32."""
+    group, row = ids // 8, ids % 8
+    nibbles = qweight[group, :, :128].view(len(ids), -1, 8, 16)[
+        torch.arange(len(ids)), :, row
+    ]  # (L, blocks, 16)
+    words = (
+        qweight[group, :, 128:].contiguous().view(torch.int32)[torch.arange(len(ids)), :, row]
+    )  # (L, blocks)
+    q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1) | (gguf_bits_of(words) << 4)  # (L, blocks, 32)
+    d, m = scales[group, :, :, row].float().unbind(-1)  # (L, blocks) each
+    return (d[..., None] * q.float() + m[..., None]).reshape(len(ids), -1)
+
+
+# ---- K-quants ----
+
+
+def parse_kquant(type_name: str, data: Tensor, n: int, k: int) -> Tensor:
+    """A Q4_K / Q5_K / Q6_K tensor's bytes -> blocks uint8 (N, K / 256, bytes), the same bytes
+    (a view where data is contiguous)."""
+    return data.view(n, k // SUPER_BLOCK, KQUANT_BYTES[KQUANT_FORMATS[type_name]])
+
+
+def _scales_mins(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K / Q5_K's 12 scale bytes (..., 12) -> 6-bit scales and minimums (..., 8) each."""
+    low, mid, top = packed.unflatten(-1, (3, 4)).unbind(-2)  # (..., 4) each
+    scales = torch.cat((low & 63, (top & 15) | ((low >> 2) & 48)), dim=-1)
+    mins = torch.cat((mid & 63, (top >> 4) | ((mid >> 2) & 48)), dim=-1)
+    return scales, mins
+
+
+def dequantize_kquant(fmt: str, blocks: Tensor) -> Tensor:
+    """K-quant blocks (R, nb, bytes) -> float32 (R, nb * 256), gguf's float32 operations in
+    gguf's order: Q4_K / Q5_K (d * sc) * q - (dmin * m), Q6_K (d * sc) * (q - 32)."""
+    rows, nb = blocks.shape[:2]
+    if fmt == "q6_k":
+        ql = blocks[..., :128].unflatten(-1, (2, 64))  # (R, nb, 2 halves, 64)
+        low = torch.cat((ql & 15, ql >> 4), dim=-1).unflatten(-1, (4, 32))  # (R, nb, 2, 4, 32)
+        qh = blocks[..., 128:192].unflatten(-1, (2, 1, 32))
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # (R, nb, 2, 4, 32)
+        q = (low | (high << 4)).to(torch.float32).reshape(rows, nb, 16, 16) - 32
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # (R, nb, 16)
+        d = _halves(blocks, 208)[..., None] * sc
+        return (d[..., None] * q).reshape(rows, nb * SUPER_BLOCK)
+    sc, mins = _scales_mins(blocks[..., 4:16])  # (R, nb, 8) each
+    qs = blocks[..., -128:].unflatten(-1, (4, 1, 32))  # (R, nb, 4, 1, 32)
+    q = torch.cat((qs & 15, qs >> 4), dim=-2).reshape(rows, nb, 8, 32)
+    if fmt == "q5_k":
+        qh = blocks[..., 16:48][..., None, :]  # (R, nb, 1, 32)
+        q = q | (((qh >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4)
+    d = _halves(blocks, 0)[..., None] * sc.float()  # (R, nb, 8)
+    dm = _halves(blocks, 2)[..., None] * mins.float()
+    return (d[..., None] * q.float() - dm[..., None]).reshape(rows, nb * SUPER_BLOCK)
+
+
+# ---- the operators' shapes and fallbacks ----
+
+
+def _kquant_fake(x, blocks, bias, out_features, int8_activations):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _linear_fake(x, qweight, scales, bias, out_features, int8_activations):
+    return x.new_empty(x.shape[0], out_features)
+
+
+KQUANT_OPS = {}
+for _fmt in KQUANT_BYTES:
+    torch.library.register_fake(f"flashformer::{_fmt}_linear", _kquant_fake, lib=extension.LIBRARY)
+    KQUANT_OPS[_fmt] = getattr(torch.ops.flashformer, f"{_fmt}_linear").default
+torch.library.register_fake("flashformer::int5_linear", _linear_fake, lib=extension.LIBRARY)
+INT5_OP = torch.ops.flashformer.int5_linear.default
+
+
+def _int5_fallback(x, qweight, scales, bias, out_features, int8_activations) -> Tensor:
+    """x (M, K) @ W^T with W dequantized FALLBACK_TILE_ROWS rows at a time; x stays float32."""
+    out = x.new_empty(x.shape[0], out_features)
+    step = FALLBACK_TILE_ROWS // 8
+    for g0 in range(0, qweight.shape[0], step):
+        weight = dequantize_int5(qweight[g0 : g0 + step], scales[g0 : g0 + step])
+        n0, n1 = g0 * 8, min((g0 + step) * 8, out_features)
+        out[:, n0:n1] = x @ weight[: n1 - n0].t()
+    return out if bias is None else out + bias
+
+
+def _kquant_fallback(fmt, x, blocks, bias, out_features, int8_activations) -> Tensor:
+    out = x.new_empty(x.shape[0], out_features)
+    for n0 in range(0, out_features, FALLBACK_TILE_ROWS):
+        weight = dequantize_kquant(fmt, blocks[n0 : n0 + FALLBACK_TILE_ROWS])
+        out[:, n0 : n0 + weight.shape[0]] = x @ weight.t()
+    return out if bias is None else out + bias
+
+
+def _no_backward(ctx, grad):
+    raise RuntimeError(
+        "flashformer's quantized linear layers have no backward pass: their weights are integer "
+        "buffers. Train or fine-tune the float model, then quantize it."
+    )
+
+
+@extension.on_fallback
+def _register_fallback() -> None:
+    names = {"int5_linear": _int5_fallback}
+    for fmt in KQUANT_BYTES:
+        names[f"{fmt}_linear"] = lambda *args, fmt=fmt: _kquant_fallback(fmt, *args)
+    for name, kernel in names.items():
+        extension.LIBRARY.impl(name, kernel, "CPU")
+        torch.library.register_autograd(
+            f"flashformer::{name}",
+            _no_backward,
+            setup_context=lambda ctx, inputs, output: None,
+            lib=extension.LIBRARY,
+        )
