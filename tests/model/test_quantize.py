@@ -11,6 +11,7 @@ from helpers import perturbed
 from helpers.gguf import smollm2_model
 
 import flashformer
+from flashformer import cli
 from flashformer.checkpoints.gguf import smollm2_path
 from flashformer.kernels.quantized import QuantizedEmbedding, QuantizedLinear
 from flashformer.model.quantize import quantize
@@ -142,11 +143,21 @@ def test_gguf_mode_multiplies_the_files_own_blocks():
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+PROMPT = "def "
+
+
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    try:
+        code = cli.main(args)
+    except SystemExit as exit:
+        code = exit.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_cli_generate_with_quantize(tiny_run, mode, capsys):
     """--quantize reaches the loader: the CLI's greedy continuation is the quantized API model's."""
-    from test_generate_cli import PROMPT, run_cli
-
     args = ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "12", "--greedy"]
     code, out, _ = run_cli([*args, "--quantize", mode], capsys)
     assert code == 0
