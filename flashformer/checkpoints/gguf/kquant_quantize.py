@@ -74,41 +74,37 @@ def _asymmetric_fit(x: Tensor, weights: Tensor, nmax: int, rmin: float, rdelta: 
 
     Returns scale (N,), min (N,) (>= 0, subtracted) and q (N, n) uint8. The first candidate is
     the plain min/max grid; then for each of steps + 1 grid steps the q it gives are refit by
-    weighted least squares, and the candidate of least weighted squared error is kept. The
+    weighted least squares, and the candidate of least weighted squared error is kept (each
+    grid starting, as in llama.cpp, from the best offset found so far). The
     error is expanded in the sums the fit needs (sum w (s q + o - x)^2 = s^2 Swqq + 2 s o Swq
     - 2 s Swxq + o^2 Sw - 2 o Swx + Swxx), so a candidate costs one pass to make q and three
     row sums, not a second pass over the weights."""
     low = x.amin(dim=1).clamp(max=0.0)  # (N,)
     high = x.amax(dim=1)
-    span = high - low
-    flat = span == 0  # all x equal (and <= 0): q = 0, the min carries the value
-    span = torch.where(flat, torch.ones_like(span), span)
-    shifted = x - low[:, None]
+    flat = high == low  # all x equal (and <= 0): q = 0, the min carries the value
     wx = weights * x
     sum_w, sum_x, sum_xx = _row_sums(weights), _row_sums(wx), _row_sums(wx * x)
 
-    def codes(inverse: Tensor) -> Tensor:
-        return (inverse[:, None] * shifted).round_().clamp_(0, nmax)
+    def codes(numerator: float | Tensor, offset: Tensor) -> Tensor:
+        span = high - offset
+        inverse = numerator / torch.where(span > 0, span, 1.0)
+        return (inverse[:, None] * (x - offset[:, None])).round_().clamp_(0, nmax)
 
     def error(scale, offset, sum_l, sum_l2, sum_xl):
         return (
-            scale * scale * sum_l2
-            + 2 * scale * offset * sum_l
-            - 2 * scale * sum_xl
-            + offset * offset * sum_w
-            - 2 * offset * sum_x
-            + sum_xx
-        )
+            scale * scale * sum_l2 + 2 * scale * offset * sum_l - 2 * scale * sum_xl
+            + offset * offset * sum_w - 2 * offset * sum_x + sum_xx
+        )  # fmt: skip
 
-    inverse = nmax / span
-    q = codes(inverse)
+    offset = low.clone()  # x ~ scale * q + offset, offset <= 0
+    q = codes(float(nmax), offset)
     wq = weights * q
-    scale, offset = 1.0 / inverse, low.clone()  # x ~ scale * q + offset, offset <= 0
+    span = high - low
+    scale = torch.where(flat, 0.0, 1.0 / (nmax / torch.where(flat, 1.0, span)))
     best = error(scale, offset, _row_sums(wq), _row_sums(wq * q), _row_sums(wq * x))
-    best_inverse = inverse
     for step in range(steps + 1):
-        trial_inverse = _f32_sum(rmin, rdelta * np.float32(step), nmax) / span
-        trial = codes(trial_inverse)
+        # as llama.cpp: each candidate's grid starts at the best offset found so far
+        trial = codes(_f32_sum(rmin, np.float32(rdelta) * np.float32(step), nmax), offset)
         wq = weights * trial
         sum_l, sum_l2, sum_xl = _row_sums(wq), _row_sums(wq * trial), _row_sums(trial * wx)
         det = sum_w * sum_l2 - sum_l * sum_l
@@ -119,14 +115,12 @@ def _asymmetric_fit(x: Tensor, weights: Tensor, nmax: int, rmin: float, rdelta: 
         trial_scale = torch.where(positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1.0), trial_scale)
         trial_offset = torch.where(positive, torch.zeros_like(trial_offset), trial_offset)
         trial_error = error(trial_scale, trial_offset, sum_l, sum_l2, sum_xl)
-        better = (det > 0) & (trial_error < best)
+        better = (det > 0) & (trial_error < best) & ~flat
         best = torch.where(better, trial_error, best)
         scale = torch.where(better, trial_scale, scale)
         offset = torch.where(better, trial_offset, offset)
-        best_inverse = torch.where(better, trial_inverse, best_inverse)
-    q = torch.where(flat[:, None], 0.0, codes(best_inverse))
-    scale = torch.where(flat, torch.zeros_like(scale), scale)
-    offset = torch.where(flat, low, offset)
+        q = torch.where(better[:, None], trial, q)
+    q = torch.where(flat[:, None], 0.0, q)
     return scale, -offset, q.to(torch.uint8)
 
 

@@ -30,8 +30,8 @@ from flashformer.checkpoints.gguf.tokenizer import (
 )
 from flashformer.text.bpe import EOS
 
-# one name per distinct split of PRE_TOKENIZERS, the most common first
-PRE_TOKENIZER_CANDIDATES = ("gpt2", "llama-bpe", "qwen2", "smollm")
+# one name per distinct split of PRE_TOKENIZERS, the most common first, as llama-vocab.cpp spells them
+PRE_TOKENIZER_CANDIDATES = ("gpt-2", "llama-bpe", "qwen2", "smollm")  # llama.cpp spells "gpt-2"
 
 # texts whose split tells the pre-tokenizers apart: digit runs, whitespace runs, contractions,
 # letters after punctuation, newlines, non-Latin scripts

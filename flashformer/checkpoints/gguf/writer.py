@@ -72,7 +72,7 @@ class LlamaWriter:
             key + "attention.head_count": hf["num_attention_heads"],
             key + "attention.head_count_kv": hf["num_key_value_heads"],
             key + "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]),
-            key + "rope.freq_base": float(hf["rope_theta"]),
+            key + "rope.freq_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             key + "rope.dimension_count": hf["head_dim"],
         }
         if hf["head_dim"] * hf["num_attention_heads"] != hf["hidden_size"]:
