@@ -102,6 +102,11 @@ def reset_peak_memory() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+def rss_bytes() -> int:
+    """The process's resident memory now, in bytes."""
+    return _status_kib("VmRSS") * 1024
+
+
 def peak_memory() -> int:
     """Peak RSS in bytes since the last reset (device memory on CUDA)."""
     if torch.cuda.is_available():

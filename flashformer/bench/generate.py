@@ -207,6 +207,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question", default=generate_model.QUESTION, help="with --model: the chat message")
     parser.add_argument("--quantize", choices=MODES, help="with --model: flashformer's model quantized so")
     parser.add_argument("--activations", choices=("int8", "float32"), default="int8", help="with --quantize")
+    parser.add_argument(
+        "--no-transformers",
+        dest="transformers",
+        action="store_false",
+        help="with --model: leave transformers out (a model too large for its float32 copy)",
+    )
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
@@ -218,9 +224,11 @@ def main_from_args(args: argparse.Namespace) -> dict:
             "quantize": args.quantize,
             "activations": args.activations,
             "batches": args.batches or [1],
+            "transformers": args.transformers,
         }
         print(
-            f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message, greedy"
+            f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message "
+            "(plain text for a base model), greedy"
         )
         payload = generate_model.run(args.model, config, args.out, args.threads, args.timeout)
         print(generate_model.table(payload))

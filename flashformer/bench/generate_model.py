@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import time_in_turns
+from flashformer.bench.common import peak_memory, rss_bytes, time_in_turns
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 PROMPT_PROCESSING_TOKENS = 512
@@ -120,12 +120,25 @@ def timing_worker(point: dict) -> dict:
     path = Path(point["model"])
     quantize = point.get("quantize")
     result = {"load_before": os.getloadavg()[0], "threads": threads, "quantize": quantize}
+    rss_before = rss_bytes()
     started = time.perf_counter()
     ours, tokenizer = flashformer.load(path, quantize=quantize, activations=point.get("activations", "int8"))
     result["load_s"] = {"flashformer": time.perf_counter() - started}
+    # the memory the model holds: RSS after the load less the process's before it (Python, torch)
+    result["memory"] = {
+        "rss_before_load": rss_before,
+        "rss_after_load": rss_bytes(),
+        "peak_rss_during_load": peak_memory(),
+        "file_bytes": path.stat().st_size if path.is_file() else None,
+    }
     new = point["new_tokens"]
-    messages = [{"role": "user", "content": point["question"]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if getattr(tokenizer, "chat_template", None) is not None:
+        messages = [{"role": "user", "content": point["question"]}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        result["prompt_kind"] = "chat"
+    else:  # a base model: the question as plain text
+        prompt = tokenizer.encode(point["question"])
+        result["prompt_kind"] = "plain"
     ids = torch.tensor([prompt])  # (1, P)
     rounds = point["rounds"]
 
@@ -155,11 +168,16 @@ def timing_worker(point: dict) -> dict:
         ]
         result["same_tokens_every_batch"] = all(t == tokens_by_batch[0] for t in tokens_by_batch)
 
+    theirs = None
+    if point.get("transformers", True):
+        started = time.perf_counter()
+        theirs = load_transformers(path).eval()
+        result["load_s"]["transformers"] = time.perf_counter() - started
+        theirs.generation_config.eos_token_id = None  # no early stop: every run makes all its tokens
     started = time.perf_counter()
-    theirs = load_transformers(path).eval()
-    result["load_s"]["transformers"] = time.perf_counter() - started
-    theirs.generation_config.eos_token_id = None  # no early stop: every run makes all its tokens
     llama = llama_cpp_contender(path, threads, PROMPT_PROCESSING_TOKENS + new + 64)
+    if llama is not None:  # llama-cpp-python's Llama(...): its file is memory-mapped, as ours is read
+        result["load_s"]["llama.cpp"] = time.perf_counter() - started
     long_prompt = (prompt * (PROMPT_PROCESSING_TOKENS // len(prompt) + 1))[:PROMPT_PROCESSING_TOKENS]
     long_ids = torch.tensor([long_prompt])
     result["prompt_tokens"] = len(prompt)
@@ -176,28 +194,33 @@ def timing_worker(point: dict) -> dict:
         "flashformer": flashformer_generate,
         "flashformer+compile": lambda n=new, batch_ids=ids: flashformer_generate(n, True, batch_ids),
     }
+    if theirs is None:
+        del works["transformers"]
     if llama is not None:
         works["llama.cpp"] = lambda n=new, batch_ids=ids: llama[0](batch_ids[0].tolist(), n)
-        result["load_s"]["llama.cpp"] = None  # loaded with the file's mmap; not comparable
     started = time.perf_counter()
     flashformer_generate(3, compile=True)  # compiles the specialized and the dynamic graph
     result["compile_s"] = time.perf_counter() - started
     for work in works.values():  # warm: allocator, caches, lazy initialization
         work(3)
     outputs = {name: work() for name, work in works.items()}
-    reference = outputs["transformers"]
+    # tokens equal to the reference's: transformers' float32 model, else (a random-weight model
+    # too large for it) llama.cpp's
+    result["reference"] = "transformers" if theirs is not None else "llama.cpp" if llama is not None else None
+    reference = outputs.get(result["reference"])
     result["same_prefix_tokens"] = {
-        name: next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), len(reference))
+        name: None
+        if reference is None
+        else next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), len(reference))
         for name, tokens in outputs.items()
     }
     result["text"] = {name: tokenizer.decode(tokens)[:300] for name, tokens in outputs.items()}
 
     prefill = time_in_turns({name: lambda w=work: w(1) for name, work in works.items()}, rounds=rounds)
     times = time_in_turns(works, rounds=rounds, warmup=False)
-    processing = {
-        "transformers": lambda: transformers_generate(1, long_ids),
-        "flashformer": lambda: flashformer_generate(1, False, long_ids),
-    }
+    processing = {"flashformer": lambda: flashformer_generate(1, False, long_ids)}
+    if theirs is not None:
+        processing["transformers"] = lambda: transformers_generate(1, long_ids)
     if llama is not None:
         processing["llama.cpp"] = lambda: llama[1](long_prompt)
     processed = time_in_turns(processing, rounds=rounds)
@@ -207,12 +230,11 @@ def timing_worker(point: dict) -> dict:
     result["prompt_tokens_per_s"] = {name: PROMPT_PROCESSING_TOKENS / t for name, t in processed.items()}
 
     ours_bytes = weight_bytes_per_token(ours)
-    result["weight_bytes_per_token"] = {
-        "transformers": sum(p.numel() * p.element_size() for p in theirs.parameters())
-        - theirs.get_input_embeddings().weight.nbytes * (not theirs.config.tie_word_embeddings),
-        "flashformer": ours_bytes,
-        "flashformer+compile": ours_bytes,
-    }
+    result["weight_bytes_per_token"] = {"flashformer": ours_bytes, "flashformer+compile": ours_bytes}
+    if theirs is not None:
+        result["weight_bytes_per_token"]["transformers"] = sum(
+            p.numel() * p.element_size() for p in theirs.parameters()
+        ) - theirs.get_input_embeddings().weight.nbytes * (not theirs.config.tie_word_embeddings)
     if llama is not None:
         result["weight_bytes_per_token"]["llama.cpp"] = gguf_bytes(path)
     result["bandwidth_gb_s"] = memory_bandwidth()
@@ -238,6 +260,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "quantize": config.get("quantize"),
         "activations": config.get("activations", "int8"),
         "batches": config.get("batches", [1]),
+        "transformers": config.get("transformers", True),
     }
     point.update(run_worker("flashformer.bench.generate", point, timeout_s, memory=False))  # it only times
     payload = {"benchmark": "generate-model", "machine": machine_info(), "config": config, "points": [point]}
@@ -268,12 +291,14 @@ def table(payload: dict) -> str:
                 else f"{p['prompt_tokens_per_s'][name.split('+')[0]]:.0f}",
                 f"{p['weight_bytes_per_token'][name] / 1e6:.0f}",
                 f"{p['achieved_gb_s'][name]:.1f}",
-                str(p["same_prefix_tokens"][name]),
+                "-" if p["same_prefix_tokens"][name] is None else str(p["same_prefix_tokens"][name]),
             ]
         )
     quantized = f"flashformer {p['quantize']}" if p.get("quantize") else "flashformer float32"
+    reference = p.get("reference", "transformers")
     head = (
-        f"{Path(p['model']).name} ({quantized}; transformers float32), {p.get('prompt_tokens', '?')}-token chat prompt, "
+        f"{Path(p['model']).name} ({quantized}; transformers float32), {p.get('prompt_tokens', '?')}-token "
+        f"{p.get('prompt_kind', 'chat')} prompt, "
         f"{payload['config']['new_tokens']} new tokens, greedy, batch 1, {p['threads']} threads; memory bandwidth in "
         f"the same run {p['bandwidth_gb_s']:.1f} GB/s (a float32 sum)\n\n"
     )
@@ -286,9 +311,17 @@ def table(payload: dict) -> str:
         f"prompt tokens/s ({PROMPT_PROCESSING_TOKENS})",
         "MB read / token",
         "GB/s",
-        "tokens equal to transformers'",
+        f"tokens equal to {reference}'" + ("" if reference.endswith("s") else "s"),
     ]
     text = head + markdown_table(header, rows)
+    memory = p.get("memory")
+    if memory and memory.get("file_bytes"):
+        held = memory["rss_after_load"] - memory["rss_before_load"]
+        text += (
+            f"\n\nflashformer's load: RSS {memory['rss_after_load'] / 1e6:.0f} MB after it, "
+            f"{held / 1e6:.0f} MB more than before it = {held / memory['file_bytes']:.2f}x the file "
+            f"({memory['file_bytes'] / 1e6:.0f} MB); peak {memory['peak_rss_during_load'] / 1e6:.0f} MB"
+        )
     if "batch_decode_tokens_per_s" in p:
         rates = p["batch_decode_tokens_per_s"]
         text += "\n\nflashformer compiled, aggregate decode tokens/s by batch: " + ", ".join(

@@ -39,12 +39,12 @@ def block_parameters(config: ModelConfig, cross_attention: bool) -> int:
     s = Shapes.of(config)
     attn_bias, ffn_bias = config.attention_bias, config.ffn_bias
     qkv = s.d * (s.d_q + 2 * s.d_kv) + attn_bias * (s.d_q + 2 * s.d_kv)
-    out = s.d_q * s.d + attn_bias * s.d
+    out = s.d_q * s.d + config.attention_out_bias * s.d
     total = qkv + out + 2 * norm_parameters(config)
     if cross_attention:
         q = s.d * s.d_q + attn_bias * s.d_q
         kv = s.d * 2 * s.d_kv + attn_bias * 2 * s.d_kv
-        total += q + kv + out + norm_parameters(config)
+        total += q + kv + s.d_q * s.d + attn_bias * s.d + norm_parameters(config)
     ffn_in = s.d * s.d_ff + ffn_bias * s.d_ff  # up (and gate)
     ffn_out = s.d_ff * s.d + ffn_bias * s.d
     total += (s.ffn_matrices - 1) * ffn_in + ffn_out

@@ -21,7 +21,7 @@ ARCHS = ("encoder", "decoder", "encoder-decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama")
+HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama", "qwen2", "phi3")
 TASKS = ("sequence-classification", "token-classification")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
@@ -52,6 +52,10 @@ class ModelConfig:
         activation: "relu" | "gelu" | "gelu_tanh" | "silu"; gated_ffn: act(gate(x)) * up(x)
             (SwiGLU with silu, T5 v1.1's gated-gelu with gelu_tanh).
         attention_bias, ffn_bias: biases in the projections.
+        attention_out_bias: a bias in self-attention's output projection; None = attention_bias
+            (Qwen2 has q/k/v biases and none on the output).
+        fused_gate_up: a gated feed-forward's gate and up as one projection, gate rows first
+            (Phi-3's gate_up_proj), so a checkpoint's fused tensor loads as it is.
         attention_scale: None = 1/sqrt(head_dim); T5 uses 1.0.
         share_layers: one block's weights for all layers of a stack (ALBERT).
     Heads
@@ -80,7 +84,7 @@ class ModelConfig:
     Tokens
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id.
     hf_model_type: the Hugging Face family this model saves as ("bert",
-        "gpt2", "t5", "llama"), or None.
+        "gpt2", "t5", "llama", "qwen2", "phi3"), or None.
     """
 
     arch: str = "decoder"
@@ -108,7 +112,9 @@ class ModelConfig:
     activation: str = "gelu_tanh"
     gated_ffn: bool = False
     attention_bias: bool = True
+    attention_out_bias: bool | None = None
     ffn_bias: bool = True
+    fused_gate_up: bool = False
     attention_scale: float | None = None
     share_layers: bool = False
 
@@ -163,6 +169,7 @@ class ModelConfig:
             "head_dim": self.d_model // self.n_heads,
             "n_decoder_layers": self.n_layers,
             "num_labels": len(self.labels) if self.labels else 2,
+            "attention_out_bias": self.attention_bias,
         }
         self._derived = frozenset(name for name in derived if getattr(self, name) is None)
         for name in self._derived:

@@ -101,8 +101,27 @@ class GatedFeedForward(nn.Module):
         return self.down(self.dropout(self.act(self.gate(x)) * self.up(x)))
 
 
+class FusedGatedFeedForward(nn.Module):
+    """GatedFeedForward with gate and up as one projection, gate rows first (Phi-3's
+    gate_up_proj): one product over x instead of two, and the checkpoint's tensor as it is."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, dropout: float = 0.0):
+        super().__init__()
+        self.gate_up = Linear(d_model, 2 * d_ff, bias=bias)
+        self.act = ACTIVATIONS[activation]()
+        self.dropout = nn.Dropout(dropout)
+        self.down = Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each (B, L, d_ff)
+        return self.down(self.dropout(self.act(gate) * up))
+
+
 def make_feed_forward(config: ModelConfig) -> nn.Module:
-    kind = GatedFeedForward if config.gated_ffn else FeedForward
+    if config.gated_ffn and config.fused_gate_up:
+        kind = FusedGatedFeedForward
+    else:
+        kind = GatedFeedForward if config.gated_ffn else FeedForward
     return kind(config.d_model, config.d_ff, config.activation, config.ffn_bias, config.activation_dropout)
 
 
@@ -201,7 +220,7 @@ class MultiHeadAttention(nn.Module):
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.split_sizes = (q_width, kv_width, kv_width)
         self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attention_bias)
-        self.out = Linear(q_width, config.d_model, bias=config.attention_bias)
+        self.out = Linear(q_width, config.d_model, bias=config.attention_out_bias)
 
     def forward(
         self,

@@ -288,10 +288,11 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unknown_architecture(parts, tmp_path):
-    metadata = {key.replace("llama.", "qwen2."): value for key, value in parts[0].items()}
-    path = _write(tmp_path, metadata, parts[1], arch="qwen2")
+    metadata = {key.replace("llama.", "mamba."): value for key, value in parts[0].items()}
+    path = _write(tmp_path, metadata, parts[1], arch="mamba")
     with pytest.raises(
-        GGUFError, match=r"bad\.gguf: architecture 'qwen2' is not supported \(supported: gpt2, llama\)"
+        GGUFError,
+        match=r"bad\.gguf: architecture 'mamba' is not supported \(supported: gpt2, llama, phi3, qwen2",
     ):
         read_gguf(path)
 
@@ -374,9 +375,11 @@ def test_unsupported_llama_variants_are_refused(parts, tmp_path):
     ):
         with pytest.raises(GGUFError, match=key.replace(".", r"\.")):
             read_gguf(_write(tmp_path, dict(parts[0], **{key: value}), parts[1]))
-    tensors = dict(parts[1], **{"rope_freqs.weight": (np.ones(8, np.float32), "F32")})
-    with pytest.raises(GGUFError, match="rope_freqs.weight"):
+    tensors = dict(parts[1], **{"rope_freqs.weight": (np.full(8, 2.0, np.float32), "F32")})
+    with pytest.raises(GGUFError, match="rope_freqs.weight"):  # every frequency divided: not Llama 3's rule
         read_gguf(_write(tmp_path, parts[0], tensors))
+    with pytest.raises(GGUFError, match=r"metadata llama\.attention\.sliding_window=4 is not supported"):
+        read_gguf(_write(tmp_path, dict(parts[0], **{"llama.attention.sliding_window": 4}), parts[1]))
 
 
 def test_linear_rope_scaling_reaches_the_config(parts, tmp_path):

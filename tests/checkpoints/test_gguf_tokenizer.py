@@ -19,6 +19,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 import flashformer
+from flashformer.checkpoints import gguf as gguf_files
 from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.checkpoints.gguf import smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import byte_alphabet, read_tokenizer
@@ -157,6 +158,7 @@ SMALL_BATTERY = [
     "<think>then</think>",
     "<|im_start|>x<|im_end|>",
     "é中🎉",
+    "HTTPServer isOK, don't/x //y 12345 ÉtéÀ",
 ]
 
 
@@ -165,7 +167,7 @@ def _gguf_pair(tmp_path, metadata: dict):
     return read_tokenizer(path), AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2", "tekken", "gpt-4o"])
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre, add_bos):
     metadata = dict(tiny_vocabulary(), **{"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": add_bos})
@@ -281,3 +283,39 @@ def test_serves_flashformer_data_as_its_tokenizers_do(ours, tmp_path):
     )
     eos = ours.token_id(bpe.EOS)
     assert tokens.tolist() == ours.encode(texts[0]) + [eos] + ours.encode(texts[1]) + [eos]
+
+
+# ---- Gemma 3's SentencePiece vocabulary (262,144 tokens, byte fallback), from the real file ----
+
+GEMMA_EXTRA = [
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+    "   leading spaces and trailing   ",
+    "a\n\n\n\nb\tc",
+    "<bos>x<eos>",
+    "\u00a0non-breaking space, ﬁ ligature, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_pair():
+    path = gguf_files.gemma3_path()
+    return read_tokenizer(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", BATTERY + GEMMA_EXTRA)
+def test_gemma3_encodes_and_decodes_as_transformers(gemma_pair, text):
+    ours, theirs = gemma_pair
+    for add_special_tokens in (True, False):
+        ids = ours.encode(text, add_special_tokens=add_special_tokens)
+        assert ids == theirs.encode(text, add_special_tokens=add_special_tokens)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+
+
+def test_gemma3_special_tokens_and_no_template(gemma_pair):
+    ours, theirs = gemma_pair
+    assert ours.vocab_size == len(theirs) == 262144 and ours.kind == "bpe"
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (2, 1, 0)
+    assert ours.encode("Hi")[0] == 2  # the file says add_bos_token
+    assert ours.token_id("<end_of_turn>") in ours.stop_token_ids
+    assert ours.chat_template is None  # a base model: the file carries no template

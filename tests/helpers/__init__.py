@@ -9,8 +9,9 @@ VOCAB = 97  # every tiny model's vocabulary: a prime, so no size lines up by cha
 
 
 def hf_config(family: str, **changes):
-    """A transformers config of `family` ("bert", "gpt2", "t5", "llama"), tiny, with `changes`."""
-    from transformers import BertConfig, GPT2Config, LlamaConfig, T5Config
+    """A transformers config of `family` ("bert", "gpt2", "t5", "llama", "qwen2", "phi3"), tiny,
+    with `changes`."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config, T5Config
 
     kind, values = {
         "bert": (
@@ -48,6 +49,31 @@ def hf_config(family: str, **changes):
                 num_attention_heads=4,
                 num_key_value_heads=2,
                 max_position_embeddings=64,
+            ),
+        ),
+        "qwen2": (
+            Qwen2Config,
+            dict(
+                hidden_size=32,
+                intermediate_size=44,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            ),
+        ),
+        # head_dim 16: a partial rotary factor of 0.75 rotates 12 channels of each head
+        "phi3": (
+            Phi3Config,
+            dict(
+                hidden_size=32,
+                intermediate_size=44,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+                original_max_position_embeddings=64,
+                pad_token_id=0,
             ),
         ),
     }[family]

@@ -310,3 +310,200 @@ def transformers_gguf_model(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+
+# ---- the LLaMA-shaped architectures beside llama: qwen2, phi3, and Llama 3's rope_freqs ----
+
+
+def _perturb_norms_and_biases(model):
+    """Norms away from 1 and biases away from 0, so that a misplaced one shows."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+def tiny_qwen2(tie: bool = True, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tie,
+    )
+    return _perturb_norms_and_biases(Qwen2ForCausalLM(config))
+
+
+def qwen2_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
+    """GGUF tensors of a transformers Qwen2ForCausalLM as llama.cpp writes them: the q/k rows as
+    they are (ggml's NEOX RoPE reads transformers' rotate-half layout), q/k/v biases."""
+    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        names = {
+            "attn_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attn_output.weight": "self_attn.o_proj.weight",
+            "ffn_gate.weight": "mlp.gate_proj.weight",
+            "ffn_up.weight": "mlp.up_proj.weight",
+            "ffn_down.weight": "mlp.down_proj.weight",
+        }
+        for p in "qkv":
+            names[f"attn_{p}.weight"] = f"self_attn.{p}_proj.weight"
+            names[f"attn_{p}.bias"] = f"self_attn.{p}_proj.bias"
+        tensors.update({f"blk.{i}.{ours}": state[f"{layer}.{theirs}"] for ours, theirs in names.items()})
+    return {name: (values, "F32" if values.ndim == 1 else types(name)) for name, values in tensors.items()}
+
+
+def qwen2_metadata(model) -> dict:
+    config = model.config
+    return {
+        "qwen2.block_count": config.num_hidden_layers,
+        "qwen2.context_length": config.max_position_embeddings,
+        "qwen2.embedding_length": config.hidden_size,
+        "qwen2.feed_forward_length": config.intermediate_size,
+        "qwen2.attention.head_count": config.num_attention_heads,
+        "qwen2.attention.head_count_kv": config.num_key_value_heads,
+        "qwen2.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "qwen2.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        **tiny_vocabulary(),
+    }
+
+
+def tiny_phi3(partial_rotary_factor: float = 1.0, tie: bool = False, seed: int = 0):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,  # heads of 16: a factor of 0.75 rotates 12 channels
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": partial_rotary_factor,
+        },
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return _perturb_norms_and_biases(Phi3ForCausalLM(config))
+
+
+def phi3_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
+    """GGUF tensors of a transformers Phi3ForCausalLM: qkv_proj as attn_qkv, gate_up_proj as ffn_up."""
+    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        for ours, theirs in {
+            "attn_norm.weight": "input_layernorm.weight",
+            "attn_qkv.weight": "self_attn.qkv_proj.weight",
+            "attn_output.weight": "self_attn.o_proj.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "ffn_up.weight": "mlp.gate_up_proj.weight",
+            "ffn_down.weight": "mlp.down_proj.weight",
+        }.items():
+            tensors[f"blk.{i}.{ours}"] = state[f"{layer}.{theirs}"]
+    return {name: (values, "F32" if values.ndim == 1 else types(name)) for name, values in tensors.items()}
+
+
+def phi3_metadata(model, sliding_window: int = 8) -> dict:
+    """As llama.cpp's converter writes a Phi-3-mini-4k file, with a window shorter than the tests'
+    sequences (read, not applied: llama.cpp turns Phi-3's window off)."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return {
+        "phi3.context_length": config.max_position_embeddings,
+        "phi3.rope.scaling.original_context_length": config.original_max_position_embeddings,
+        "phi3.embedding_length": config.hidden_size,
+        "phi3.feed_forward_length": config.intermediate_size,
+        "phi3.block_count": config.num_hidden_layers,
+        "phi3.attention.head_count": config.num_attention_heads,
+        "phi3.attention.head_count_kv": config.num_key_value_heads,
+        "phi3.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "phi3.rope.dimension_count": int(head_dim * config.rope_parameters["partial_rotary_factor"]),
+        "phi3.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "phi3.attention.sliding_window": sliding_window,
+        **tiny_vocabulary(),
+    }
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # short, so that the tests' positions turn the divided frequencies visibly
+    "original_max_position_embeddings": 64,
+}
+
+
+def tiny_llama3(seed: int = 0):
+    """A Llama 3.1-style model: llama3 rope scaling, heads of 32 (16 frequencies: 2 blended)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(LLAMA3_ROPE),
+        tie_word_embeddings=True,
+    )
+    return _perturb_norms_and_biases(LlamaForCausalLM(config))
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it from Llama 3's rope_scaling: per
+    frequency 1 (short waves), factor (long waves), or the blend between, in float32."""
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    wavelength = 2 * torch.pi / freqs
+    original, low, high = (
+        rope["original_max_position_embeddings"],
+        rope["low_freq_factor"],
+        rope["high_freq_factor"],
+    )
+    smooth = (original / wavelength - low) / (high - low)
+    blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    divisors = torch.where(
+        wavelength < original / high,
+        torch.ones_like(freqs),
+        torch.where(wavelength > original / low, torch.full_like(freqs, rope["factor"]), blended),
+    )
+    return divisors.numpy().astype(np.float32)

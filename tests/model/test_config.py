@@ -27,6 +27,14 @@ def test_replace_derives_again_what_was_derived_and_keeps_what_was_given():
     assert gpt2.replace(n_kv_heads=4).n_kv_heads == 4
 
 
+def test_attention_out_bias_follows_attention_bias_unless_given():
+    assert ModelConfig(attention_bias=False).attention_out_bias is False
+    qwen2 = preset("llama-tiny", attention_bias=True, attention_out_bias=False)
+    assert (qwen2.attention_out_bias, qwen2.replace(n_layers=1).attention_out_bias) == (False, False)
+    llama = preset("llama-tiny")
+    assert llama.replace(attention_bias=True).attention_out_bias is True  # derived: derived again
+
+
 def test_presets_take_overrides_before_deriving():
     assert preset("gpt2", n_heads=6).head_dim == 128
     with pytest.raises(ValueError, match=r"unknown ModelConfig fields: \['n_head'\]"):

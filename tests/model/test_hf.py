@@ -18,6 +18,8 @@ from transformers import (
     BertModel,
     GPT2LMHeadModel,
     LlamaForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
     T5ForConditionalGeneration,
 )
 
@@ -75,6 +77,19 @@ CASES = {
     "llama3-scaling-tied": lambda: LlamaForCausalLM(llama(rope_parameters=LLAMA3, tie_word_embeddings=True)),
     "llama-mqa-bias-head-dim": lambda: LlamaForCausalLM(
         llama(num_key_value_heads=1, head_dim=12, attention_bias=True, mlp_bias=True, rope_theta=1e6)
+    ),
+    # q/k/v biases, no o_proj bias; tied head as Qwen2.5-0.5B
+    "qwen2-tied": lambda: Qwen2ForCausalLM(
+        hf_config(
+            "qwen2", tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
+    ),
+    # fused qkv_proj and gate_up_proj, 12 of 16 channels rotated (Phi-4-mini's 0.75)
+    "phi3-partial-rotary": lambda: Phi3ForCausalLM(
+        hf_config(
+            "phi3",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        )
     ),
 }
 
@@ -334,6 +349,23 @@ def _write(tmp_path, model, **config_changes):
             r"'yarn'",
         ),
         (lambda: LlamaForCausalLM(llama()), {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
+        (
+            lambda: Qwen2ForCausalLM(hf_config("qwen2")),
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+            r"use_sliding_window=True .* gives layers \[1\]",
+        ),
+        (
+            lambda: Phi3ForCausalLM(hf_config("phi3")),
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                }
+            },
+            r"rope type 'longrope' is not supported for phi3",
+        ),
+        (lambda: Phi3ForCausalLM(hf_config("phi3")), {"sliding_window": 16}, r"sliding_window=16 is shorter"),
         (
             lambda: T5ForConditionalGeneration(t5()),
             {"feed_forward_proj": "gated-gelu-x"},

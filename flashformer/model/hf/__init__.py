@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama.
+"""Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama, qwen2, phi3.
 
     config, state = read_pretrained("path/to/folder")      # config.json + weights, in our names
     save_pretrained(model, "path/to/out")                  # transformers loads it back
@@ -29,7 +29,8 @@ unsupported head is an error, never a silently different model. The traps:
   multiplied by d_model^-0.5; v1.1 (tie_word_embeddings=false) has its own
   lm_head and no rescale.
 - LLaMA: grouped KV heads, rope_theta, rope_scaling (linear, llama3), old
-  rotary inv_freq buffers.
+  rotary inv_freq buffers. Qwen2: LLaMA with q/k/v biases and none on o_proj.
+  Phi-3: q, k, v fused in qkv_proj, gate and up in gate_up_proj, partial rotary.
 
 A config option whose value changes the computation and that flashformer
 does not implement raises a ValueError naming it.
@@ -52,6 +53,8 @@ from flashformer.model.hf.bert import Bert
 from flashformer.model.hf.gpt2 import GPT2
 from flashformer.model.hf.llama import Llama
 from flashformer.model.hf.mapping import Family
+from flashformer.model.hf.phi3 import Phi3
+from flashformer.model.hf.qwen2 import Qwen2
 from flashformer.model.hf.t5 import T5
 
 # ---- reading and writing weight files ----
@@ -89,7 +92,7 @@ def _load_sharded(folder: Path, index_name: str, load: Callable[[Path], dict]) -
     return weights
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (Bert(), GPT2(), T5(), Llama())}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (Bert(), GPT2(), T5(), Llama(), Qwen2(), Phi3())}
 
 
 # ---- reading ----
@@ -231,6 +234,10 @@ def names_table() -> str:
         "gpt2": preset("gpt2-tiny", n_layers=1),
         "t5": preset("t5-tiny", n_layers=1, n_decoder_layers=1),
         "llama": preset("llama-tiny", n_layers=1),
+        "qwen2": preset(
+            "llama-tiny", n_layers=1, hf_model_type="qwen2", attention_bias=True, attention_out_bias=False
+        ),
+        "phi3": preset("llama-tiny", n_layers=1, hf_model_type="phi3", fused_gate_up=True),
     }
     for family, config in configs.items():
         layout = FAMILIES[family]
