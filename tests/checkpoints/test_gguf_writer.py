@@ -25,6 +25,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 import flashformer
@@ -65,7 +67,7 @@ def tokenizer():
     return trained
 
 
-def llama(d_model: int = 256, tied: bool = False, layers: int = 2):
+def llama(d_model: int = 256, tied: bool = False, layers: int = 2, **changes):
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=d_model,
@@ -76,8 +78,30 @@ def llama(d_model: int = 256, tied: bool = False, layers: int = 2):
         max_position_embeddings=128,
         rope_theta=5000.0,
         tie_word_embeddings=tied,
+        **changes,
     )
     return perturbed(LlamaForCausalLM(config), scale=0.05)
+
+
+def qwen2(d_model: int = 256):
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=d_model,
+        intermediate_size=2 * d_model,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return perturbed(Qwen2ForCausalLM(config), scale=0.05)
+
+
+# Llama 3.1's RoPE scaling, with its wavelength band inside the head's frequencies
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}  # fmt: skip
 
 
 def gpt2(d_model: int = 256):
@@ -86,7 +110,15 @@ def gpt2(d_model: int = 256):
     return perturbed(GPT2LMHeadModel(config), scale=0.05)
 
 
-MODELS = {"llama": llama, "llama-tied": lambda: llama(tied=True), "gpt2": gpt2, "llama-64": lambda: llama(64)}
+MODELS = {
+    "llama": llama,
+    "llama-tied": lambda: llama(tied=True),
+    "llama3-rope": lambda: llama(rope_parameters=LLAMA3_ROPE),
+    "gpt2": gpt2,
+    "qwen2": qwen2,
+    "llama-64": lambda: llama(64),
+}
+ARCHITECTURE = {"gpt2": "gpt2", "qwen2": "qwen2"}  # the others: llama
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +147,8 @@ def through_the_format(model, types: dict[str, str], architecture: str):
     state, rounded_state = model.state_dict(), {}
     specs = ARCHITECTURES[architecture].tensors(_hf_config(model))
     for spec in specs:
+        if spec.hf is None:  # rope_freqs.weight: the config's RoPE scaling, not a weight
+            continue
         values = state[spec.hf].float()
         values = values.t() if spec.conv1d else values  # rows along the file's blocks
         kind = types[spec.gguf]
@@ -148,7 +182,7 @@ def _hf_config(model) -> dict:
 # ---- f16 and q8_0: the model the file holds is the original, rounded as the format rounds ----
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2", "qwen2"])
 @pytest.mark.parametrize("file_type", ["f16", "q8_0"])
 def test_logits_equal_the_model_rounded_through_the_format(folder, tmp_path, name, file_type):
     path, model = folder(name)
@@ -156,9 +190,8 @@ def test_logits_equal_the_model_rounded_through_the_format(folder, tmp_path, nam
     types = export_gguf(path, out, file_type, show_progress=False)
     expected_types = {"F32", "F16"} if file_type == "f16" else {"F32", "Q8_0"}
     assert set(types.values()) == expected_types
-    architecture = "gpt2" if name == "gpt2" else "llama"
     with torch.no_grad():
-        expected = through_the_format(model, types, architecture)(input_ids()).logits
+        expected = through_the_format(model, types, ARCHITECTURE.get(name, "llama"))(input_ids()).logits
         ours = flashformer.from_pretrained(out)(input_ids()).logits
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()(input_ids()).logits
     assert (ours - expected).abs().max() < 1e-4
@@ -168,6 +201,18 @@ def test_logits_equal_the_model_rounded_through_the_format(folder, tmp_path, nam
     assert (
         0 < (expected - original).abs().max() < 0.1 * original.abs().max()
     )  # the rounding is real and small
+
+
+def test_llama3_rope_scaling_is_written_as_rope_freqs(folder, tmp_path):
+    path, model = folder("llama3-rope")
+    out = tmp_path / "l3.gguf"
+    types = export_gguf(path, out, "f16", show_progress=False)
+    assert types["rope_freqs.weight"] == "F32"
+    assert read_gguf(out, show_progress=False).config["rope_parameters"]["rope_type"] == "llama3"
+    with torch.no_grad():
+        expected = through_the_format(model, types, "llama")(input_ids(1, 40)).logits  # past 32 positions
+        ours = flashformer.from_pretrained(out)(input_ids(1, 40)).logits
+    assert (ours - expected).abs().max() < 1e-4
 
 
 # ---- q4_k_m: llama-quantize's mix, our K-quant blocks ----
@@ -222,7 +267,7 @@ def test_q4_k_m_tied_embedding_and_fused_qkv_types(folder, tmp_path):
     assert gpt2_types["position_embd.weight"] == "F32" and gpt2_types["token_embd.weight"] == "Q6_K"
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "llama-64"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "llama-64"])
 def test_q4_k_m_file_reads_as_transformers_reads_it(folder, tmp_path, name):
     path, model = folder(name)
     out = tmp_path / f"{name}.gguf"
@@ -355,7 +400,7 @@ def test_a_family_without_a_gguf_writer_is_refused(tmp_path, tokenizer):
     model.save_pretrained(tmp_path / "bert")
     tokenizer.save(tmp_path / "bert")
     with pytest.raises(
-        ValueError, match=r"a 'bert' model cannot be written to GGUF \(supported: gpt2, llama\)"
+        ValueError, match=r"a 'bert' model cannot be written to GGUF \(supported: gpt2, llama, qwen2\)"
     ):
         export_gguf(tmp_path / "bert", tmp_path / "b.gguf", "f16", show_progress=False)
 

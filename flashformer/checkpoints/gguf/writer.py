@@ -11,7 +11,8 @@ quantizer:
   written here is, by construction, one the reader accepts; the q/k rows of llama go from
   transformers' rotate-half order to llama.cpp's interleaved pairs (the inverse of
   rope_row_permutation), GPT-2's Conv1D weights are transposed to (out, in);
-- metadata: one entry per family in WRITERS (the GGUF architecture's keys from config.json);
+- metadata: one entry per family in WRITERS (the GGUF architecture's keys from config.json;
+  Llama 3.1's RoPE scaling as the rope_freqs.weight tensor llama.cpp reads);
 - types (file_type): "f16" and "q8_0" as convert_hf_to_gguf.py writes them (vectors and
   position tables F32, the other matrices F16 or Q8_0), "q4_k_m" as llama-quantize's
   Q4_K_M mix (TENSOR_TYPES below);
@@ -38,6 +39,7 @@ from flashformer.checkpoints.gguf.architectures import ARCHITECTURES, TensorSpec
 from flashformer.checkpoints.gguf.kquant_quantize import BLOCK_BYTES, quantize_k
 from flashformer.checkpoints.gguf.tokenizer_writer import tokenizer_metadata
 from flashformer.files import atomic_path
+from flashformer.model.positional import RopeScaling, rope_inverse_frequencies
 
 FILE_TYPES = {
     "f16": LlamaFileType.MOSTLY_F16,
@@ -54,15 +56,16 @@ FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q8_0": "F16"}
 
 
 class LlamaWriter:
-    """transformers' llama as GGUF "llama" (SmolLM, TinyLlama, Mistral-style GQA alike)."""
+    """transformers' llama as GGUF "llama" (SmolLM, TinyLlama, Mistral-style GQA, Llama 3.x)."""
 
     model_type = "llama"
     architecture = "llama"
+    scalings = ("default", "linear", "llama3")
 
     def metadata(self, hf: dict) -> dict:
         key = self.architecture + "."
         _require(hf, "hidden_act", ("silu",))
-        rope = dict(hf.get("rope_parameters") or {"rope_type": "default"})
+        rope = self.rope(hf)
         values = {
             key + "vocab_size": hf["vocab_size"],
             key + "context_length": hf["max_position_embeddings"],
@@ -80,12 +83,46 @@ class LlamaWriter:
         if rope["rope_type"] == "linear":
             values[key + "rope.scaling.type"] = "linear"
             values[key + "rope.scaling.factor"] = float(rope["factor"])
-        elif rope["rope_type"] != "default":
+        return values  # llama3 scaling is the tensor rope_freqs.weight (extra_tensor)
+
+    def rope(self, hf: dict) -> dict:
+        rope = dict(hf.get("rope_parameters") or {"rope_type": "default"})
+        if rope["rope_type"] not in self.scalings:
             raise ValueError(
-                f"config.json: rope type {rope['rope_type']!r} cannot be written to GGUF yet (llama.cpp keeps "
-                f"Llama 3.1 scaling as a rope_freqs.weight tensor); supported: 'default', 'linear'"
+                f"config.json: rope type {rope['rope_type']!r} cannot be written to GGUF {self.architecture} "
+                f"(supported: {', '.join(map(repr, self.scalings))})"
             )
-        return values
+        return rope
+
+    def extra_tensor(self, spec: TensorSpec, hf: dict) -> Tensor | None:
+        """A tensor not among transformers' weights: Llama 3.1's RoPE scaling as llama.cpp's
+        converter stores it, one divisor per channel pair (None: the file goes without it)."""
+        rope = self.rope(hf)
+        if spec.gguf != "rope_freqs.weight" or rope["rope_type"] != "llama3":
+            return None
+        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = RopeScaling(
+            "llama3",
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope.get("original_max_position_embeddings", hf["max_position_embeddings"])),
+        )
+        plain = rope_inverse_frequencies(hf["head_dim"], theta).double()
+        return (plain / rope_inverse_frequencies(hf["head_dim"], theta, scaling).double()).float()
+
+
+class Qwen2Writer(LlamaWriter):
+    """transformers' qwen2 (Qwen2, Qwen2.5) as GGUF "qwen2": LLaMA's keys, q/k/v biases (the
+    reader's table), rotate-half RoPE (rows unpermuted), no RoPE scaling or sliding window."""
+
+    model_type = "qwen2"
+    architecture = "qwen2"
+    scalings = ("default",)
+
+    def metadata(self, hf: dict) -> dict:
+        _require(hf, "use_sliding_window", (False,))
+        return super().metadata(hf)
 
 
 class GPT2Writer:
@@ -108,8 +145,11 @@ class GPT2Writer:
             key + "attention.layer_norm_epsilon": float(hf["layer_norm_epsilon"]),
         }
 
+    def extra_tensor(self, spec: TensorSpec, hf: dict) -> Tensor | None:
+        return None
 
-WRITERS = {writer.model_type: writer for writer in (LlamaWriter(), GPT2Writer())}
+
+WRITERS = {writer.model_type: writer for writer in (LlamaWriter(), Qwen2Writer(), GPT2Writer())}
 
 
 def _require(hf: dict, key: str, supported: tuple) -> None:
@@ -221,6 +261,8 @@ def write_gguf(
     metadata = writer.metadata(hf_config)
     metadata.update(tokenizer_metadata(tokenizer, hf_config["vocab_size"], source))
     specs = ARCHITECTURES[writer.architecture].tensors(hf_config)
+    extra = {spec.gguf: writer.extra_tensor(spec, hf_config) for spec in specs if spec.hf is None}
+    specs = [spec for spec in specs if spec.hf is not None or extra[spec.gguf] is not None]
     layers = int(metadata[f"{writer.architecture}.block_count"])
     tied = not any(spec.gguf == "output.weight" for spec in specs)
     types = {spec.gguf: tensor_type(spec, file_type, layers, tied) for spec in specs}
@@ -241,7 +283,8 @@ def write_gguf(
             for spec in tqdm(
                 specs, desc=f"writing {Path(path).name}", unit="tensor", disable=not show_progress
             ):
-                data = encode(file_tensor(spec, tensor(spec.hf)), types[spec.gguf])
+                values = tensor(spec.hf) if spec.hf is not None else extra[spec.gguf]
+                data = encode(file_tensor(spec, values), types[spec.gguf])
                 out.write_tensor_data(data)
         finally:
             out.close()
