@@ -472,9 +472,12 @@ def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor | None:
 
 
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason=NO_LLAMA_CPP)
-@pytest.mark.parametrize("file_type", ["f16", "q8_0", "q4_k_m"])
-def test_llama_cpp_loads_the_file_and_agrees(folder, tmp_path, file_type):
-    path, _ = folder("llama")
+@pytest.mark.parametrize(
+    "name,file_type",
+    [("llama", "f16"), ("gpt2", "f16"), ("qwen2", "f16"), ("llama", "q8_0"), ("llama", "q4_k_m")],
+)
+def test_llama_cpp_loads_the_file_and_agrees(folder, tmp_path, name, file_type):
+    path, _ = folder(name)
     out = tmp_path / "m.gguf"
     types = export_gguf(path, out, file_type, show_progress=False)
     ids = input_ids(1, 9)[0].tolist()
