@@ -21,14 +21,24 @@ from pathlib import Path
 def atomic_writer(path: str | Path, mode: str = "w") -> Iterator:
     """Open a temporary file beside `path` for writing; when the block ends
     without an error it is fsynced and renamed to `path`, otherwise deleted."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         with open(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that opens the file itself
+    (gguf.GGUFWriter); when the block ends without an error the file is
+    fsynced and renamed to `path`, otherwise deleted."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

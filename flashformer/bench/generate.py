@@ -29,6 +29,7 @@ import torch
 
 from flashformer.bench import generate_model
 from flashformer.bench.common import add_run_arguments, bench_main, names, numbers, run_worker, time_in_turns
+from flashformer.bench.llama_1b_shape import write_llama_1b_shape
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
@@ -204,6 +205,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a real model (GGUF file, HF folder, run) answering a chat message, instead of GPT-2-small "
         "with random weights: batch 1, --new-tokens (default 256), against transformers on the same weights",
     )
+    parser.add_argument(
+        "--write-1b-shape",
+        type=Path,
+        metavar="PATH",
+        help="the memory-bound case: write (unless PATH exists) a random-weight model of Llama-3.2-1B's shapes as "
+        "Q4_K_M with flashformer's exporter (bench/llama_1b_shape.py), then benchmark it as --model PATH",
+    )
     parser.add_argument("--question", default=generate_model.QUESTION, help="with --model: the chat message")
     parser.add_argument("--quantize", choices=MODES, help="with --model: flashformer's model quantized so")
     parser.add_argument("--activations", choices=("int8", "float32"), default="int8", help="with --quantize")
@@ -216,6 +224,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
+    if args.write_1b_shape is not None:
+        if args.model is not None:
+            raise ValueError("give --model or --write-1b-shape, not both")
+        if not args.write_1b_shape.exists():
+            written = write_llama_1b_shape(args.write_1b_shape)
+            print(
+                f"wrote {args.write_1b_shape} ({written['bytes'] / 1e9:.2f} GB) in {written['seconds']:.0f} s"
+            )
+        args.model = str(args.write_1b_shape)
     if args.model is not None:
         config = {
             "question": args.question,

@@ -11,7 +11,8 @@
     model, tokenizer = flashformer.load(path)            # and the tokenizer it was trained with
     tokenizer = load_tokenizer(path)                     # the tokenizer alone
 
-`export_hf` writes a run's model as a Hugging Face folder.
+`export_hf` writes a run's model as a Hugging Face folder, `export_gguf` a run's or a
+Hugging Face folder's model as a GGUF file (for llama.cpp and ollama).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.checkpoints.gguf import GGUFCheckpoint, QuantizedTensor, read_gguf
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer, tokenizer_from_metadata
+from flashformer.checkpoints.gguf.writer import FILE_TYPES, write_gguf
 from flashformer.files import publish_folder
 from flashformer.kernels.huge_pages import use_huge_pages
 from flashformer.model import hf
@@ -145,6 +147,43 @@ def export_hf(path: str | Path, folder: str | Path) -> Path:
     tokenizer.save(tmp)
     publish_folder(tmp, folder)
     return folder
+
+
+def export_gguf(
+    path: str | Path, out: str | Path, file_type: str = "f16", force: bool = False, show_progress: bool = True
+) -> dict[str, str]:
+    """Write the model of a run, checkpoint or Hugging Face folder (llama or gpt2 family) and
+    its tokenizer as one GGUF file; file_type "f16", "q8_0" or "q4_k_m" (llama.cpp's mix).
+    Returns {tensor: ggml type}.
+
+    The file appears whole or not at all. An existing `out` is kept unless force=True (a
+    FileExistsError says so); a GGUF file as the source is refused (it is one already)."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"--type must be one of {', '.join(FILE_TYPES)}; got {file_type!r}")
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force (force=True) to replace it")
+    kind, where = locate(path)
+    if kind == "gguf":
+        raise ValueError(
+            f"{path} is a GGUF file already; export takes a run, checkpoint or Hugging Face folder"
+        )
+    model, tokenizer = load(where)
+    try:
+        hf_config, weights = hf.to_hf(model)
+    except ValueError as error:
+        raise ValueError(f"{path}: cannot be exported to GGUF: {error}") from None
+    del model  # the tensors live on in `weights`
+    return write_gguf(
+        out,
+        hf_config,
+        weights.pop,  # each tensor is dropped once written
+        tokenizer,
+        file_type,
+        name=Path(path).resolve().name,
+        source=str(path),
+        show_progress=show_progress,
+    )
 
 
 def _starts_like_gguf(path: Path) -> bool:

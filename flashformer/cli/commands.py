@@ -87,6 +87,14 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
             ),
         },
     ),
+    "export": Command(
+        "flashformer.cli.export",
+        "write a trained or Hugging Face model as a GGUF file, for llama.cpp and ollama",
+        "MODEL: a run folder of `flashformer train` (its newest checkpoint), one checkpoint folder or a Hugging "
+        "Face folder of the llama or gpt2 family, with its tokenizer (byte-level BPE). --type f16 and q8_0 as "
+        "llama.cpp's convert_hf_to_gguf.py writes them; q4_k_m as llama-quantize's Q4_K_M mix (Q4_K, with "
+        "Q6_K for the head and for attn_v / ffn_down on some layers).",
+    ),
     "serve": Command(
         "flashformer.cli.serve",
         "serve a model over OpenAI's API (continuous batching, paged KV cache)",
@@ -126,7 +134,7 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
 }
 
 # what a command raises for bad input: reported as "flashformer NAME: error: ..." with exit code 2
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, CheckpointError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError)
 
 
 def build_parser() -> argparse.ArgumentParser:

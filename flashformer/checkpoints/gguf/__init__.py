@@ -6,6 +6,10 @@
     checkpoint.quantized   # {transformers name: QuantizedTensor}, the file's raw blocks, never re-rounded
     checkpoint.metadata    # every metadata key, as Python values (the tokenizer reads its part)
 
+Writing goes the other way through the same tables: writer.write_gguf (and loading.export_gguf,
+`flashformer export`) turns config.json's values and transformers' tensors into a file llama.cpp
+runs, in f16, q8_0 or llama.cpp's Q4_K_M mix (our K-quant quantizer, kquant_quantize.py).
+
 The config and the tensors are what `flashformer.model.hf` reads from a folder, so the same family
 rules build our model from either. Reading and dequantizing are the `gguf` library's; what this
 package adds is the meaning: which tensor goes where, the q/k rows llama.cpp reordered for its

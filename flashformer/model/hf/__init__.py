@@ -3,6 +3,7 @@ qwen3, gemma, gemma2, gemma3_text.
 
     config, state = read_pretrained("path/to/folder")      # config.json + weights, in our names
     save_pretrained(model, "path/to/out")                  # transformers loads it back
+    hf_config, weights = to_hf(model)                      # the same, in memory
 
 (flashformer.from_pretrained builds the model from what read_pretrained gives.)
 
@@ -195,6 +196,16 @@ def state_from_hf(hf: dict, weights: dict[str, Tensor], source: str) -> tuple[Mo
 
 def save_pretrained(model: torch.nn.Module, folder: str | Path) -> None:
     """config.json + model.safetensors in the layout transformers reads."""
+    hf_config, weights = to_hf(model)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def to_hf(model: torch.nn.Module) -> tuple[dict, dict[str, Tensor]]:
+    """(config.json's values, the tensors under transformers' names): what save_pretrained
+    writes, in memory (the GGUF writer maps these onto llama.cpp's names)."""
     config = model.config
     if config.hf_model_type is None:
         raise ValueError("this model has no Hugging Face counterpart (ModelConfig.hf_model_type is None)")
@@ -212,12 +223,8 @@ def save_pretrained(model: torch.nn.Module, folder: str | Path) -> None:
             # each tensor on the CPU with storage of its own: safetensors refuses shared storage
             weights[name] = tensor.detach().cpu().contiguous().clone()
     weights = layout.add_prefix(weights, config)
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     hf_config["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return hf_config, weights
 
 
 def _their_shapes(layout: Family, config: ModelConfig) -> dict[str, int]:

@@ -1,0 +1,44 @@
+"""`flashformer export MODEL --gguf OUT [--type f16|q8_0|q4_k_m]`: a run's or a Hugging Face
+folder's model and tokenizer as one GGUF file (checkpoints.loading.export_gguf)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+from flashformer.checkpoints.gguf.writer import FILE_TYPES
+from flashformer.checkpoints.loading import export_gguf
+from flashformer.formatting import format_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a run folder of `flashformer train`, one of its checkpoints or a Hugging Face folder",
+    )
+    parser.add_argument("--gguf", type=Path, required=True, metavar="OUT", help="the GGUF file to write")
+    parser.add_argument(
+        "--type",
+        default="f16",
+        choices=tuple(FILE_TYPES),
+        help="f16 / q8_0: every matrix so (vectors float32); q4_k_m: llama.cpp's Q4_K_M mix (default: f16)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main_from_args(args) -> dict:
+    start = time.perf_counter()
+    types = export_gguf(
+        args.model, args.gguf, args.type, force=args.force, show_progress=not args.no_progress
+    )
+    counts = collections.Counter(types.values())
+    print(
+        f"wrote {args.gguf} ({format_bytes(args.gguf.stat().st_size)}, {len(types)} tensors: "
+        + ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+        + f") in {time.perf_counter() - start:.1f} s"
+    )
+    return dict(path=str(args.gguf), type=args.type, tensors=types)
