@@ -263,7 +263,9 @@ def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str,
             f"bytes ({n} x {blocks} blocks of {block_bytes}), got {data.numel()} (shape {tuple(data.shape)})"
         )
     if type_name in KQUANT_FORMATS:
-        return KQUANT_FORMATS[type_name], gguf_blocks.parse_kquant(type_name, data, n, k), None
+        # a copy: the layer owns its bytes (a view of a memory-mapped file would keep the map, and
+        # every page of it read while the other tensors were repacked, resident beside the copies)
+        return KQUANT_FORMATS[type_name], gguf_blocks.parse_kquant(type_name, data, n, k).clone(), None
     if type_name in ("Q5_0", "Q5_1"):
         return ("int5", *pack_int5(*gguf_blocks.parse_int5(type_name, data, n, blocks)))
     data = data.reshape(n, blocks, block_bytes)
