@@ -1,13 +1,16 @@
 """Quantized models: a decoder's projections, token embedding and LM head as
 weight-only int8 / int4 layers (kernels.quantized), for decoding on the CPU.
 
-    model = flashformer.from_pretrained("model.gguf", quantize="gguf")   # the file's own Q4/Q8 blocks
+    model = flashformer.from_pretrained("model.gguf", quantize="gguf")   # the file's own blocks
     model = flashformer.from_pretrained("folder", quantize="int8")       # any float model, quantized here
 
 Modes:
-- "gguf": a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are used as they are
-  (repacked, never re-rounded): the weights multiplied are llama.cpp's, bit for
-  bit. Tensors the file stores otherwise (F16, F32, K-quants) stay float32.
+- "gguf": a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and K-quant (Q4_K,
+  Q5_K, Q6_K) tensors are used as they are (repacked or kept, never re-rounded):
+  the weights multiplied are llama.cpp's, bit for bit. Projections fused here
+  (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K
+  q and k) run as one layer per run of a type, their outputs joined. Tensors the
+  file stores otherwise (F16, F32, other K-quants) stay float32.
 - "int8": symmetric int8 per output row; "int4": 4-bit groups of 32 with a
   scale and a minimum (GGUF's Q4_1), quantized from the float weights with
   llama.cpp's rounding.
