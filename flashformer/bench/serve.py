@@ -101,12 +101,15 @@ def shared_prefix_jobs(tokenizer, args) -> list[tuple[list[dict], int]]:
 
 def chats(tokenizer, args) -> list[list[str]]:
     """Per chat, its users' messages: a document of args.history_tokens tokens and a question,
-    then args.turns - 1 follow-up questions."""
+    then args.turns - 1 short follow-up questions (5..20 words: what the next turn adds)."""
     words, rng = corpus(), random.Random(args.seed + 1)
     found = []
     for _ in range(args.chats):
         document = text_of(tokenizer, args.history_tokens, rng.randrange(0, len(words) // 2))
-        follow = [q for q, _ in workload(args.turns - 1, 16, rng.randrange(1 << 30))]
+        follow = []
+        for _ in range(args.turns - 1):
+            start, length = rng.randrange(0, len(words) - 20), rng.randint(5, 20)
+            follow.append("And what does this mean: " + " ".join(words[start : start + length]))
         found.append([f"Read this text.\n\n{document}\n\nWhat is it about?"] + follow)
     return found
 
@@ -421,6 +424,12 @@ def table(payload: dict) -> str:
             ]
         )
     config = payload["config"]
+    if not rows:
+        return workload_table(payload).lstrip("\n") + (
+            "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
+            if payload["targets"]
+            else ""
+        )
     header = [
         "server",
         "output tokens/s",

@@ -203,3 +203,33 @@ def test_the_cache_off_reuses_nothing(tiny_folder):
     results = run(engine, prompts(2), GREEDY)
     assert [r[2]["prompt_tokens_details"]["cached_tokens"] for r in results] == [0, 0]
     assert engine.pool.cached == 0 and engine.metrics()["prefix_cache_hit_rate"] == 0
+
+
+def test_a_cancelled_request_leaves_its_shared_blocks_to_the_others(tiny_folder):
+    model, tokenizer = flashformer.load(tiny_folder, quantize="int8")
+    batch = prompts(3)
+    reference = alone(model, tokenizer, batch[1:], GREEDY, num_blocks=64, **SMALL)
+    engine = Engine(model, tokenizer, num_blocks=64, **SMALL)
+
+    def submit(prompt: list[int], events: list) -> Request:
+        request = Request(prompt, GREEDY, 1, events.append)
+        engine.submit(request)
+        engine.waiting.extend(engine._inbox.get().sequences)
+        return request
+
+    first = submit(batch[0], [])
+    while first.sequences[0].in_prefill:
+        engine.step()
+    events: list[Event] = []
+    second = submit(batch[1], events)
+    engine.step()
+    assert second.sequences[0].cached_tokens == 96  # it holds first's 12 system prompt blocks
+    first.cancel()
+    while not second.finished:
+        engine.step()
+    logprobs = [(e.token, e.logprob, e.top) for event in events for e in event.logprobs]
+    assert first.sequences[0].finish_reason == "cancelled"
+    assert [(second.sequences[0].generated, logprobs)] == [r[:2] for r in reference[:1]]
+    third = run(engine, batch[2:], GREEDY)
+    assert third[0][2]["prompt_tokens_details"]["cached_tokens"] == 96 and same(third, reference[1:])
+    assert engine.pool.in_use == 0 and engine.pool.cached > 0
