@@ -134,37 +134,46 @@ SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=2)
 SMALL = {"max_batch": 16, "block_size": 8, "prefill_chunk": 32, "prefill_budget": 32}
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"], ids=["float32", "int8"])
-def test_reused_prefixes_give_the_same_tokens_and_logits(tiny_folder, quantize):
-    """Alone, after a request that cached the system prompt, among 15 others, and after the
-    cache was evicted: the same tokens and log-probabilities as the whole prompt computed."""
+@pytest.mark.parametrize(
+    "quantize, params",
+    [
+        (None, GREEDY),
+        ("int8", GREEDY),
+        ("int8", SEEDED),
+        pytest.param(None, SEEDED, marks=pytest.mark.slow),
+    ],
+    ids=["float32-greedy", "int8-greedy", "int8-seeded", "float32-seeded"],
+)
+def test_reused_prefixes_give_the_same_tokens_and_logits(tiny_folder, quantize, params):
+    """Alone, after a request that cached the system prompt, among 15 others, and (greedy)
+    after the cache was evicted: the same tokens and log-probabilities as the whole prompt
+    computed."""
     model, tokenizer = flashformer.load(tiny_folder, quantize=quantize)
     batch = prompts(16)
-    for params in (GREEDY, SEEDED):
-        reference = alone(model, tokenizer, batch, params, num_blocks=64, **SMALL)
-        engine = Engine(model, tokenizer, num_blocks=64, **SMALL)
-        assert engine.pad_decode == (quantize is None)
-        first = run(engine, batch[:1], params)  # caches the system prompt
-        assert first[0][2]["prompt_tokens_details"]["cached_tokens"] == 0
-        second = run(engine, batch[1:2], params)
-        # the system prompt's 12 full blocks (96 tokens: a multiple of the chunk too)
-        assert second[0][2]["prompt_tokens_details"]["cached_tokens"] == 96
-        together = run(engine, batch, params)  # 16 at once, all on the cached prefix
-        assert all(r[2]["prompt_tokens_details"]["cached_tokens"] >= 96 for r in together)
-        assert same(first + second, reference[:2]) and same(together, reference)
-        assert engine.pool.in_use == 0 and engine.pool.cached > 0
-        if params is SEEDED:
-            continue
-        # a pool of 20 blocks (2 more are scratch): prompts of 14 blocks and more, preempted
-        small = Engine(model, tokenizer, num_blocks=20 + 2, **SMALL)
-        assert same(run(small, batch, params), reference)
-        assert small.stats["preemptions"] > 0
-        other = run(small, [list(range(5000, 5148))], params)[0]  # 148 + 8 tokens: all 20 blocks
-        assert other[2]["prompt_tokens_details"]["cached_tokens"] == 0
-        evicted = run(small, batch[:4], params)
-        assert evicted[0][2]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert same(evicted, reference[:4])
-        assert small.pool.in_use == 0 and small.pool.free == small.pool.capacity
+    reference = alone(model, tokenizer, batch, params, num_blocks=64, **SMALL)
+    engine = Engine(model, tokenizer, num_blocks=64, **SMALL)
+    assert engine.pad_decode == (quantize is None)
+    first = run(engine, batch[:1], params)  # caches the system prompt
+    assert first[0][2]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = run(engine, batch[1:2], params)
+    # the system prompt's 12 full blocks (96 tokens: a multiple of the chunk too)
+    assert second[0][2]["prompt_tokens_details"]["cached_tokens"] == 96
+    together = run(engine, batch, params)  # 16 at once, all on the cached prefix
+    assert all(r[2]["prompt_tokens_details"]["cached_tokens"] >= 96 for r in together)
+    assert same(first + second, reference[:2]) and same(together, reference)
+    assert engine.pool.in_use == 0 and engine.pool.cached > 0
+    if params is SEEDED:
+        return
+    # a pool of 20 blocks (2 more are scratch): prompts of 14 blocks and more, preempted
+    small = Engine(model, tokenizer, num_blocks=20 + 2, **SMALL)
+    assert same(run(small, batch, params), reference)
+    assert small.stats["preemptions"] > 0
+    other = run(small, [list(range(5000, 5148))], params)[0]  # 148 + 8 tokens: all 20 blocks
+    assert other[2]["prompt_tokens_details"]["cached_tokens"] == 0
+    evicted = run(small, batch[:4], params)
+    assert evicted[0][2]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert same(evicted, reference[:4])
+    assert small.pool.in_use == 0 and small.pool.free == small.pool.capacity
 
 
 def test_a_chat_turn_reuses_the_history_and_its_generated_tokens(tiny_folder):
@@ -233,3 +242,27 @@ def test_a_cancelled_request_leaves_its_shared_blocks_to_the_others(tiny_folder)
     third = run(engine, batch[2:], GREEDY)
     assert third[0][2]["prompt_tokens_details"]["cached_tokens"] == 96 and same(third, reference[1:])
     assert engine.pool.in_use == 0 and engine.pool.cached > 0
+
+
+@pytest.mark.slow
+def test_smollm2_from_its_gguf_file_reuses_prefixes_exactly():
+    """The real model's own quantized blocks (`quantize="gguf"`): a shared 64-token prefix and a
+    chat's second turn give the same tokens and log-probabilities as with the cache off."""
+    from flashformer.checkpoints.gguf import smollm2_path
+
+    model, tokenizer = flashformer.load(smollm2_path(), quantize="gguf")
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+    shared = tokenizer.encode("You are a careful assistant who answers in one sentence. " * 6)[:64]
+    batch = [
+        shared + tokenizer.encode(q) for q in ("What is the sea?", "Name a color.", "Why is 2 + 2 four?")
+    ]
+    engine = Engine(model, tokenizer, max_batch=4, num_blocks=64)
+    assert not engine.pad_decode
+    first = run(engine, batch[:1], params)
+    together = run(engine, batch, params)
+    turn_2 = batch[0] + first[0][0] + tokenizer.encode(" And why?")
+    again = run(engine, [turn_2], params)
+    assert [r[2]["prompt_tokens_details"]["cached_tokens"] for r in together] == [64, 64, 64]
+    assert again[0][2]["prompt_tokens_details"]["cached_tokens"] >= 64
+    reference = alone(model, tokenizer, batch + [turn_2], params, max_batch=4, num_blocks=64)
+    assert same(together + again, reference)
