@@ -3,7 +3,8 @@
 Each step the engine
 1. drops the sequences whose clients went away and frees their blocks;
 2. admits waiting sequences while the batch has room and the pool has the
-   blocks their prompt needs (scheduler.py: admission);
+   blocks their prompt needs, each starting after the longest cached prefix
+   it may reuse (scheduler.py: admission, prefix caching);
 3. runs this step's prompt chunks (scheduler.py: the prefill plan, chunks
    within a budget) and one decode step for every sequence past its prompt
    (scheduler.py: making room, preempting the newest sequence when the pool
