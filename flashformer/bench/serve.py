@@ -15,6 +15,15 @@ llama-cpp-python[server] is installed and MODEL is a GGUF file, llama.cpp's
 OpenAI-compatible server on the same file. Also measured with one client
 alone: the prefill time of one prompt (its time to first token) and the step
 time (its inter-token latency), which the targets are stated against.
+
+Two more workloads (--workloads), run by flashformer's batching server with
+its prefix cache on and off (--no-prefix-cache):
+- shared-prefix: every request begins with the same system prompt of
+  --system-tokens tokens (an agent's or a chat front-end's), then its question;
+- multi-turn: --chats chats in flight, each --turns turns: the first message
+  is a document of --history-tokens tokens and a question, every later turn
+  re-sends the whole history (the answers included) and a new question, as
+  chat front-ends do. One chat alone gives the TTFT of turn 2 against turn 1.
 Writes serve.json and serve.png.
 """
 
@@ -24,6 +33,7 @@ import argparse
 import asyncio
 import importlib.util
 import inspect
+import os
 import random
 import socket
 import subprocess
@@ -36,18 +46,34 @@ from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
 from flashformer.model.quantize import MODES
 
+WORKLOADS = ("mixed", "shared-prefix", "multi-turn")
 
-def workload(count: int, max_tokens: int, seed: int) -> list[tuple[str, int]]:
-    """(question, max_tokens) per request: the same for every server."""
+
+def names(text: str) -> list[str]:
+    """--workloads as a list, each one of WORKLOADS."""
+    found = [name for name in text.split(",") if name]
+    unknown = [name for name in found if name not in WORKLOADS]
+    if unknown or not found:
+        raise ValueError(f"--workloads takes some of {', '.join(WORKLOADS)}; got {text!r}")
+    return found
+
+
+def corpus() -> list[str]:
+    """The words questions and documents are cut from: Python's own docstrings."""
     import collections
     import json as json_module
 
-    words = " ".join(
+    return " ".join(
         inspect.getdoc(obj) or ""
         for module in (collections, json_module, asyncio, argparse)
         for obj in vars(module).values()
         if callable(obj)
     ).split()
+
+
+def workload(count: int, max_tokens: int, seed: int) -> list[tuple[str, int]]:
+    """(question, max_tokens) per request: the same for every server."""
+    words = corpus()
     rng = random.Random(seed)
     jobs = []
     for _ in range(count):
@@ -58,6 +84,81 @@ def workload(count: int, max_tokens: int, seed: int) -> list[tuple[str, int]]:
     return jobs
 
 
+def text_of(tokenizer, tokens: int, start: int) -> str:
+    """Corpus words from `start` on, as few as make at least `tokens` tokens."""
+    words = corpus()
+    count = tokens // 2
+    while len(tokenizer.encode(" ".join(words[start : start + count]))) < tokens:
+        count += 8
+    return " ".join(words[start : start + count])
+
+
+def shared_prefix_jobs(tokenizer, args) -> list[tuple[list[dict], int]]:
+    """Today's questions, each after the same system prompt of args.system_tokens tokens."""
+    system = "You answer questions about this text. " + text_of(tokenizer, args.system_tokens, 7)
+    return [(ask(q, system), n) for q, n in workload(args.requests, args.max_tokens, args.seed)]
+
+
+def chats(tokenizer, args) -> list[list[str]]:
+    """Per chat, its users' messages: a document of args.history_tokens tokens and a question,
+    then args.turns - 1 short follow-up questions (5..20 words: what the next turn adds)."""
+    words, rng = corpus(), random.Random(args.seed + 1)
+    found = []
+    for _ in range(args.chats):
+        document = text_of(tokenizer, args.history_tokens, rng.randrange(0, len(words) // 2))
+        follow = []
+        for _ in range(args.turns - 1):
+            start, length = rng.randrange(0, len(words) - 20), rng.randint(5, 20)
+            follow.append("And what does this mean: " + " ".join(words[start : start + length]))
+        found.append([f"Read this text.\n\n{document}\n\nWhat is it about?"] + follow)
+    return found
+
+
+async def drive_chats(url: str, model: str, conversations: list[list[str]], limit: int, api_key: str) -> dict:
+    """Every chat in flight at once, each turn re-sending the history (answers included): the
+    timings over all turns, and the TTFT p50 of each turn."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=3600)
+    ttfts, by_turn, gaps = [], [[] for _ in conversations[0]], []
+    tokens = errors = 0
+
+    async def chat(messages: list[str]):
+        nonlocal tokens, errors
+        history = []
+        for turn, message in enumerate(messages):
+            history.append({"role": "user", "content": message})
+            started, last, answer = time.perf_counter(), None, []
+            try:
+                stream = await client.chat.completions.create(
+                    model=model, messages=history, max_tokens=limit, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                )  # fmt: skip
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if last is None:
+                            ttfts.append(now - started)
+                            by_turn[turn].append(now - started)
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                        answer.append(chunk.choices[0].delta.content)
+                    if chunk.usage is not None:
+                        tokens += chunk.usage.completion_tokens
+            except Exception:
+                errors += 1
+                return
+            history.append({"role": "assistant", "content": "".join(answer)})
+
+    started = time.perf_counter()
+    await asyncio.gather(*[chat(messages) for messages in conversations])
+    await client.close()
+    result = summary(sum(map(len, conversations)), len(conversations), errors, tokens,
+                     time.perf_counter() - started, ttfts, gaps)  # fmt: skip
+    return {**result, "ttft_p50_by_turn_s": [percentile(times, 50) for times in by_turn]}
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -65,22 +166,31 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+def ask(question: str, system: str | None = None) -> list[dict]:
+    """A chat's messages: the question, after a system prompt when given."""
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}
+    ]
+
+
 async def drive(url: str, model: str, jobs: list[tuple[str, int]], clients: int, api_key: str) -> dict:
-    """Run the jobs with `clients` in flight; timings per request."""
+    """Run the jobs (a question, or a chat's messages, and max_tokens) with `clients` in flight;
+    timings per request."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=3600)
     queue = list(enumerate(jobs))
     ttfts, gaps, tokens, errors = [], [], 0, 0
+    started_at = time.perf_counter()
 
-    async def one(question: str, limit: int):
+    async def one(question, limit: int):
         nonlocal tokens, errors
         started = time.perf_counter()
         last, chunks, counted = None, 0, False
         try:
             stream = await client.chat.completions.create(
                 model=model,
-                messages=[{"role": "user", "content": question}],
+                messages=ask(question) if isinstance(question, str) else question,
                 max_tokens=limit,
                 temperature=0,
                 stream=True,
@@ -108,12 +218,14 @@ async def drive(url: str, model: str, jobs: list[tuple[str, int]], clients: int,
             _, (question, limit) = queue.pop(0)
             await one(question, limit)
 
-    started = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(clients)])
-    wall = time.perf_counter() - started
     await client.close()
+    return summary(len(jobs), clients, errors, tokens, time.perf_counter() - started_at, ttfts, gaps)
+
+
+def summary(requests, clients, errors, tokens, wall, ttfts, gaps) -> dict:
     return {
-        "requests": len(jobs),
+        "requests": requests,
         "clients": clients,
         "errors": errors,
         "output_tokens": tokens,
@@ -155,33 +267,49 @@ def start(command: list[str], url: str, timeout_s: float = 600) -> subprocess.Po
     raise RuntimeError(f"{command[:4]} did not answer within {timeout_s} s")
 
 
-def servers(model: str, args) -> dict[str, list[str]]:
-    """name -> the command that serves MODEL on {port}."""
+def servers(model: str, args) -> dict[str, tuple[list[str], set[str]]]:
+    """name -> (the command that serves MODEL on {port}, the workloads it runs)."""
     ours = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", "{port}", "--api-key", "bench"]
     if args.threads:
         ours += ["--threads", str(args.threads)]
     if args.quantize:
         ours += ["--quantize", args.quantize]
-    for flag in ("prefill_chunk", "prefill_budget"):
+    for flag in ("prefill_chunk", "prefill_budget", "kv_blocks"):
         if getattr(args, flag, None):
             ours += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    chosen = set(names(args.workloads))
+    cached = chosen - {"mixed"}  # the workloads measured with the prefix cache on and off
+    batching = ours + ["--max-batch", str(args.clients)]
     found = {
-        f"flashformer (max batch {args.clients})": ours + ["--max-batch", str(args.clients)],
-        "flashformer (one at a time)": ours + ["--max-batch", "1"],
+        f"flashformer (max batch {args.clients})": (batching, chosen),
+        f"flashformer (max batch {args.clients}, no prefix cache)": (
+            batching + ["--no-prefix-cache"],
+            cached,
+        ),
+        "flashformer (one at a time)": (ours + ["--max-batch", "1"], chosen & {"mixed"}),
     }
     if not args.no_llama_cpp and Path(model).is_file() and importlib.util.find_spec("llama_cpp") is not None:
         threads = str(args.threads or 2)
-        found["llama.cpp (llama-cpp-python server)"] = [
+        found["llama.cpp (llama-cpp-python server)"] = ([
             sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", "{port}",
             "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "4096", "--api_key", "bench",
-        ]  # fmt: skip
-    return found
+        ], chosen & {"mixed"})  # fmt: skip
+    return {name: entry for name, entry in found.items() if entry[1]}
 
 
 def run(model: str, args) -> dict:
     jobs = workload(args.requests, args.max_tokens, args.seed)
+    # one client alone asks other questions: the loaded run's must not be in the prefix cache
+    solo = workload(4, args.max_tokens, args.seed + 1)
+    chosen = names(args.workloads)
+    if set(chosen) - {"mixed"}:
+        from flashformer.checkpoints.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        shared = shared_prefix_jobs(tokenizer, args)
+        conversations = chats(tokenizer, args)
     results = {}
-    for name, template in servers(model, args).items():
+    for name, (template, runs) in servers(model, args).items():
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         command = [part.replace("{port}", str(port)) for part in template]
@@ -195,13 +323,27 @@ def run(model: str, args) -> dict:
             from openai import OpenAI
 
             served = OpenAI(base_url=url, api_key="bench").models.list().data[0].id
-            alone = asyncio.run(drive(url, served, jobs[:4], 1, "bench"))
-            loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench"))
-            results[name] = {"alone": alone, "loaded": loaded}
-            print(
-                f"{name}: {loaded['output_tokens_per_s']:.1f} tokens/s with {args.clients} clients",
-                flush=True,
-            )
+            results[name] = {}
+            if "mixed" in runs:
+                alone = asyncio.run(drive(url, served, solo, 1, "bench"))
+                loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench"))
+                results[name].update(alone=alone, loaded=loaded)
+                print(
+                    f"{name}: {loaded['output_tokens_per_s']:.1f} tokens/s with {args.clients} clients",
+                    flush=True,
+                )
+            if "shared-prefix" in runs:
+                result = asyncio.run(drive(url, served, shared, args.clients, "bench"))
+                results[name]["shared_prefix"] = result
+                print(f"{name}: shared prefix, TTFT p50 {result['ttft_p50_s']:.3f} s", flush=True)
+            if "multi-turn" in runs:
+                limit = args.turn_tokens
+                alone = asyncio.run(drive_chats(url, served, conversations[:1], limit, "bench"))
+                loaded = asyncio.run(drive_chats(url, served, conversations, limit, "bench"))
+                results[name]["multi_turn"] = {"alone": alone, "loaded": loaded}
+                print(
+                    f"{name}: multi-turn, one chat's TTFT by turn {alone['ttft_p50_by_turn_s']}", flush=True
+                )
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -215,6 +357,14 @@ def run(model: str, args) -> dict:
             "max_tokens": args.max_tokens,
             "seed": args.seed,
             "quantize": args.quantize,
+            "workloads": chosen,
+            "system_tokens": args.system_tokens,
+            "chats": args.chats,
+            "turns": args.turns,
+            "history_tokens": args.history_tokens,
+            "turn_tokens": args.turn_tokens,
+            "kv_blocks": args.kv_blocks,
+            "load_average": list(os.getloadavg()),
         },
         "servers": results,
         "targets": targets(results, args.clients),
@@ -222,13 +372,27 @@ def run(model: str, args) -> dict:
 
 
 def targets(results: dict, clients: int) -> dict:
-    """The issue's ratios, for flashformer's batching server against itself alone and one at a time."""
+    """The issues' ratios: flashformer's batching server against itself alone and one at a time,
+    and with its prefix cache against without."""
     ours = results.get(f"flashformer (max batch {clients})", {})
     single = results.get("flashformer (one at a time)", {})
+    uncached = results.get(f"flashformer (max batch {clients}, no prefix cache)", {})
+    found = {}
+    if "shared_prefix" in ours and "shared_prefix" in uncached:
+        on, off = ours["shared_prefix"], uncached["shared_prefix"]
+        found["shared prefix: TTFT p50, cache on / off (<= 0.5)"] = on["ttft_p50_s"] / off["ttft_p50_s"]
+        found["shared prefix: output tokens/s, cache on / off (>= 1.25)"] = (
+            on["output_tokens_per_s"] / off["output_tokens_per_s"]
+        )
+    if "multi_turn" in ours:
+        turns = ours["multi_turn"]["alone"]["ttft_p50_by_turn_s"]
+        if len(turns) > 1 and None not in turns[:2]:
+            found["multi-turn, one chat: turn 2's TTFT / turn 1's (<= 0.15)"] = turns[1] / turns[0]
     if "loaded" not in ours or "loaded" not in single:
-        return {}
+        return found
     alone = ours["alone"]
     return {
+        **found,
         f"aggregate tokens/s, {clients} clients / one at a time (>= 4)": ours["loaded"]["output_tokens_per_s"]
         / single["loaded"]["output_tokens_per_s"],
         "p99 inter-token latency / one client's step time (<= 3)": ours["loaded"]["itl_p99_s"]
@@ -244,6 +408,8 @@ def table(payload: dict) -> str:
 
     rows = []
     for name, result in payload["servers"].items():
+        if "error" not in result and "loaded" not in result:
+            continue
         if "error" in result:
             rows.append([name, f"not measured: {result['error'][:80]}"] + ["-"] * 5)
             continue
@@ -260,6 +426,12 @@ def table(payload: dict) -> str:
             ]
         )
     config = payload["config"]
+    if not rows:
+        return workload_table(payload).lstrip("\n") + (
+            "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
+            if payload["targets"]
+            else ""
+        )
     header = [
         "server",
         "output tokens/s",
@@ -276,9 +448,41 @@ def table(payload: dict) -> str:
         + ".\n\n"
         + markdown_table(header, rows)
     )
+    text += workload_table(payload)
     if payload["targets"]:
         text += "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
     return text
+
+
+def workload_table(payload: dict) -> str:
+    """The shared-prefix and multi-turn workloads, the prefix cache on and off ("" if not run)."""
+
+    def ms(value):
+        return "-" if value is None else f"{1e3 * value:.0f}"
+
+    rows = []
+    for name, result in payload["servers"].items():
+        for key, label in (("shared_prefix", "shared prefix"), ("multi_turn", "multi-turn")):
+            measured = result.get(key)
+            if measured is None:
+                continue
+            loaded = measured.get("loaded", measured)
+            by_turn = measured["alone"]["ttft_p50_by_turn_s"] if key == "multi_turn" else []
+            rows.append([label, name, f"{loaded['output_tokens_per_s']:.1f}", ms(loaded["ttft_p50_s"]),
+                         ms(loaded["ttft_p99_s"]), ms(loaded["itl_p50_s"]), ms(loaded["itl_p99_s"]),
+                         " / ".join(ms(t) for t in by_turn) or "-"])  # fmt: skip
+    if not rows:
+        return ""
+    config = payload["config"]
+    header = ["workload", "server", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+              "ITL p99 ms", "one chat: TTFT by turn ms"]  # fmt: skip
+    return (
+        f"\n\nshared prefix: {config['requests']} requests after one {config['system_tokens']}-token system "
+        f"prompt, {config['clients']} clients; multi-turn: {config['chats']} chats of {config['turns']} turns "
+        f"in flight, a {config['history_tokens']}-token first message, {config['turn_tokens']} tokens a turn; "
+        f"load average {' '.join(f'{x:.1f}' for x in config['load_average'])}.\n\n"
+        + markdown_table(header, rows)
+    )
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -320,6 +524,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)"
     )
+    parser.add_argument("--kv-blocks", type=int, help="flashformer serve's --kv-blocks (default: its own)")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (mixed: today's questions; the others run "
+        "with the prefix cache on and off)",
+    )
+    parser.add_argument(
+        "--system-tokens", type=int, default=512, help="shared-prefix: the system prompt's tokens"
+    )
+    parser.add_argument("--chats", type=int, default=4, help="multi-turn: chats in flight")
+    parser.add_argument("--turns", type=int, default=3, help="multi-turn: turns of each chat")
+    parser.add_argument(
+        "--history-tokens", type=int, default=1000, help="multi-turn: tokens of a chat's first message"
+    )
+    parser.add_argument("--turn-tokens", type=int, default=32, help="multi-turn: max_tokens of each turn")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 

@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens computed per step while sequences decode (8x when none does): "
         "smaller shortens the steps (inter-token latency), larger the time to first token",
     )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt whole (by default a prompt's beginning shared with earlier "
+        "requests is reused from the KV cache)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
 
 
@@ -82,6 +88,7 @@ def main_from_args(args) -> None:
             prefill_chunk=args.prefill_chunk,
             prefill_budget=args.prefill_budget,
             max_waiting=args.max_waiting,
+            prefix_cache=not args.no_prefix_cache,
         )
         what = f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens"
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")

@@ -3,7 +3,8 @@
 Each step the engine
 1. drops the sequences whose clients went away and frees their blocks;
 2. admits waiting sequences while the batch has room and the pool has the
-   blocks their prompt needs (scheduler.py: admission);
+   blocks their prompt needs, each starting after the longest cached prefix
+   it may reuse (scheduler.py: admission, prefix caching);
 3. runs this step's prompt chunks (scheduler.py: the prefill plan, chunks
    within a budget) and one decode step for every sequence past its prompt
    (scheduler.py: making room, preempting the newest sequence when the pool
@@ -137,6 +138,9 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.blocks: list[int] = []
         self.computed = 0  # tokens whose keys and values are in the blocks
+        self.block_hashes: list[bytes] = []  # the prefix cache's chain hashes of its full blocks
+        self.registered = 0  # its first blocks registered in (or found in) the prefix cache
+        self.cached_tokens: int | None = None  # tokens reused at its first admission
         self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
         self.history: TokenHistory | None = None  # for the penalties; made at the first sample
         self.finish_reason: str | None = None
@@ -163,7 +167,9 @@ class Engine(ModelLoop):
     max_batch: sequences decoded together (and the fixed batch of every decode step);
     num_blocks, block_size: the KV pool; context: the most tokens a sequence may hold;
     prefill_chunk, prefill_budget: a prompt's chunk and the prompt tokens a step may compute
-    while others decode; max_waiting: sequences that may wait before submit() raises Busy.
+    while others decode; max_waiting: sequences that may wait before submit() raises Busy;
+    prefix_cache: reuse the cached keys and values of prompts' common beginnings
+    (scheduler.py: prefix caching).
     """
 
     def __init__(
@@ -178,6 +184,7 @@ class Engine(ModelLoop):
         prefill_chunk: int = 128,
         prefill_budget: int = 128,
         max_waiting: int = 256,
+        prefix_cache: bool = True,
     ):
         super().__init__(max_waiting)
         self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
@@ -191,6 +198,8 @@ class Engine(ModelLoop):
             prefill_chunk=prefill_chunk,
             prefill_budget=prefill_budget,
             on_waiting=self._count_waiting,
+            prefix_cache=prefix_cache,
+            rows_alone=not self.runner.pad_decode,
         )
         self.counts = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
 
@@ -209,7 +218,13 @@ class Engine(ModelLoop):
     @property
     def stats(self) -> dict:
         """Counters since the start (/metrics reports them)."""
-        return {**self.counts, "preemptions": self.scheduler.preemptions}
+        scheduler = self.scheduler
+        return {
+            **self.counts,
+            "preemptions": scheduler.preemptions,
+            "prefix_cache_queries": scheduler.cache_queries,
+            "prefix_cache_hits": scheduler.cache_hits,
+        }
 
     # ---- the other threads' side ----
 
@@ -240,6 +255,8 @@ class Engine(ModelLoop):
             "sequences_waiting": self._waiting_count,
             "kv_blocks_in_use": self.pool.in_use,
             "kv_blocks_total": self.pool.capacity,
+            "kv_blocks_cached": self.pool.cached,
+            "prefix_cache_hit_rate": self.scheduler.cache_hits / max(1, self.scheduler.cache_queries),
             "tokens_per_second": self._rate(),
             **self.stats,
         }
@@ -302,12 +319,14 @@ class Engine(ModelLoop):
         """Prompt chunks one forward each (a batch of one), then one decode step for all."""
         for sequence, start, end in self.scheduler.prefill_plan(self.scheduler.budget()):
             logits = self.runner.prefill(sequence, start, end)
+            self.scheduler.remember([sequence])
             self.counts["prompt_tokens"] += end - start
             if sequence.computed == len(sequence.tokens):  # a fresh prompt's last chunk
                 self._sample(sequence, logits)
         decoding = self._make_room(self.scheduler.decoding())
         if decoding:
             logits = self.runner.decode(decoding)  # (N, vocab)
+            self.scheduler.remember(decoding)
             for sequence, row_logits in zip(decoding, logits):
                 if sequence.computed == len(sequence.tokens):  # caught up: a new token
                     self._sample(sequence, row_logits)
@@ -322,6 +341,7 @@ class Engine(ModelLoop):
         if not work:
             return
         ready = self.runner.packed(work)
+        self.scheduler.remember([sequence for sequence, _, _ in work])
         self.counts["prompt_tokens"] += sum(end - start for _, start, end in plan)
         for sequence, row_logits in ready:
             self._sample(sequence, row_logits)
@@ -406,6 +426,8 @@ class Engine(ModelLoop):
                 "prompt_tokens": prompt,
                 "completion_tokens": request.completion_tokens,
                 "total_tokens": prompt + request.completion_tokens,
+                # the prompt tokens the prefix cache gave the first choice at its first admission
+                "prompt_tokens_details": {"cached_tokens": request.sequences[0].cached_tokens or 0},
             }
             request.emit(Event("done", usage=usage))
 

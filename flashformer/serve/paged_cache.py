@@ -15,9 +15,20 @@ and a finished sequence's blocks serve the next one at once. The first
 `reserved` blocks are kept aside: the rows that pad a batch to its fixed
 size write there (each to a slot of its own) and read only them, so they
 never touch a sequence's blocks.
+
+Prefix caching (BlockPool): full computed blocks are registered under a
+hash of their tokens chained with every block before them; a later sequence
+that begins with the same tokens holds those blocks too (reference counts)
+instead of computing them again, and blocks nobody holds stay findable,
+evicted least recently released first, until an allocation needs them.
+The scheduler decides which blocks may be registered and reused.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -27,8 +38,22 @@ from flashformer.generate.cache import cache_dtype
 
 
 class BlockPool:
-    """Which of num_blocks blocks are free. Allocation is all or nothing.
-    Blocks 0 .. reserved - 1 are scratch, never given out."""
+    """Which of num_blocks blocks are free, how many sequences hold each, and which hold a
+    cached prefix. Allocation is all or nothing. Blocks 0 .. reserved - 1 are scratch, never
+    given out.
+
+    Prefix caching (vLLM's automatic prefix caching): a full block whose keys and values are
+    computed can be registered under its chain hash (`block_hash`: its tokens and the hash of
+    every block before it, so one hash names the whole prefix up to the block's end). Another
+    sequence whose tokens begin the same way finds the longest run of such blocks (`lookup`)
+    and holds them too (`share`): a reference count says how many sequences hold a block. A
+    block nobody holds is free; a free block that holds a cached prefix stays findable, in
+    least-recently-released order, until an allocation finds no never-cached block left and
+    takes it (its hash is forgotten then). A sequence's blocks are released last block first,
+    so its tail (the part least likely shared) goes before its head.
+
+    The hash covers the tokens only: one pool serves one model with one quantization and one
+    KV dtype (an Engine owns it), and nothing else changes a block's keys and values."""
 
     def __init__(self, num_blocks: int, block_size: int, reserved: int = 1):
         if block_size < 1 or reserved < 1 or num_blocks <= reserved:
@@ -37,15 +62,31 @@ class BlockPool:
                 f"got num_blocks={num_blocks}, block_size={block_size}, reserved={reserved}"
             )
         self.num_blocks, self.block_size, self.reserved = num_blocks, block_size, reserved
-        self._free = list(range(num_blocks - 1, reserved - 1, -1))  # a stack: low blocks first
+        self._empty = list(range(num_blocks - 1, reserved - 1, -1))  # never cached: a stack, low first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free and cached: oldest first
+        self._refs = [0] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take (cached ones nobody holds included)."""
+        return len(self._empty) + len(self._evictable)
 
     @property
     def in_use(self) -> int:
-        return self.capacity - len(self._free)
+        """Blocks some sequence holds."""
+        return self.capacity - self.free
+
+    @property
+    def cached(self) -> int:
+        """Blocks holding a registered prefix, held or not."""
+        return len(self._by_hash)
+
+    @property
+    def cached_free(self) -> int:
+        """Cached blocks nobody holds (kept until an allocation needs them)."""
+        return len(self._evictable)
 
     @property
     def capacity(self) -> int:
@@ -63,14 +104,81 @@ class BlockPool:
         return -(-tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int] | None:
-        """`count` blocks, or None (and nothing taken) when fewer are free."""
-        if count > len(self._free):
+        """`count` blocks, each held once, or None (and nothing taken) when fewer are free:
+        never-cached blocks first, then the least recently released cached ones."""
+        if count > self.free:
             return None
-        taken, self._free = self._free[len(self._free) - count :], self._free[: len(self._free) - count]
-        return taken[::-1]
+        taken = [self._empty.pop() for _ in range(min(count, len(self._empty)))]
+        while len(taken) < count:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            taken.append(block)
+        for block in taken:
+            self._refs[block] = 1
+        return taken
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """One holder fewer for each block; a block nobody holds is free (still findable when
+        cached). Last block first: a sequence's tail is evicted before its head."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._empty.append(block)
+
+    # ---- the prefix cache ----
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest run of `hashes` (a sequence's chain hashes, first block
+        first) that are cached; nothing is taken (see share)."""
+        found = []
+        for digest in hashes:
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def free_among(self, blocks: list[int]) -> int:
+        """How many of `blocks` nobody holds (sharing them takes them from the free ones)."""
+        return sum(self._refs[block] == 0 for block in blocks)
+
+    def share(self, blocks: list[int]) -> None:
+        """Hold cached blocks once more (a free one stops being evictable)."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def register(self, block: int, digest: bytes) -> None:
+        """Make a held block, full and computed, findable under `digest`. A prefix already
+        cached in another block (two sequences computed it at once) keeps that one: this block
+        stays uncached and is reused as an empty one when released."""
+        if digest not in self._by_hash and block not in self._hash_of:
+            self._by_hash[digest] = block
+            self._hash_of[block] = digest
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """The chain hash of a full block: SHA-256 of the previous block's hash and this block's
+    token ids, so equal hashes mean equal prefixes (a collision, 2^-128 likely, is the only
+    way two prefixes could share keys and values)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+def extend_hashes(hashes: list[bytes], tokens: list[int], block_size: int, count: int) -> list[bytes]:
+    """`hashes` (the chain hashes of the first full blocks of `tokens`) extended, in place, to
+    the first `count` blocks (count * block_size <= len(tokens)); returns it."""
+    for i in range(len(hashes), count):
+        hashes.append(
+            block_hash(hashes[-1] if hashes else None, tokens[i * block_size : (i + 1) * block_size])
+        )
+    return hashes
 
 
 class PagedBatch:

@@ -17,17 +17,34 @@ computes its prompt again and then replays the tokens it had generated, one deco
 so its cache is rebuilt by the very same operations as before and it continues with the same
 tokens. A sequence alone in the batch that fills the whole pool ends with "length".
 
+Prefix caching (paged_cache.BlockPool; on unless prefix_cache=False): a sequence admitted
+holds the longest run of cached full blocks that begins its tokens and starts computing after
+them; at least its newest token is always computed, so that it has logits. Reuse is exact
+(the same bits as computing everything) because a block is registered and reused only where
+its keys and values are what this sequence would compute itself:
+- rows_alone (a model whose every row is computed alone, the same bits in any chunk or decode
+  step: runner.pads_decode is False): every full computed block is registered, prompt or
+  generated, and reused at block granularity.
+- otherwise (float matmuls, whose rows may round differently with the rows of the call): a
+  prompt's chunks are its shapes, so only blocks inside the prompt's full prefill chunks are
+  registered, and reuse stops at a multiple of prefill_chunk (and of block_size): the chunks
+  computed after it are the very chunks the sequence computes without the cache.
+A preempted or finished sequence's blocks stay cached for others, a cancelled one's too.
+
 A sequence is anything with engine.Sequence's fields: tokens, prompt_len, blocks, computed
 (tokens whose keys and values are in the blocks), arrival (its place in arrival order),
-finish_reason, in_prefill and request.cancelled.
+finish_reason, in_prefill and request.cancelled; for the prefix cache block_hashes (its full
+blocks' chain hashes, grown as needed), registered (its first blocks that are registered or
+were found cached) and cached_tokens (the tokens reused at its first admission; None before).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 
-from flashformer.serve.paged_cache import BlockPool
+from flashformer.serve.paged_cache import BlockPool, extend_hashes
 
 # A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
 # multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
@@ -39,7 +56,8 @@ class Scheduler:
     """The queue, the batch and the blocks they hold; see the module docstring.
 
     on_waiting(change) is told each time the waiting queue grows or shrinks (the loop's waiting
-    count, which submit() reads to answer Busy)."""
+    count, which submit() reads to answer Busy). prefix_cache and rows_alone: see the module
+    docstring."""
 
     def __init__(
         self,
@@ -49,13 +67,19 @@ class Scheduler:
         prefill_chunk: int,
         prefill_budget: int,
         on_waiting: Callable[[int], None] = lambda change: None,
+        prefix_cache: bool = True,
+        rows_alone: bool = False,
     ):
         self.pool, self.max_batch = pool, max_batch
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.on_waiting = on_waiting
+        self.prefix_cache, self.rows_alone = prefix_cache, rows_alone
+        # reuse stops at a multiple of this many tokens (see the module docstring)
+        self.reuse_step = pool.block_size if rows_alone else math.lcm(pool.block_size, prefill_chunk)
         self.waiting: deque = deque()
         self.running: list = []
         self.preemptions = 0
+        self.cache_queries = self.cache_hits = 0  # tokens looked up and reused at admissions
 
     # ---- admission ----
 
@@ -67,12 +91,59 @@ class Scheduler:
             if sequence.finish_reason is not None:
                 self._leave_queue()
                 continue
-            blocks = self.pool.allocate(self.pool.blocks_for(len(sequence.tokens) + 1))
-            if blocks is None:
+            reused = self._cached_prefix(sequence)
+            need = self.pool.blocks_for(len(sequence.tokens) + 1) - len(reused)
+            if need > self.pool.free - self.pool.free_among(reused):
                 return
             self._leave_queue()
-            sequence.blocks, sequence.computed = blocks, 0
+            self.pool.share(reused)
+            sequence.blocks = reused + self.pool.allocate(need)
+            sequence.computed = len(reused) * self.pool.block_size
+            sequence.registered = len(reused)
+            if sequence.cached_tokens is None:
+                sequence.cached_tokens = sequence.computed
+            if self.prefix_cache:
+                self.cache_queries += len(sequence.tokens)
+                self.cache_hits += sequence.computed
             self.running.append(sequence)
+
+    def _cached_prefix(self, sequence) -> list[int]:
+        """The cached blocks the sequence may start from (not yet held): the longest cached run
+        of its full blocks, cut to leave its newest token to compute and, without rows_alone,
+        to its prompt's full chunks, at a multiple of reuse_step."""
+        if not self.prefix_cache:
+            return []
+        size = self.pool.block_size
+        full = len(sequence.tokens) // size
+        found = self.pool.lookup(extend_hashes(sequence.block_hashes, sequence.tokens, size, full))
+        limit = len(sequence.tokens) - 1
+        if not self.rows_alone:
+            limit = min(limit, self._full_chunks(sequence))
+        tokens = min(len(found) * size, limit) // self.reuse_step * self.reuse_step
+        return found[: tokens // size]
+
+    def _full_chunks(self, sequence) -> int:
+        """The prompt tokens in full prefill chunks (their keys and values are computed with the
+        same shapes by every sequence that shares them)."""
+        return sequence.prompt_len // self.prefill_chunk * self.prefill_chunk
+
+    def remember(self, sequences: list) -> None:
+        """Register the sequences' full blocks computed since (see the module docstring); called
+        after each forward, while the sequences still hold their blocks."""
+        if not self.prefix_cache:
+            return
+        size = self.pool.block_size
+        for sequence in sequences:
+            computed = (
+                sequence.computed if self.rows_alone else min(sequence.computed, self._full_chunks(sequence))
+            )
+            count = min(computed // size, len(sequence.blocks))
+            if count <= sequence.registered:
+                continue
+            hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, count)
+            for i in range(sequence.registered, count):
+                self.pool.register(sequence.blocks[i], hashes[i])
+            sequence.registered = count
 
     def drop_cancelled_waiting(self) -> None:
         """Waiting sequences whose client went away leave the queue."""
@@ -141,14 +212,15 @@ class Scheduler:
     def preempt(self, sequence) -> None:
         """Free the sequence's blocks and put it first in the queue (it replays when readmitted)."""
         self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.computed = [], 0
+        sequence.blocks, sequence.computed, sequence.registered = [], 0, 0
         self.running.remove(sequence)
         self.waiting.appendleft(sequence)
         self.on_waiting(1)
         self.preemptions += 1
 
     def finish(self, sequence) -> None:
-        """A finished sequence leaves the batch; its blocks serve others at once."""
+        """A finished sequence leaves the batch; its blocks serve others at once (its cached
+        ones stay findable until then)."""
         if sequence in self.running:
             self.running.remove(sequence)
             self.pool.release(sequence.blocks)

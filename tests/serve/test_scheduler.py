@@ -75,3 +75,32 @@ def test_making_room_preempts_the_newest_and_a_sequence_alone_ends_at_the_pool()
     ready, ended = s.make_room([old])
     assert (ready, ended) == ([], [old]) and old.finish_reason == "length"
     assert s.running == [] and s.pool.in_use == 0
+
+
+def test_admission_reuses_the_cached_prefix_by_the_rules_of_exactness():
+    """A prompt of 22 tokens whose first 5 blocks of 4 are cached: with rows computed alone it
+    starts at token 20 (block granularity; token 21, its newest, is computed); with float
+    matmuls at 16, the last multiple of the chunk (8) inside its full chunks. It holds the
+    cached blocks (shared, not copied) and new ones for the rest."""
+    for rows_alone, reused in ((True, 20), (False, 16)):
+        changes: list[int] = []
+        pool = BlockPool(32, 4)
+        s = Scheduler(pool, max_batch=4, prefill_chunk=8, prefill_budget=8, on_waiting=changes.append,
+                      rows_alone=rows_alone)  # fmt: skip
+        earlier = sequence(22)
+        s.waiting.append(earlier)
+        s.admit()
+        earlier.computed = 21
+        s.remember([earlier])  # rows alone: blocks 0-4 (tokens 0..19); float: 0-3 (full chunks)
+        assert earlier.registered == (5 if rows_alone else 4)
+        held = list(earlier.blocks)
+        s.finish(earlier)
+        assert pool.in_use == 0 and pool.cached == earlier.registered
+        later = sequence(22)
+        s.waiting.append(later)
+        s.admit()
+        assert later.computed == reused == later.cached_tokens
+        assert later.blocks[: reused // 4] == held[: reused // 4]  # the very blocks
+        assert len(later.blocks) == 6 and pool.in_use == 6  # ceil(23 / 4) blocks, none copied
+        assert s.prefill_plan(64) == [(later, reused, 22)]  # to the chunk's end: the prompt's
+        assert (s.cache_queries, s.cache_hits) == (44, reused)

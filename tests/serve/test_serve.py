@@ -268,6 +268,35 @@ def test_a_client_that_disconnects_is_cancelled_and_its_blocks_freed(client, ser
     assert chat(client, QUESTIONS[0], max_tokens=3, temperature=0).choices[0].message.content
 
 
+def test_a_repeated_prompt_reuses_its_cached_prefix_and_the_flag_turns_it_off(
+    client, server, tiny_chat_model
+):
+    """The second time, the prompt's first full chunk (128 tokens: a float32 model reuses whole
+    prefill chunks) comes from the prefix cache, reported in usage and /metrics; the answer is
+    the same, and the same as a server's with --no-prefix-cache, which reuses nothing."""
+    question = QUESTIONS[1] * 8  # about 160 tokens with the chat template
+    before = metrics(server)
+    first, second = (chat(client, question, max_tokens=8, temperature=0) for _ in range(2))
+    after = metrics(server)
+    assert first.usage.prompt_tokens > 128
+    assert second.usage.prompt_tokens_details.cached_tokens == 128
+    assert after["flashformer_prefix_cache_hits_total"] - before["flashformer_prefix_cache_hits_total"] >= 128
+    assert after["flashformer_kv_blocks_cached"] >= 8 and 0 < after["flashformer_prefix_cache_hit_rate"] <= 1
+    assert first.choices[0].message.content == second.choices[0].message.content
+    from openai import OpenAI
+
+    process, url = start_server(tiny_chat_model, "--no-prefix-cache", "--kv-blocks", "32")
+    try:
+        uncached = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        replies = [chat(uncached, question, max_tokens=8, temperature=0) for _ in range(2)]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 0]
+        assert [r.choices[0].message.content for r in replies] == [first.choices[0].message.content] * 2
+        assert metrics(url)["flashformer_kv_blocks_cached"] == 0
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 BAD = [
     ("malformed JSON", b"{not json", 400, "not valid JSON"),
     (
@@ -430,11 +459,20 @@ def rss_bytes(pid: int) -> int:
 
 def test_a_storm_of_requests_disconnects_and_bad_requests(tiny_chat_model):
     """Valid requests complete with their solo answers however many clients go away or send
-    garbage beside them; the KV pool empties; a second storm does not grow the server's memory."""
+    garbage beside them (sharing cached prefixes with them); the KV pool is back to cached blocks
+    nobody holds; a second storm does not grow the server's memory."""
     from openai import AsyncOpenAI
 
     process, url = start_server(
-        tiny_chat_model, "--max-batch", "8", "--kv-blocks", "64", "--max-waiting", "512"
+        tiny_chat_model,
+        "--max-batch",
+        "8",
+        "--kv-blocks",
+        "64",
+        "--max-waiting",
+        "512",
+        "--prefill-chunk",
+        "16",
     )
     name = tiny_chat_model.name
     valid = [(QUESTIONS[i % 4], 4 + i % 7) for i in range(12)]
@@ -489,7 +527,9 @@ def test_a_storm_of_requests_disconnects_and_bad_requests(tiny_chat_model):
         deadline = time.monotonic() + 10
         while metrics(url)["flashformer_kv_blocks_in_use"] > 0 and time.monotonic() < deadline:
             time.sleep(0.1)
+        # back to cached blocks that nobody holds: the repeated questions' prefixes
         assert metrics(url)["flashformer_kv_blocks_in_use"] == 0
+        assert metrics(url)["flashformer_kv_blocks_cached"] > 0
         assert metrics(url)["flashformer_sequences_waiting"] == 0
         assert rss_bytes(process.pid) < memory * 1.1, "the server's memory grew over the second storm"
     finally:

@@ -1,0 +1,63 @@
+"""bench serve's workloads and ratios without a server: the system prompt and the chats have
+the tokens asked for, and the targets are the ratios of hand-made results."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from flashformer.bench import serve
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
+
+    return read_tokenizer(smollm2_path())
+
+
+def arguments(**given) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(["model.gguf", *(f"--{k.replace('_', '-')}={v}" for k, v in given.items())])
+
+
+def test_the_shared_prompt_and_the_chats_have_their_tokens(tokenizer):
+    args = arguments(requests=5, system_tokens=512, chats=2, turns=3, history_tokens=300)
+    jobs = serve.shared_prefix_jobs(tokenizer, args)
+    systems = {messages[0]["content"] for messages, _ in jobs}
+    assert len(jobs) == 5 and len(systems) == 1
+    assert (
+        512 <= len(tokenizer.encode(systems.pop())) <= 540
+    )  # the words that make 512 tokens, and a preamble
+    chats = serve.chats(tokenizer, args)
+    assert [len(c) for c in chats] == [3, 3] and chats[0][0] != chats[1][0]
+    assert all(len(tokenizer.encode(c[0])) >= 300 for c in chats)
+    assert all(len(message.split()) <= 26 for c in chats for message in c[1:])  # short follow-ups
+
+
+def test_the_targets_are_the_ratios_of_cache_on_and_off():
+    def result(ttft, rate):
+        return {"ttft_p50_s": ttft, "output_tokens_per_s": rate}
+
+    results = {
+        "flashformer (max batch 16)": {
+            "shared_prefix": result(0.5, 30.0),
+            "multi_turn": {"alone": {"ttft_p50_by_turn_s": [2.0, 0.2, 0.3]}},
+        },
+        "flashformer (max batch 16, no prefix cache)": {"shared_prefix": result(2.0, 20.0)},
+    }
+    found = serve.targets(results, 16)
+    assert found == {
+        "shared prefix: TTFT p50, cache on / off (<= 0.5)": 0.25,
+        "shared prefix: output tokens/s, cache on / off (>= 1.25)": 1.5,
+        "multi-turn, one chat: turn 2's TTFT / turn 1's (<= 0.15)": pytest.approx(0.1),
+    }
+
+
+def test_unknown_workloads_are_refused_by_name():
+    assert serve.names("mixed,multi-turn") == ["mixed", "multi-turn"]
+    with pytest.raises(ValueError, match="--workloads takes some of mixed, shared-prefix, multi-turn"):
+        serve.names("mixed,chat")
