@@ -117,10 +117,17 @@ NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
 
 
 def assert_within_budget(got, eager_low, reference, label: str, slack: float = 1e-5) -> None:
-    """err(got) <= 2 * err(eager in the same dtype) + slack, for every output."""
+    """err(got) <= 2 * err(eager in the same dtype) + slack * max(1, max |reference|), for every
+    output. The epsilon scales with the output's magnitude, as flash-attn's own epsilon term does
+    (the reference's rounding at its size): float rounding is relative, and in float32, where
+    eager's error is itself a few ulps, a fixed absolute epsilon judged a gradient of size 11
+    (dk with dropout 0.3 and 16 x 32 tiles) by the rounding of values of size 1 (3.2e-5 against
+    a budget of 3.0e-5 on an Intel Xeon's matmuls; an AMD EPYC's passed)."""
     for name, g, e, r in zip(NAMES, got, eager_low, reference):
         if g is None or r is None:
             continue
         assert torch.isfinite(g).logical_or(torch.isinf(r)).all(), f"{label}: {name} has NaN/inf"
-        err, budget = max_err(g, r), 2 * max_err(e, r) + slack
+        finite = r[torch.isfinite(r)]
+        size = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+        err, budget = max_err(g, r), 2 * max_err(e, r) + slack * size
         assert err <= budget, f"{label}: {name} error {err:.3g} > budget {budget:.3g}"
