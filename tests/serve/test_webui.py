@@ -16,6 +16,7 @@ import socket
 import statistics
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -91,6 +92,7 @@ class EchoEngine:
 
     context = 1 << 20
     tokenizer = EchoTokenizer()
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=256))  # logit_bias ids are checked on it
 
     def submit(self, request) -> None:
         text = bytes(request.prompt_ids).decode()
