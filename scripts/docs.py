@@ -102,6 +102,15 @@ MEASURED = {
         )
         for mode in ("gguf", "int8", "int4")
     },
+    "generate-gemma3-gguf": (
+        'flashformer bench generate --model "$GEMMA3" --quantize gguf --threads 2',
+        "generate_model",
+    ),
+    "generate-llama1b-shape-gguf": (
+        "flashformer bench generate --model llama-1b-shape-q4_k_m.gguf --quantize gguf --threads 2 "
+        "--no-transformers --new-tokens 128",
+        "generate_model",
+    ),
     "serve-smollm2": ('flashformer bench serve "$SMOLLM2" --quantize gguf', "serve"),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
