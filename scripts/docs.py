@@ -114,6 +114,7 @@ MEASURED = {
     "serve-smollm2": ('flashformer bench serve "$SMOLLM2" --quantize gguf', "serve"),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
+    "quality-gemma3": ('flashformer bench quality "$GEMMA3" --files 3 --threads 2', "quality"),
 }
 
 

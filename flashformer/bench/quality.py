@@ -117,7 +117,7 @@ def run(model: str, run_path: str | None, args) -> dict:
             print(f"{name}: llama.cpp ...", flush=True)
             found = score_llama_cpp(path, texts, args.context, args.stride, args.threads)
             if found is not None:
-                results["llama.cpp (its Q4_1 blocks, 8-bit activations)"] = found
+                results["llama.cpp (the file's blocks, 8-bit activations)"] = found
         payload["models"][name] = results
     return payload
 

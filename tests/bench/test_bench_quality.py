@@ -28,7 +28,7 @@ def test_table_and_plot_from_a_payload(tmp_path):
                 "float32": result(8.0),
                 "int8": result(8.04),
                 "gguf blocks, int8 activations": result(8.1),
-                "llama.cpp (its Q4_1 blocks, 8-bit activations)": result(8.0),
+                "llama.cpp (the file's blocks, 8-bit activations)": result(8.0),
             }
         },
     }
