@@ -384,14 +384,7 @@ at::Tensor kquant_autograd(const at::Tensor& x, const at::Tensor& blocks, const 
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     out = op.call(x, blocks, bias, out_features, int8_activations);
   }
-  if (torch::autograd::compute_requires_grad(x, bias)) {
-    auto error = c10::make_intrusive<torch::autograd::Error>(
-        std::string(kName) +
-            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
-            "buffers. Train or fine-tune the float model, then quantize it.",
-        torch::autograd::collect_next_edges(x, bias));
-    torch::autograd::set_history(out, error);
-  }
+  refuse_backward(kName, out, x, bias);
   return out;
 }
 

@@ -112,6 +112,20 @@ struct OutputMatrix {
   }
 };
 
+// Where x or the bias asks for gradients, `out` gets a backward node that raises: the weights
+// are integer buffers. Shared by every quantized operator's autograd kernel.
+inline void refuse_backward(const char* name, at::Tensor& out, const at::Tensor& x,
+                            const std::optional<at::Tensor>& bias) {
+  if (torch::autograd::compute_requires_grad(x, bias)) {
+    auto error = c10::make_intrusive<torch::autograd::Error>(
+        std::string(name) +
+            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
+            "buffers. Train or fine-tune the float model, then quantize it.",
+        torch::autograd::collect_next_edges(x, bias));
+    torch::autograd::set_history(out, error);
+  }
+}
+
 using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, int64_t, bool);
 
@@ -125,14 +139,7 @@ at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& qweight, const
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     out = op.call(x, qweight, scales, bias, out_features, int8_activations);
   }
-  if (torch::autograd::compute_requires_grad(x, bias)) {
-    auto error = c10::make_intrusive<torch::autograd::Error>(
-        std::string(kName) +
-            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
-            "buffers. Train or fine-tune the float model, then quantize it.",
-        torch::autograd::collect_next_edges(x, bias));
-    torch::autograd::set_history(out, error);
-  }
+  refuse_backward(kName, out, x, bias);
   return out;
 }
 
