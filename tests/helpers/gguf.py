@@ -190,15 +190,23 @@ def tiny_llama(
     return model
 
 
-def llama_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
-    """GGUF tensors of a transformers LlamaForCausalLM; types(gguf name) -> the type to store it in."""
+def decoder_outer_tensors(model, norm_offset: float = 0.0):
+    """(config, state as numpy, the GGUF tensors outside the blocks) of a transformers decoder with
+    `model.` names: the token table, the final norm (+ norm_offset: gemma stores 1 + w) and an
+    untied head."""
     config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
     tensors = {
         "token_embd.weight": state["model.embed_tokens.weight"],
-        "output_norm.weight": state["model.norm.weight"],
+        "output_norm.weight": state["model.norm.weight"] + norm_offset,
     }
     if not config.tie_word_embeddings:
         tensors["output.weight"] = state["lm_head.weight"]
+    return config, state, tensors
+
+
+def llama_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
+    """GGUF tensors of a transformers LlamaForCausalLM; types(gguf name) -> the type to store it in."""
+    config, state, tensors = decoder_outer_tensors(model)
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
         tensors.update(
@@ -349,13 +357,7 @@ def tiny_qwen2(tie: bool = True, seed: int = 0):
 def qwen2_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
     """GGUF tensors of a transformers Qwen2ForCausalLM as llama.cpp writes them: the q/k rows as
     they are (ggml's NEOX RoPE reads transformers' rotate-half layout), q/k/v biases."""
-    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    tensors = {
-        "token_embd.weight": state["model.embed_tokens.weight"],
-        "output_norm.weight": state["model.norm.weight"],
-    }
-    if not config.tie_word_embeddings:
-        tensors["output.weight"] = state["lm_head.weight"]
+    config, state, tensors = decoder_outer_tensors(model)
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
         names = {
@@ -417,13 +419,7 @@ def tiny_phi3(partial_rotary_factor: float = 1.0, tie: bool = False, seed: int =
 
 def phi3_tensors(model, types) -> dict[str, tuple[np.ndarray, str]]:
     """GGUF tensors of a transformers Phi3ForCausalLM: qkv_proj as attn_qkv, gate_up_proj as ffn_up."""
-    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    tensors = {
-        "token_embd.weight": state["model.embed_tokens.weight"],
-        "output_norm.weight": state["model.norm.weight"],
-    }
-    if not config.tie_word_embeddings:
-        tensors["output.weight"] = state["lm_head.weight"]
+    config, state, tensors = decoder_outer_tensors(model)
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
         for ours, theirs in {
@@ -600,14 +596,8 @@ def tiny_new_decoder(arch: str, seed: int = 0, rope_scaling: dict | None = None,
 def new_decoder_tensors(model, arch: str) -> dict[str, tuple[np.ndarray, str]]:
     """The F32 GGUF tensors llama.cpp's converter writes for a qwen3 / gemma model: no q/k row
     permutation (these use half-split RoPE), gemma's norms stored as 1 + w."""
-    config, state = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
     offset = 1.0 if arch.startswith("gemma") else 0.0
-    tensors = {
-        "token_embd.weight": state["model.embed_tokens.weight"],
-        "output_norm.weight": state["model.norm.weight"] + offset,
-    }
-    if not config.tie_word_embeddings:
-        tensors["output.weight"] = state["lm_head.weight"]
+    config, state, tensors = decoder_outer_tensors(model, norm_offset=offset)
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
         for gguf_name, hf_name in (
