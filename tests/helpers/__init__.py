@@ -267,3 +267,31 @@ def study_payload(runs=("a", "b", "c", "d")):
             }
         },
     }
+
+
+def tiny_chat_folder(folder, max_positions: int):
+    """A Hugging Face folder the server tests serve: a 2-layer LLaMA (GQA 4/2) with weights large
+    enough that its next-token distributions are peaked (greedy choices far from ties), and
+    SmolLM2's tokenizer and chat template; `max_positions` tokens of context."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
+
+    tokenizer = read_tokenizer(smollm2_path())
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = perturbed(LlamaForCausalLM(config), scale=0.6)
+    model.save_pretrained(folder)
+    tokenizer.save(folder)
+    return folder

@@ -8,8 +8,7 @@ computed), itself checked against model.generate in test_serve.py."""
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import perturbed
+from helpers import tiny_chat_folder
 
 import flashformer
 from flashformer.serve.engine import Engine, Event, Request, SamplingParams
@@ -67,29 +66,7 @@ def test_chain_hashes_name_the_whole_prefix():
 def tiny_folder(tmp_path_factory):
     """A 2-layer LLaMA (GQA 4/2) with peaked next-token distributions, SmolLM2's tokenizer, a
     512-token context."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from flashformer.checkpoints.gguf import smollm2_path
-    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
-
-    tokenizer = read_tokenizer(smollm2_path())
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = perturbed(LlamaForCausalLM(config), scale=0.6)
-    folder = tmp_path_factory.mktemp("tiny-prefix")
-    model.save_pretrained(folder)
-    tokenizer.save(folder)
-    return folder
+    return tiny_chat_folder(tmp_path_factory.mktemp("tiny-prefix"), max_positions=512)
 
 
 SYSTEM = list(range(1000, 1100))  # a 100-token "system prompt" every request begins with

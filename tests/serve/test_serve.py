@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import perturbed
+from helpers import tiny_chat_folder
 
 import flashformer
 from flashformer.serve.engine import Busy, Engine, Event, Request, SamplingParams
@@ -36,29 +36,7 @@ def tiny_chat_model(tmp_path_factory):
     """A Hugging Face folder: a 2-layer LLaMA (GQA 4/2) with weights large enough that its
     next-token distributions are peaked (greedy choices are far from ties), and SmolLM2's
     tokenizer and chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from flashformer.checkpoints.gguf import smollm2_path
-    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
-
-    tokenizer = read_tokenizer(smollm2_path())
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = perturbed(LlamaForCausalLM(config), scale=0.6)
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    model.save_pretrained(folder)
-    tokenizer.save(folder)
-    return folder
+    return tiny_chat_folder(tmp_path_factory.mktemp("tiny-chat"), max_positions=256)
 
 
 def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
