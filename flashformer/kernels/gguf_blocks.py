@@ -51,11 +51,30 @@ def _halves(data: Tensor, start: int) -> Tensor:
 
 def fifth_bit_words(qh: Tensor) -> Tensor:
     """GGUF's qh bytes (..., 4) (bit j of the little-endian word: q[j]'s fifth bit) -> the packed
-    layout's word (...,) int32, its bits rearranged as FIFTH_BIT_SOURCE says."""
-    word = qh.to(torch.int64) << torch.tensor([0, 8, 16, 24])
-    bits = (word.sum(-1, keepdim=True) >> torch.arange(32)) & 1  # (..., 32): bit j = q[j]'s
-    word = (bits[..., FIFTH_BIT_SOURCE] << torch.arange(32)).sum(-1)  # (...,) in 0 .. 2^32 - 1
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    layout's word (...,) int32, its bits rearranged as FIFTH_BIT_SOURCE says.
+
+    Each input bit lands on one output bit, so the word is the OR (here: the sum of disjoint
+    bits) of four 256-entry tables, one per input byte: four gathers, where spreading every
+    bit to its own int64 took 0.8 s for Gemma 3 270M's Q5_0 tensors."""
+    word = _FIFTH_BIT_TABLES.gather(1, qh.reshape(-1, 4).to(torch.int64).t()).sum(0)  # (n,)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.view(qh.shape[:-1])
+
+
+def _fifth_bit_tables() -> Tensor:
+    """(4, 256) int64: table[i][v] = the output bits that byte i of the qh word set when it is v."""
+    destination = [0] * 32
+    for p, j in enumerate(FIFTH_BIT_SOURCE):
+        destination[j] = p  # input bit j -> output bit p
+    values = torch.arange(256)
+    tables = torch.zeros(4, 256, dtype=torch.int64)
+    for i in range(4):
+        for bit in range(8):
+            tables[i] += ((values >> bit) & 1) << destination[8 * i + bit]
+    return tables
+
+
+_FIFTH_BIT_TABLES = _fifth_bit_tables()
 
 
 def gguf_bits_of(words: Tensor) -> Tensor:

@@ -226,13 +226,7 @@ def _sentencepiece_bpe(metadata: dict, tokens: list[str], types: list[int], sour
     if merges is not None:
         pairs = [tuple(merge.split(" ")) for merge in merges]
     else:
-        candidates = []
-        for token, score in zip(tokens, scores):
-            splits = [(token[:i], token[i:]) for i in range(1, len(token))]
-            splits = [(a, b) for a, b in splits if a in vocab and b in vocab]
-            candidates += [(a, b, score) for a, b in sorted(splits, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
-        candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
-        pairs = [(a, b) for a, b, _ in candidates]
+        pairs = _merges_from_scores(tokens, scores, vocab)
     backend = Backend(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -243,6 +237,24 @@ def _sentencepiece_bpe(metadata: dict, tokens: list[str], types: list[int], sour
         steps.append(decoders.Strip(content=" ", left=1))
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+def _merges_from_scores(
+    tokens: list[str], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, ordered by the joined token's score (best
+    first), then the longer left part, then the longer right part, then the token's place in
+    the vocabulary (a split point fixes both parts, so a token's splits never tie).
+
+    One pass over plain tuples, sorted once: 262,144 Gemma tokens in about a second."""
+    candidates = []  # (score, len(left), len(right), -index): sorted descending
+    for index, (token, score) in enumerate(zip(tokens, scores)):
+        n = len(token)
+        candidates += [
+            (score, i, n - i, -index) for i in range(1, n) if token[:i] in vocab and token[i:] in vocab
+        ]
+    candidates.sort(reverse=True)
+    return [(tokens[-index][:i], tokens[-index][i:]) for _, i, _, index in candidates]
 
 
 def _bos_eos_template(backend: Backend, special: dict, add_bos: bool, add_eos: bool, source: str):

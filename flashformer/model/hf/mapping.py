@@ -27,16 +27,21 @@ class Rule:
     kind: str = "copy"
 
     def load(self, tensors: list[Tensor]) -> Tensor:
+        if any(t.is_meta for t in tensors):  # placeholders (a GGUF load's skeleton): the shape
+            # alone, without the ops' meta kernels (the first one imports torch._dynamo: 1.6 s)
+            return torch.empty(self._shape(tensors), dtype=tensors[0].dtype, device="meta")
         if self.kind == "cat":
-            if any(t.is_meta for t in tensors):  # placeholders (a GGUF load of quantized blocks):
-                # the shape alone, without torch.cat's meta kernel (it imports torch._dynamo)
-                return torch.empty(sum(len(t) for t in tensors), *tensors[0].shape[1:], device="meta")
             return torch.cat(tensors, dim=0)
         if self.kind == "plus_one":
             return (tensors[0].float() + 1).to(tensors[0].dtype)
         # contiguous: a transposed view would reach the model as its parameter (load_state_dict
         # with assign=True), and its layout decides which GEMM kernels run (see layers.linear)
         return tensors[0].t().contiguous() if self.kind == "t" else tensors[0]
+
+    def _shape(self, tensors: list[Tensor]) -> tuple[int, ...]:
+        if self.kind == "cat":
+            return (sum(len(t) for t in tensors), *tensors[0].shape[1:])
+        return tuple(tensors[0].shape[::-1]) if self.kind == "t" else tuple(tensors[0].shape)
 
     def save(self, tensor: Tensor, sizes: list[int]) -> list[Tensor]:
         if self.kind == "cat":
