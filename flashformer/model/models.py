@@ -33,6 +33,7 @@ from flashformer.model.config import ModelConfig, preset
 from flashformer.model.heads import MaskedLMHead, Pooler, make_task_head
 from flashformer.model.layers import Softcap, recording_attention
 from flashformer.model.recurrent import GRUModel, LSTMModel
+from flashformer.model.ssm import SSMModel
 from flashformer.model.stacks import Decoder, Embeddings, Encoder
 
 
@@ -311,6 +312,7 @@ MODEL_CLASSES = {
     "encoder-decoder": EncoderDecoderModel,
     "lstm": LSTMModel,
     "gru": GRUModel,
+    "ssm": SSMModel,
 }
 
 

@@ -17,6 +17,7 @@ from flashformer.train.trainer import Trainer
 ALTERNATIVES = {
     "lstm": lambda: preset("lstm-tiny", d_model=32),
     "gru": lambda: preset("gru-tiny", d_model=32),
+    "ssm": lambda: preset("mamba-tiny", d_model=32, ssm_state=4),
 }
 
 
