@@ -68,12 +68,33 @@ def transformer_config(width: int, layers: int, max_seq_len: int) -> ModelConfig
     )
 
 
+def preset_config(name: str, layers_per_block: int = 1) -> Callable[[int, int, int], ModelConfig]:
+    """A family that is a preset at another width (and layers_per_block layers per Transformer
+    block: two Mamba blocks stand in for one attention + MLP block, as in the Mamba paper)."""
+
+    def config(width: int, layers: int, max_seq_len: int) -> ModelConfig:
+        sizes = dict(d_model=width, n_heads=1, n_layers=layers * layers_per_block)  # (no heads to divide)
+        return preset(name, **sizes, max_seq_len=max_seq_len)
+
+    return config
+
+
+RECURRENT_WIDTHS = tuple(range(16, 513, 8))
+
 FAMILIES: dict[str, Family] = {
     "transformer": Family(
         "transformer",
         "causal softmax attention + MLP (gpt-mini's design, RoPE)",
         transformer_config,
         tuple(range(HEAD_DIM, 16 * HEAD_DIM + 1, HEAD_DIM)),
+    ),
+    "lstm": Family("lstm", "stacked nn.LSTM layers, tied head", preset_config("lstm-mini"), RECURRENT_WIDTHS),
+    "gru": Family("gru", "stacked nn.GRU layers, tied head", preset_config("gru-mini"), RECURRENT_WIDTHS),
+    "mamba": Family(
+        "mamba",
+        "Mamba-1 selective SSM blocks (two per Transformer block)",
+        preset_config("mamba-mini", layers_per_block=2),
+        RECURRENT_WIDTHS,
     ),
 }
 
@@ -85,13 +106,22 @@ def parameter_count(config: ModelConfig) -> int:
 
 def matched_width(family: Family, vocab_size: int, layers: int, target: int) -> tuple[int, int]:
     """(width, parameters) of the family's candidate width nearest `target` parameters (the smaller
-    width on a tie)."""
-    counts = {
-        w: parameter_count(family.config(w, layers, 1024).replace(vocab_size=vocab_size))
-        for w in family.widths
-    }
-    width = min(counts, key=lambda w: (abs(counts[w] - target), w))
-    return width, counts[width]
+    width on a tie). Parameters grow with the width, so a bisection builds a few models only."""
+
+    def count(width: int) -> int:
+        return parameter_count(family.config(width, layers, 1024).replace(vocab_size=vocab_size))
+
+    widths = sorted(family.widths)
+    low, high = 0, len(widths) - 1
+    while high - low > 1:  # invariant: the nearest is widths[low] or above, widths[high] or below
+        middle = (low + high) // 2
+        if count(widths[middle]) < target:
+            low = middle
+        else:
+            high = middle
+    candidates = {w: count(w) for w in {widths[low], widths[high]}}
+    width = min(candidates, key=lambda w: (abs(candidates[w] - target), w))
+    return width, candidates[width]
 
 
 # ---- the study's settings ----

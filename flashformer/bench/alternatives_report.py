@@ -190,18 +190,30 @@ def minutes_table(payload: dict) -> str:
     return markdown_table(["family", "minutes per corpus run", "minutes per task run"], rows)
 
 
-def table(payload: dict) -> str:
-    """The study's Markdown: settings, the headline table, accuracy against distance, speed and
-    memory against n, the crossovers, minutes per run."""
+def settings(payload: dict) -> str:
+    """One sentence: seeds, sizes, budgets, the machine and its load, the minutes."""
     c, minutes, load = payload["config"], payload["minutes"], payload["load_average"]
     machine = payload["machine"]
-    parts = [
+    return (
         f"{len(c['seeds'])} seeds ({', '.join(map(str, c['seeds']))}), mean (min-max); {c['layers']} layers; "
         f"corpus: {c['corpus_steps']} steps x {c['batch_size']} x {c['corpus_seq_len']} tokens "
         f"({c['tokenizer']} tokens); tasks: {c['task_steps']} steps x {c['batch_size']} x {c['task_seq_len']}. "
         f"Measured on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, "
         f"load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end; "
-        f"{minutes['total']:.1f} minutes in all ({minutes['training']:.1f} training, {minutes['speed']:.1f} speed).",
+        f"{minutes['total']:.1f} minutes in all ({minutes['training']:.1f} training, {minutes['speed']:.1f} speed)."
+    )
+
+
+def headline(payload: dict) -> str:
+    """The README's quote: the settings and the headline table."""
+    return settings(payload) + "\n\n" + headline_table(payload)
+
+
+def table(payload: dict) -> str:
+    """The study's Markdown: settings, the headline table, accuracy against distance, speed and
+    memory against n, the crossovers, minutes per run."""
+    parts = [
+        settings(payload),
         "Width and parameters: corpus / tasks (the vocabularies differ). Accuracy: on the answer tokens only.",
         headline_table(payload),
         *[

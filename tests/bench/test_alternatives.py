@@ -27,7 +27,12 @@ def corpus(tmp_path_factory):
 
 def tiny(corpus, **changes):
     return dataclasses.replace(
-        alternatives.TINY, data=(str(corpus),), seeds=(0,), tasks=("recall",), **changes
+        alternatives.TINY,
+        data=(str(corpus),),
+        seeds=(0,),
+        tasks=("recall",),
+        families=("transformer", "gru"),
+        **changes,
     )
 
 
@@ -42,8 +47,13 @@ def test_the_same_seed_gives_the_same_numbers(corpus, tmp_path):
     recall = first["tasks"]["recall"]["transformer"]["runs"][0]
     assert 0 <= recall["accuracy"] <= 1 and sum(recall["counts"].values()) == study.eval_examples * 8
     assert [p["n"] for p in first["decode"]["transformer"]] == list(study.decode_ns)
+    assert first["decode"]["gru"][0]["state_bytes"] == first["decode"]["gru"][1]["state_bytes"]  # flat in n
     text = alternatives_report.table(first)
-    assert "| **transformer** | 32 / 32 |" in text and "Accuracy against distance d, recall" in text
+    assert (
+        "| **transformer** | 32 / 32 |" in text
+        and "| **gru** |" in text
+        and "Accuracy against distance d, recall" in text
+    )
     alternatives_report.plot(first, tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 0
 
