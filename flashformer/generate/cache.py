@@ -137,6 +137,16 @@ def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -
     config = model.config
     n_layers = config.n_layers if config.arch == "decoder" else config.n_decoder_layers
     dtype = cache_dtype(model, device)
+    if config.attention_kind == "linear":  # S = sum phi(k) v^T, z = sum phi(k) (attention/linear.py)
+        features = config.head_dim if config.linear_feature_map == "elu" else config.linear_features
+        shape = (batch, config.n_kv_heads, features)
+        return [
+            RecurrentState(
+                S=torch.zeros(*shape, config.head_dim, dtype=dtype, device=device),
+                z=torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(n_layers)
+        ]
     return [
         KVCache(batch, config.n_kv_heads, max_len, config.head_dim, dtype=dtype, device=device)
         for _ in range(n_layers)

@@ -18,13 +18,23 @@ ALTERNATIVES = {
     "lstm": lambda: preset("lstm-tiny", d_model=32),
     "gru": lambda: preset("gru-tiny", d_model=32),
     "ssm": lambda: preset("mamba-tiny", d_model=32, ssm_state=4),
+    "linear": lambda: preset("gpt2-tiny", d_model=32, n_heads=2, d_ff=64, attention_kind="linear"),
+    "sparse": lambda: preset(
+        "gpt2-tiny",
+        d_model=32,
+        n_heads=2,
+        d_ff=64,
+        layer_types=("sliding_attention",) * 2,
+        sliding_window=8,
+        global_tokens=2,
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    for i in range(30):
+    for i in range(12):
         (folder / f"file{i}.py").write_text("def add(a, b):\n    return a + b\n" * (3 + i % 5) + f"# {i}\n")
     return folder
 
@@ -34,15 +44,15 @@ def test_each_alternative_trains_loads_and_generates(corpus, tmp_path, name):
     config = TrainConfig(
         data=[str(corpus)],
         tokenizer="byte",
-        seq_len=32,
-        batch_size=8,
-        max_steps=6,
+        seq_len=16,
+        batch_size=4,
+        max_steps=4,
         lr=1e-2,
         warmup_steps=1,
-        eval_every=3,
-        eval_batches=2,
-        log_every=3,
-        save_every=6,
+        eval_every=2,
+        eval_batches=1,
+        log_every=2,
+        save_every=4,
         sample_tokens=8,
         val_fraction=0.1,
     )
@@ -52,7 +62,9 @@ def test_each_alternative_trains_loads_and_generates(corpus, tmp_path, name):
     assert len(val) == 2 and val[-1] < val[0], val
     assert "val_bits_per_byte" in summary and summary["sample"]  # scored and sampled as a decoder
     model, tokenizer = load(Path(summary["checkpoint"]))
-    assert model.config.arch == ALTERNATIVES[name]().arch
+    expected = ALTERNATIVES[name]()
+    for field in ("arch", "attention_kind", "layer_types", "global_tokens", "ssm_state"):
+        assert getattr(model.config, field) == getattr(expected, field), field
     prompt = torch.tensor([tokenizer.encode("def ")])
     ids = model.generate(prompt, max_new_tokens=6)
     assert ids.shape == (1, prompt.shape[1] + 6)
