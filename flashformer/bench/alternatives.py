@@ -68,6 +68,21 @@ def transformer_config(width: int, layers: int, max_seq_len: int) -> ModelConfig
     )
 
 
+WINDOW, GLOBAL_TOKENS = 32, 4  # the sparse family: each query sees 32 keys and the first 4
+
+
+def sparse_config(width: int, layers: int, max_seq_len: int) -> ModelConfig:
+    """Longformer / BigBird-style: every layer a sliding window plus a few global tokens."""
+    return transformer_config(width, layers, max_seq_len).replace(
+        layer_types=("sliding_attention",) * layers, sliding_window=WINDOW, global_tokens=GLOBAL_TOKENS
+    )
+
+
+def linear_config(width: int, layers: int, max_seq_len: int) -> ModelConfig:
+    """Kernelized linear attention with the elu + 1 feature map (Katharopoulos et al. 2020)."""
+    return transformer_config(width, layers, max_seq_len).replace(attention_kind="linear")
+
+
 def preset_config(name: str, layers_per_block: int = 1) -> Callable[[int, int, int], ModelConfig]:
     """A family that is a preset at another width (and layers_per_block layers per Transformer
     block: two Mamba blocks stand in for one attention + MLP block, as in the Mamba paper)."""
@@ -86,6 +101,18 @@ FAMILIES: dict[str, Family] = {
         "transformer",
         "causal softmax attention + MLP (gpt-mini's design, RoPE)",
         transformer_config,
+        tuple(range(HEAD_DIM, 16 * HEAD_DIM + 1, HEAD_DIM)),
+    ),
+    "sliding-window": Family(
+        "sliding-window",
+        f"the transformer with a {WINDOW}-token window and {GLOBAL_TOKENS} global tokens in every layer",
+        sparse_config,
+        tuple(range(HEAD_DIM, 16 * HEAD_DIM + 1, HEAD_DIM)),
+    ),
+    "linear-attention": Family(
+        "linear-attention",
+        "the transformer with causal linear attention, phi = elu + 1",
+        linear_config,
         tuple(range(HEAD_DIM, 16 * HEAD_DIM + 1, HEAD_DIM)),
     ),
     "lstm": Family("lstm", "stacked nn.LSTM layers, tied head", preset_config("lstm-mini"), RECURRENT_WIDTHS),
@@ -160,9 +187,10 @@ class StudyConfig:
 
 
 DEFAULT = StudyConfig()
-QUICK = StudyConfig(
-    corpus_steps=60,
-    task_steps=120,
+QUICK = StudyConfig(  # CI's smoke test and the figures of docs/alternatives.md (its minutes: in the JSON)
+    batch_size=4,
+    corpus_steps=30,
+    task_steps=60,
     task_seq_len=64,
     eval_examples=128,
     decode_ns=(512, 2048, 16384),
