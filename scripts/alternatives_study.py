@@ -1,8 +1,8 @@
 """Rerun the alternatives study of docs/alternatives.md (a maintainer's tool: it writes into docs/).
 
     python scripts/alternatives_study.py            # the default study: about an hour on 2 CPU cores
-    python scripts/alternatives_study.py --quick    # minutes (what docs/alternatives.md shows if
-                                                    # the default study has not been rerun)
+    python scripts/alternatives_study.py --quick --threads 1   # minutes: what docs/alternatives.md
+                                                               # shows (made on a crowded machine)
 
 The study is `flashformer study alternatives` (flashformer.bench.alternatives); its run folders go
 to --work. The results go to docs/figures/measured/alternatives.json (+ .png), and the generated
@@ -33,12 +33,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--families", help=f"comma-separated (default: all of {', '.join(alternatives.FAMILIES)})"
     )
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's; 1 on a crowded machine)"
+    )
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "alternatives", help="run folders")
     parser.add_argument("--out", type=Path, default=OUT, help="the study's JSON")
     args = parser.parse_args(argv)
     study = alternatives.QUICK if args.quick else alternatives.DEFAULT
     if args.families:
         study = dataclasses.replace(study, families=tuple(args.families.split(",")))
+    if args.threads:
+        study = dataclasses.replace(study, threads=args.threads)
     study.family_names()
     payload = alternatives.run(study, args.work, log=lambda text: print(text, flush=True))
     write_json(args.out, payload)

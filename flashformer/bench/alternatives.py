@@ -175,6 +175,7 @@ class StudyConfig:
     new_tokens: int = 16
     train_ns: tuple[int, ...] = (512, 2048, 8192)
     train_repeats: int = 2
+    threads: int | None = None  # torch's threads in the runs and the speed points; None = torch's default
     fresh_processes: bool = True  # each speed point in its own process (False: the tests' tiny run)
     timeout_s: float = 900.0  # per speed point
 
@@ -188,11 +189,13 @@ class StudyConfig:
 
 DEFAULT = StudyConfig()
 QUICK = StudyConfig(  # CI's smoke test and the figures of docs/alternatives.md (its minutes: in the JSON)
+    width=64,
     batch_size=4,
-    corpus_steps=30,
-    task_steps=60,
+    corpus_seq_len=128,
+    corpus_steps=20,
     task_seq_len=64,
-    eval_examples=128,
+    task_steps=40,
+    eval_examples=64,
     decode_ns=(512, 2048, 16384),
     new_tokens=10,
     train_ns=(512, 2048),
@@ -212,6 +215,7 @@ TINY = StudyConfig(
     new_tokens=4,
     train_ns=(64,),
     train_repeats=1,
+    threads=1,  # on a crowded machine one thread runs a tiny model's step many times faster than two
     fresh_processes=False,
 )
 
@@ -244,6 +248,8 @@ def run_training(model_config: ModelConfig, config: TrainConfig, out: Path, obje
     """One Trainer run; its summary with the training tokens/s of its steps and its minutes."""
     started = time.perf_counter()
     summary = Trainer(model_config, config, out, show_progress=False, objective=objective).fit()
+    if summary["interrupted"]:  # the Trainer turned Ctrl-C / SIGTERM into a short run: stop the study
+        raise KeyboardInterrupt(f"the study was interrupted during {out}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     return dict(summary, train_tokens_per_s=rates[-1], minutes=(time.perf_counter() - started) / 60)
@@ -278,6 +284,16 @@ def task_run(study: StudyConfig, task: str, config: ModelConfig, seed: int, work
 
 def run(study: StudyConfig, work: Path, log: Callable[[str], None] = print) -> dict:
     """Every measurement of the study; run folders under `work` (deleted runs are redone)."""
+    threads = torch.get_num_threads()
+    if study.threads:
+        torch.set_num_threads(study.threads)
+    try:
+        return _run(study, work, log)
+    finally:
+        torch.set_num_threads(threads)  # the caller's (a test session's) threads as they were
+
+
+def _run(study: StudyConfig, work: Path, log: Callable[[str], None]) -> dict:
     started = time.perf_counter()
     names = study.family_names()
     load_start = os.getloadavg()
@@ -321,6 +337,7 @@ def run(study: StudyConfig, work: Path, log: Callable[[str], None] = print) -> d
         for name in names:
             config = configs[name, "corpus"].replace(max_seq_len=max(n + study.new_tokens, 1024))
             point = {"kind": "decode", "config": config.to_dict(), "n": n, "new_tokens": study.new_tokens}
+            point["threads"] = study.threads
             found = speed.measure(point, study.fresh_processes, study.timeout_s)
             decode[name].append({"n": n, **found})
             log(f"decode {name} n={n}: {found}")
@@ -328,6 +345,7 @@ def run(study: StudyConfig, work: Path, log: Callable[[str], None] = print) -> d
         for name in names:
             config = configs[name, "corpus"].replace(max_seq_len=max(n, 1024))
             point = {"kind": "train", "config": config.to_dict(), "n": n, "repeats": study.train_repeats}
+            point["threads"] = study.threads
             found = speed.measure(point, study.fresh_processes, study.timeout_s)
             train_speed[name].append({"n": n, **found})
             log(f"train {name} n={n}: {found}")

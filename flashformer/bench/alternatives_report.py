@@ -86,6 +86,10 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _at(points: list[dict], n: int, key: str):
     for p in points:
         if p["n"] == n:
@@ -155,7 +159,9 @@ def speed_table(payload: dict) -> str:
         rate = [_rate(_at(points, n, "decode_tokens_per_s")) for n in ns]
         state = [format_bytes(_at(points, n, "state_bytes")) for n in ns]
         peak = [format_bytes(_at(points, n, "peak_extra_bytes")) for n in ns]
-        rows += [[f"**{name}**", "decode tokens/s", *rate], ["", "state", *state], ["", "peak RSS", *peak]]
+        prefill = [_seconds(_at(points, n, "prefill_s")) for n in ns]
+        rows += [[f"**{name}**", "decode tokens/s", *rate], ["", "prefill s", *prefill]]
+        rows += [["", "state", *state], ["", "peak RSS", *peak]]
     for name, points in payload["train_speed"].items():
         rows.append([f"**{name}**", "train tokens/s", *[_rate(_at(points, n, "tokens_per_s")) for n in ns]])
     return markdown_table(["family", "measure", *[f"n={n}" for n in ns]], rows)
@@ -231,6 +237,15 @@ def table(payload: dict) -> str:
 # ---- the figure ----
 
 
+def _log2_axis(axis) -> None:
+    """A base-2 log axis labelled with plain integers (the measured n and octaves are powers of 2)."""
+    from matplotlib.ticker import NullLocator, ScalarFormatter
+
+    axis.axes.set_xscale("log", base=2)
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_locator(NullLocator())
+
+
 def plot(payload: dict, path: Path) -> None:
     """Accuracy against distance per task; decode tokens/s, state bytes and training tokens/s
     against n; one line per family."""
@@ -251,13 +266,8 @@ def plot(payload: dict, path: Path) -> None:
                 _mean([r["by_distance"][k] for r in entry["runs"] if k in r["by_distance"]]) for k in labels
             ]
             ax.plot(xs, ys, marker="o", label=name)
-        ax.set(
-            xscale="log",
-            xlabel="distance d (tokens, octave start)",
-            ylabel="accuracy",
-            title=task,
-            ylim=(-0.02, 1.02),
-        )
+        ax.set(xlabel="distance d (tokens, octave start)", ylabel="accuracy", title=task, ylim=(-0.02, 1.02))
+        _log2_axis(ax.xaxis)
         ax.grid(alpha=0.3)
     speed_panels = (
         ("decode", "decode_tokens_per_s", "decode tokens/s"),
@@ -268,7 +278,8 @@ def plot(payload: dict, path: Path) -> None:
         for name, points in payload[section].items():
             curve = _curve(points, key)
             ax.plot(list(curve), list(curve.values()), marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="context n (tokens)", title=title)
+        ax.set(yscale="log", xlabel="context n (tokens)", title=title)
+        _log2_axis(ax.xaxis)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("The alternatives at matched parameters (docs/alternatives.md)")

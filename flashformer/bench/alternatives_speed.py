@@ -108,6 +108,8 @@ WORKERS = {"decode": decode_worker, "train": train_worker}
 
 
 def worker(point: dict) -> dict:
+    if point.get("threads"):
+        torch.set_num_threads(point["threads"])
     return WORKERS[point["kind"]](point)
 
 

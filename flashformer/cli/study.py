@@ -22,6 +22,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=numbers, help="comma-separated training seeds (default 0,1)")
     parser.add_argument("--decode-ns", type=numbers, help="context lengths of the decoding points")
     parser.add_argument("--train-ns", type=numbers, help="sequence lengths of the training-speed points")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads for every run and point (default: torch's; 1 beats 2 on a crowded machine)",
+    )
     parser.add_argument("--work", type=Path, default=Path("runs/alternatives"), help="the runs' folders")
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="folder for JSON, PNG and Markdown"
@@ -37,6 +42,8 @@ def study_config(args) -> alternatives.StudyConfig:
         "train_ns": args.train_ns,
     }
     config = dataclasses.replace(config, **{k: tuple(v) for k, v in given.items() if v})
+    if args.threads:
+        config = dataclasses.replace(config, threads=args.threads)
     config.family_names()  # unknown names fail before any training
     return config
 

@@ -17,8 +17,10 @@ def parse(*argv: str):
 
 
 def test_flags_become_the_study_settings():
-    config = study.study_config(parse("--quick", "--families", "transformer,lstm", "--seeds", "3,4"))
-    assert config.families == ("transformer", "lstm") and config.seeds == (3, 4)
+    config = study.study_config(
+        parse("--quick", "--families", "transformer,lstm", "--seeds", "3,4", "--threads", "1")
+    )
+    assert config.families == ("transformer", "lstm") and config.seeds == (3, 4) and config.threads == 1
     assert config.corpus_steps == alternatives.QUICK.corpus_steps
     default = study.study_config(parse("--decode-ns", "512,1024"))
     assert default.decode_ns == (512, 1024) and default.corpus_steps == alternatives.DEFAULT.corpus_steps
