@@ -430,6 +430,7 @@ _LLAMA = dict(
 )
 # recurrent language models: no positions (the recurrence orders the tokens), no attention
 _RECURRENT = dict(
+    n_heads=1,  # not read: no attention (n_heads only has to divide d_model)
     vocab_size=2048,
     max_seq_len=256,
     position="none",
