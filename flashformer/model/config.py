@@ -116,7 +116,9 @@ class ModelConfig:
     Tokens
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id.
     hf_model_type: the Hugging Face family this model saves as ("bert",
-        "gpt2", "t5", "llama", "qwen2", "phi3"), or None.
+        "gpt2", "t5", "llama", "qwen2", "phi3"), or None. The recurrent archs, linear attention
+        and global tokens have no Hugging Face family: for them it becomes None (so that
+        `--model.arch lstm` on the gpt-mini preset trains without a GPT-2 export at the end).
     """
 
     arch: str = "decoder"
@@ -267,6 +269,8 @@ class ModelConfig:
 
     def _check_alternatives(self) -> None:
         """The sparse / linear attention fields and the SSM sizes."""
+        if self.arch in RECURRENT_ARCHS or self.attention_kind == "linear" or self.global_tokens:
+            self.hf_model_type = None  # transformers has no such family: nothing to export as
         _choice("attention_kind", self.attention_kind, ATTENTION_KINDS)
         _choice("linear_feature_map", self.linear_feature_map, FEATURE_MAPS)
         for name in ("ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank", "linear_features"):
@@ -430,6 +434,7 @@ _LLAMA = dict(
 )
 # recurrent language models: no positions (the recurrence orders the tokens), no attention
 _RECURRENT = dict(
+    n_heads=1,  # not read: no attention (n_heads only has to divide d_model)
     vocab_size=2048,
     max_seq_len=256,
     position="none",

@@ -20,8 +20,8 @@ between the token table and a final norm, with a tied head (Mamba's MixerModel).
 Two forms of the same recurrence:
 - parallel (training, prefill): `selective_scan` computes every h_t with a chunked scan (about
   sqrt(L) positions per chunk, all chunks at once, then the states carried across chunks: 2
-  sqrt(L) vectorized steps, not L), in an autograd function whose backward is the same scan
-  run backwards, so training keeps only Ā, h and the small inputs, not the scan's steps;
+  sqrt(L) vectorized steps, not L), in an autograd function whose backward (the same scan run
+  backwards, the gradients written out) keeps h alone of the (B, L, d_inner, N) tensors;
 - recurrent (decoding): `selective_step` advances h by one token; with the conv's last
   ssm_conv - 1 inputs it is the whole RecurrentState, (B, d_inner, ssm_conv - 1 + N) numbers
   per layer whatever the number of tokens seen.
@@ -47,54 +47,85 @@ from flashformer.model.recurrent import RecurrentLanguageModel
 # ---- the scan ----
 
 
-def _chunked_scan(a: Tensor, b: Tensor) -> Tensor:
-    """h_t = a_t h_(t-1) + b_t along dim 1, h_(-1) = 0, for every t, in 2 sqrt(L) vectorized
-    steps instead of L: the sequence is cut into chunks of about sqrt(L) positions; (1) every
-    chunk is scanned from a zero state, all chunks at once; (2) the state entering each chunk
-    is carried across the chunks; (3) it is added where it reaches, through the cumulative
-    product of a inside the chunk. Only products of a (each in (0, 1]) and sums: no division,
-    no log, so it is exact to rounding whatever the decay (a log-space cumulative sum would
-    underflow once Δ A sums below float32's exp range). On the CPU it ran 3x faster than
-    Hillis & Steele's log2(L) doubling steps (fewer passes over the (B, L, d_inner, N) tensors)."""
+def _chunked_scan(a: Tensor, b: Tensor, reverse: bool = False) -> Tensor:
+    """h_t = a_t h_(t-1) + b_t along dim 1 from h_(-1) = 0 (reverse: h_t = a_t h_(t+1) + b_t from
+    h_L = 0), for every t, in 2 sqrt(L) vectorized steps instead of L: the sequence is cut into
+    chunks of about sqrt(L) positions; (1) every chunk is scanned from a zero state, all chunks
+    at once, keeping the running product of a; (2) the state entering each chunk is carried
+    across the chunks; (3) it is added where it reaches, through that product. Only products
+    of a (each in (0, 1]) and sums: no division, no log, exact to rounding whatever the decay.
+    On the CPU it ran 3x faster than Hillis & Steele's log2(L) doubling steps (fewer passes
+    over the (B, L, d_inner, N) tensors)."""
     batch, length, rest = a.shape[0], a.shape[1], a.shape[2:]
     chunk = math.isqrt(length - 1) + 1 if length > 1 else 1
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
-    if pad:  # a = 1, b = 0 after the end change nothing before it
+    if pad:  # b = 0 after the end: h stays 0 there (reverse), and nothing before it changes
         a = torch.cat((a, a.new_ones(batch, pad, *rest)), dim=1)
         b = torch.cat((b, b.new_zeros(batch, pad, *rest)), dim=1)
     a = a.reshape(batch, n_chunks, chunk, *rest)
     b = b.reshape(batch, n_chunks, chunk, *rest)
-    h = torch.empty_like(b)  # (B, n_chunks, chunk, ...)
-    h[:, :, 0] = b[:, :, 0]
-    for t in range(1, chunk):  # (1)
-        torch.addcmul(b[:, :, t], a[:, :, t], h[:, :, t - 1], out=h[:, :, t])
-    decay = torch.cumprod(a, dim=2)  # a_first .. a_t inside each chunk
+    h, decay = torch.empty_like(b), torch.empty_like(a)  # (B, n_chunks, chunk, ...)
+    first, step = (chunk - 1, -1) if reverse else (0, 1)
+    h[:, :, first], decay[:, :, first] = b[:, :, first], a[:, :, first]
+    for t in range(first + step, chunk - 1 - first + step, step):  # (1)
+        torch.addcmul(b[:, :, t], a[:, :, t], h[:, :, t - step], out=h[:, :, t])
+        torch.mul(decay[:, :, t - step], a[:, :, t], out=decay[:, :, t])
+    last = chunk - 1 - first  # each chunk's last position in the scan's direction
     entering = torch.empty_like(b[:, :, 0])  # (B, n_chunks, ...)
-    entering[:, 0] = 0
-    for c in range(1, n_chunks):  # (2)
-        torch.addcmul(h[:, c - 1, -1], decay[:, c - 1, -1], entering[:, c - 1], out=entering[:, c])
+    start = n_chunks - 1 if reverse else 0
+    entering[:, start] = 0
+    for c in range(start + step, n_chunks - 1 - start + step, step):  # (2)
+        previous = c - step
+        torch.addcmul(
+            h[:, previous, last], decay[:, previous, last], entering[:, previous], out=entering[:, c]
+        )
     h.addcmul_(decay, entering[:, :, None])  # (3)
     return h.reshape(batch, n_chunks * chunk, *rest)[:, :length]
 
 
-class _LinearScan(torch.autograd.Function):
-    """h = scan(a, b) (a, b: (B, L, ...)); backward: with g_t = dL/dh_t + a_(t+1) g_(t+1) (the
-    same recurrence, backwards), dL/db_t = g_t and dL/da_t = g_t h_(t-1)."""
+class _SelectiveScan(torch.autograd.Function):
+    """selective_scan's y and last state, with a backward written out so that training keeps
+    one (B, L, d_inner, N) tensor (h) instead of autograd's several. With Ā = exp(Δ A),
+    g_t = dL/dh_t (through y and the later states: the same recurrence run backwards,
+    g_t = C_t dy_t + Ā_(t+1) g_(t+1)) and G = g h_(t-1) Ā (the gradient of Δ A):
+    dC_t = dy_t · h_t, dB_t = Σ_c g Δ u, d(Δ u) = Σ_n g B, dΔ = Σ_n G A + d(Δ u) u,
+    dA = Σ_(b,t) G Δ, dh0 = g_0 Ā_0."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
-        h = _chunked_scan(a, b)
-        ctx.save_for_backward(a, h)
-        return h
+    def forward(ctx, u, delta, A, B, C, D, h0):
+        decay = torch.exp(delta[..., None] * A)  # Ā: (B, L, d_inner, N)
+        drive = (delta * u)[..., None] * B[:, :, None, :]  # B̄ u: (B, L, d_inner, N)
+        if h0 is not None:  # h_0 = Ā_0 h0 + B̄_0 u_0: the state enters through the first drive
+            drive[:, 0] += decay[:, 0] * h0
+        h = _chunked_scan(decay, drive)  # (B, L, d_inner, N)
+        y = torch.einsum("bldn,bln->bld", h, C) + D * u  # (B, L, d_inner)
+        ctx.save_for_backward(u, delta, A, B, C, D, h0, h)
+        return y, h[:, -1].clone()
 
     @staticmethod
-    def backward(ctx, grad_h: Tensor):
-        a, h = ctx.saved_tensors
-        a_next = torch.cat((a[:, 1:], torch.zeros_like(a[:, :1])), dim=1)  # a_(t+1), 0 after the end
-        g = _chunked_scan(a_next.flip(1), grad_h.flip(1)).flip(1)
-        h_before = torch.cat((torch.zeros_like(h[:, :1]), h[:, :-1]), dim=1)  # h_(t-1)
-        return g * h_before, g
+    def backward(ctx, grad_y, grad_last):
+        u, delta, A, B, C, D, h0, h = ctx.saved_tensors
+        decay = torch.exp(delta[..., None] * A)
+        grad_h = grad_y[..., None] * C[:, :, None, :]  # through y: (B, L, d_inner, N)
+        if grad_last is not None:
+            grad_h[:, -1] += grad_last
+        decay_next = torch.cat((decay[:, 1:], torch.zeros_like(decay[:, :1])), dim=1)  # Ā_(t+1)
+        g = _chunked_scan(decay_next, grad_h, reverse=True)  # dL/dh_t
+        start = torch.zeros_like(h[:, :1]) if h0 is None else h0[:, None]
+        h_before = torch.cat((start, h[:, :-1]), dim=1)  # h_(t-1)
+        grad_log_decay = g * h_before * decay  # dL/d(Δ A): (B, L, d_inner, N)
+        grad_delta_u = torch.einsum("bldn,bln->bld", g, B)
+        grad_delta = torch.einsum("bldn,dn->bld", grad_log_decay, A) + grad_delta_u * u
+        return (
+            grad_delta_u * delta + grad_y * D,  # u
+            grad_delta,
+            torch.einsum("bldn,bld->dn", grad_log_decay, delta),  # A
+            torch.einsum("bldn,bld->bln", g, delta * u),  # B
+            torch.einsum("bld,bldn->bln", grad_y, h),  # C
+            (grad_y * u).sum(dim=(0, 1)),  # D
+            None if h0 is None else g[:, 0] * decay[:, 0],  # h0
+        )
 
 
 def selective_scan(
@@ -103,13 +134,7 @@ def selective_scan(
     """The parallel form: u, delta (B, L, d_inner); A (d_inner, N); B, C (B, L, N); D (d_inner,);
     h0 (B, d_inner, N) the state before the first position, or None (zeros).
     Returns y (B, L, d_inner) and the last state h_(L-1) (B, d_inner, N)."""
-    decay = torch.exp(delta[..., None] * A)  # Ā: (B, L, d_inner, N)
-    drive = (delta * u)[..., None] * B[:, :, None, :]  # B̄ u: (B, L, d_inner, N)
-    if h0 is not None:  # h_0 = Ā_0 h0 + B̄_0 u_0: the state enters through the first drive
-        drive = torch.cat((drive[:, :1] + decay[:, :1] * h0[:, None], drive[:, 1:]), dim=1)
-    h = _LinearScan.apply(decay, drive)  # (B, L, d_inner, N)
-    y = torch.einsum("bldn,bln->bld", h, C) + D * u  # (B, L, d_inner)
-    return y, h[:, -1]
+    return _SelectiveScan.apply(u, delta, A, B, C, D, h0)
 
 
 def selective_step(

@@ -109,3 +109,10 @@ def test_states_refuse_a_position_they_do_not_hold_and_padding():
         model(torch.tensor([[1, 2]]), attention_mask=torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="one RecurrentState per layer"):
         model(torch.tensor([[1]]), kv_caches=[RecurrentState()])
+
+
+def test_a_transformer_preset_turned_recurrent_trains_without_a_hugging_face_family():
+    config = preset("gpt-mini", arch="lstm")  # `flashformer train --model.arch lstm`
+    assert config.hf_model_type is None and build(config).num_parameters() > 0
+    with pytest.raises(ValueError, match="no Hugging Face family"):
+        tiny("gru").save_pretrained("unused")
