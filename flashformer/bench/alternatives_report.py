@@ -39,6 +39,7 @@ def _pair_crossovers(metric: str, a: str, b: str, curves: dict, ns: list[int], b
     ratio = [math.log(curves[a][n] / curves[b][n]) for n in ns]  # > 0: a's value is larger
     sign = 1 if better == "higher" else -1
     winners = [a if sign * r > 0 else b for r in ratio]
+    margins = [round(math.exp(abs(ratio[0])), 3), round(math.exp(abs(ratio[-1])), 3)]  # better / worse
     found = []
     for i in range(len(ns) - 1):
         r0, r1 = ratio[i], ratio[i + 1]
@@ -53,6 +54,7 @@ def _pair_crossovers(metric: str, a: str, b: str, curves: dict, ns: list[int], b
                     "between": [ns[i], ns[i + 1]],
                     "before": winners[i],
                     "after": winners[i + 1],
+                    "margins": margins,
                 }
             )
     if found:
@@ -65,6 +67,7 @@ def _pair_crossovers(metric: str, a: str, b: str, curves: dict, ns: list[int], b
             "between": [ns[0], ns[-1]],
             "before": winners[0],
             "after": winners[-1],
+            "margins": margins,
         }
     ]
 
@@ -153,7 +156,7 @@ def distance_table(payload: dict, task: str) -> str:
 
 def speed_table(payload: dict) -> str:
     """Decoding tokens/s, state and peak RSS against n; training tokens/s against n."""
-    ns = payload["config"]["decode_ns"]
+    ns = sorted(set(payload["config"]["decode_ns"]) | set(payload["config"]["train_ns"]))
     rows = []
     for name, points in payload["decode"].items():
         rate = [_rate(_at(points, n, "decode_tokens_per_s")) for n in ns]
@@ -179,11 +182,14 @@ def crossover_table(payload: dict) -> str:
             f"{c['between'][0]}-{c['between'][1]}",
             c["before"],
             c["after"],
+            " / ".join(f"{m:.2f}x" for m in c.get("margins", [])) or "-",
         ]
         for c in crossed
     ]
-    return markdown_table(
-        ["measure", "families", "crossover n", "between", "better before", "better after"], rows
+    header = ["measure", "families", "crossover n", "between", "better before", "better after"]
+    return (
+        markdown_table([*header, "margin at the first / last n"], rows)
+        + "\n\nA margin within a few percent is within this machine's noise."
     )
 
 
@@ -204,7 +210,7 @@ def settings(payload: dict) -> str:
         f"{len(c['seeds'])} seeds ({', '.join(map(str, c['seeds']))}), mean (min-max); {c['layers']} layers; "
         f"corpus: {c['corpus_steps']} steps x {c['batch_size']} x {c['corpus_seq_len']} tokens "
         f"({c['tokenizer']} tokens); tasks: {c['task_steps']} steps x {c['batch_size']} x {c['task_seq_len']}. "
-        f"Measured on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, "
+        f"Measured on {machine['cpu']} (threads: {machine['threads']}), torch {machine['torch']}, "
         f"load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end; "
         f"{minutes['total']:.1f} minutes in all ({minutes['training']:.1f} training, {minutes['speed']:.1f} speed)."
     )
