@@ -172,7 +172,7 @@ class StudyConfig:
     task_steps: int = 300
     eval_examples: int = 256
     decode_ns: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
-    new_tokens: int = 16
+    new_tokens: int = 32
     train_ns: tuple[int, ...] = (512, 2048, 8192)
     train_repeats: int = 2
     threads: int | None = None  # torch's threads in the runs and the speed points; None = torch's default
@@ -197,7 +197,7 @@ QUICK = StudyConfig(  # CI's smoke test and the figures of docs/alternatives.md 
     task_steps=40,
     eval_examples=64,
     decode_ns=(512, 2048, 16384),
-    new_tokens=10,
+    new_tokens=32,
     train_ns=(512, 2048),
     train_repeats=1,
 )

@@ -1,7 +1,8 @@
 """The speed and memory points of the alternatives study, each in a fresh process.
 
     decode at context n: a prefill of n tokens (in chunks of 512, so the prompt's activations
-        do not hide the state), then new tokens one at a time; decode tokens/s, the bytes of the
+        do not hide the state), then new tokens one at a time; decode tokens/s (of the median
+        step, after two warm-up steps: robust to a neighbour's process taking the core), the bytes of the
         tensors the decoding session keeps (a Transformer's KV cache, a recurrent model's state),
         and the peak RSS the whole decode added;
     train at length n: one sequence of n tokens forward and backward; tokens/s and peak RSS.
@@ -12,6 +13,7 @@ Random weights: speed and memory do not depend on what a model learned.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -68,14 +70,16 @@ def decode_worker(point: dict) -> dict:
         session = make_session(model, prompt, None, settings)
         started = time.perf_counter()
         token = session.prefill().argmax(-1)  # (1,)
-        prefilled = time.perf_counter()
-        for step in range(new):
-            if step == WARMUP_STEPS:
-                timed_from = time.perf_counter()
+        prefill_s = time.perf_counter() - started
+        steps = []
+        for _ in range(new):
+            began = time.perf_counter()
             token = session.step(token).argmax(-1)
+            steps.append(time.perf_counter() - began)
+        # the median step: one step preempted by a neighbour's process must not set the rate
         found.update(
-            prefill_s=prefilled - started,
-            decode_tokens_per_s=(new - WARMUP_STEPS) / (time.perf_counter() - timed_from),
+            prefill_s=prefill_s,
+            decode_tokens_per_s=1 / statistics.median(steps[WARMUP_STEPS:]),
             state_bytes=session_state_bytes(session),
         )
 
