@@ -76,12 +76,11 @@ def orthogonal_gaussian(rows: int, dim: int, seed: int) -> Tensor:
     """(rows, dim): blocks of `dim` orthonormal rows (QR of a Gaussian matrix), each row scaled
     by the norm of a Gaussian vector: FAVOR+'s orthogonal random features."""
     generator = torch.Generator().manual_seed(seed)
-    blocks = []
-    for _ in range(-(-rows // dim)):
-        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
-        # QR's own signs favour one direction per column; these make q uniform (Haar)
-        blocks.append((q * torch.sign(torch.diagonal(r))).T)
-    directions = torch.cat(blocks)[:rows]  # (rows, dim), unit rows
+    gaussian = torch.randn(-(-rows // dim), dim, dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)  # one batched QR: (blocks, dim, dim)
+    # QR's own signs favour one direction per column; these make q uniform (Haar)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+    directions = q.transpose(-2, -1).reshape(-1, dim)[:rows]  # (rows, dim), unit rows
     norms = torch.randn(rows, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
     return (directions * norms).float()
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from flashformer.attention import attention
 from flashformer.attention.linear import causal_linear_attention, linear_attention_step, make_feature_map
+from flashformer.generate.cache import RecurrentState
 from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
 from flashformer.model.positional import apply_rotary
@@ -353,8 +354,11 @@ class LinearSelfAttention(MultiHeadAttention):
         """x (B, L, d_model) -> (B, L, d_model); kv_cache: a RecurrentState holding S and z."""
         if key_padding_mask is not None and not bool(key_padding_mask.all()):
             raise ValueError("linear attention sums over every earlier token and takes no key padding")
-        if getattr(kv_cache, "paged", False):
-            raise NotImplementedError("linear attention keeps a state, not a paged KV cache")
+        if kv_cache is not None and not isinstance(kv_cache, RecurrentState):
+            raise ValueError(
+                "linear attention keeps a fixed-size state (generate.cache.make_caches gives a RecurrentState), "
+                f"not a KV cache; got {type(kv_cache).__name__}"
+            )
         batch, length, _ = x.shape
         q, k, v = self.project(x, rotary)
         phi_q, phi_k = self.feature_map(q, True), self.feature_map(k, False)  # (B, Hq | Hk, L, F)
