@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from flashformer import costs
+from flashformer.bench import alternatives_report
 from flashformer.bench import attention as bench_attention
 from flashformer.cli import commands as cli
 from flashformer.costs import report
@@ -36,6 +37,7 @@ from flashformer.model import hf
 from flashformer.viz import positional, tiles
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+README = DOCS.parent / "README.md"
 
 
 def replace_generated(path: Path, name: str, body: str) -> None:
@@ -164,6 +166,37 @@ def encoder_study_section(docs: Path, redraw: bool = True) -> str:
     return study.table(payload) + "\n\n![the encoder study](figures/measured/encoder-study.png)\n"
 
 
+def alternatives_payload(docs: Path) -> dict | None:
+    path = docs / "figures" / "measured" / "alternatives.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def alternatives_section(docs: Path, redraw: bool = True) -> str:
+    """The alternatives study's tables (docs/alternatives.md) from its stored JSON, its PNG redrawn;
+    `python scripts/alternatives_study.py` reruns the study itself."""
+    payload = alternatives_payload(docs)
+    if payload is None:
+        return "No stored study: run `python scripts/alternatives_study.py`.\n"
+    if redraw:
+        alternatives_report.plot(payload, docs / "figures" / "measured" / "alternatives.png")
+    figure = "![the alternatives study](figures/measured/alternatives.png)"
+    return alternatives_report.table(payload) + f"\n\n{figure}\n"
+
+
+def alternatives_headline(docs: Path) -> str:
+    """README.md's quote of the study: its headline table and where the rest is."""
+    payload = alternatives_payload(docs)
+    if payload is None:
+        return "No stored study: run `python scripts/alternatives_study.py`.\n"
+    return alternatives_report.headline(payload)
+
+
+def fill_alternatives(docs: Path, readme: Path = README) -> None:
+    replace_generated(docs / "alternatives.md", "alternatives-study", alternatives_section(docs))
+    if readme.is_file():
+        replace_generated(readme, "alternatives-headline", alternatives_headline(docs))
+
+
 def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     figures = docs / "figures"
     figures.mkdir(parents=True, exist_ok=True)
@@ -212,7 +245,8 @@ def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     replace_generated(docs / "models.md", "hf-names", hf.names_table())
     replace_generated(docs / "cli.md", "cli-reference", cli.reference())
     replace_generated(docs / "encoders.md", "encoder-study", encoder_study_section(docs))
-    print("  tables in benchmarks.md, costs.md, models.md, cli.md, encoders.md", flush=True)
+    fill_alternatives(docs, docs.parent / "README.md")
+    print("  tables in benchmarks.md, costs.md, models.md, cli.md, encoders.md, alternatives.md", flush=True)
     return written
 
 

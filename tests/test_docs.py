@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import study_payload
+from helpers import alternatives_payload, study_payload
 
 from flashformer.cli import commands as cli
 from flashformer.model import hf
@@ -42,6 +42,7 @@ def test_every_docs_page_has_the_markers_the_command_fills():
         ("models.md", "hf-names"),
         ("cli.md", "cli-reference"),
         ("encoders.md", "encoder-study"),
+        ("alternatives.md", "alternatives-study"),
     ):
         text = (DOCS / page).read_text()
         assert f"<!-- generated: {name} -->" in text and f"<!-- end: {name} -->" in text, (page, name)
@@ -168,3 +169,30 @@ def test_encoder_study_section_comes_from_the_stored_json(tmp_path):
     section = docs.encoder_study_section(tmp_path)
     assert "| classification | accuracy | 0.110 |" in section and "classification accuracy +0.300" in section
     assert (measured / "encoder-study.png").stat().st_size > 0
+
+
+def test_alternatives_sections_come_from_the_stored_json(tmp_path):
+    """docs/alternatives.md's section and README.md's headline table are drawn from the study's
+    stored JSON (a small payload of the shape bench/alternatives.py writes)."""
+    assert "No stored study" in docs.alternatives_section(tmp_path)
+    measured = tmp_path / "figures" / "measured"
+    measured.mkdir(parents=True)
+    (measured / "alternatives.json").write_text(json.dumps(alternatives_payload()))
+    section = docs.alternatives_section(tmp_path)
+    assert (
+        "| **transformer** | 128 / 128 | 659k / 413k | 1.500 (1.400-1.600) | 0.900 (0.800-1.000) |" in section
+    )
+    assert "| decode tokens/s | lstm vs transformer | 1,024 | 512-2048 | transformer | lstm |" in section
+    assert (measured / "alternatives.png").stat().st_size > 0
+    assert docs.alternatives_headline(tmp_path) in section.replace(
+        "\n\nWidth and parameters: corpus / tasks (the vocabularies differ). Accuracy: on the answer tokens only.",
+        "",
+    )
+
+
+def test_readme_quotes_the_stored_alternatives_table():
+    section = (ROOT / "README.md").read_text().split("<!-- generated: alternatives-headline -->\n", 1)[1]
+    assert (
+        section.split("<!-- end: alternatives-headline -->", 1)[0].strip()
+        == docs.alternatives_headline(DOCS).strip()
+    )

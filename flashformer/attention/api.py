@@ -40,6 +40,7 @@ def attention(
     alibi_slopes: Tensor | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    global_tokens: int = 0,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
@@ -68,6 +69,10 @@ def attention(
     window: (left, right) keys kept around the aligned diagonal; None for an
         unbounded side.
     softcap: scores become softcap * tanh(scores / softcap), before bias/mask.
+    global_tokens: key positions 0 .. global_tokens - 1 are visible to every query and the
+        queries at those positions see every key, beyond the window (Longformer / BigBird's
+        global tokens); causality still holds. The tiled backend visits the window's tiles and
+        the global rows and columns only.
     scale: defaults to 1 / sqrt(D).
     dropout_p, dropout_seed: dropout on the attention weights, a pure
         function of (seed, b, h, i, j); without a seed one is drawn from
@@ -78,7 +83,9 @@ def attention(
         in the dtype it is given.
     A query row with no allowed key gets output 0, lse -inf, gradient 0.
     """
-    rules = check_and_describe(q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap)
+    rules = check_and_describe(
+        q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap, global_tokens
+    )
     scale = check_scale(scale, q.shape[-1])
     check_dropout(dropout_p, dropout_seed)
     dropout_seed = dropout_seed_for(dropout_p, dropout_seed)

@@ -34,7 +34,9 @@ def check_kv_dtypes(q_dtype, k_dtype, v_dtype, k_name: str, v_name: str) -> None
     )
 
 
-def check_and_describe(q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap):
+def check_and_describe(
+    q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap, global_tokens=0
+):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -91,6 +93,8 @@ def check_and_describe(q, k, v, causal, key_padding_mask, mask, bias, alibi_slop
         alibi_slopes = check_alibi(alibi_slopes, batch, q_heads, q.device)
     window_left, window_right = check_window(window)
     softcap = check_softcap(softcap)
+    if isinstance(global_tokens, bool) or not isinstance(global_tokens, int) or global_tokens < 0:
+        raise ValueError(f"global_tokens must be an int >= 0; got {global_tokens!r}")
     return ScoreRules(
         batch=batch,
         q_heads=q_heads,
@@ -105,6 +109,7 @@ def check_and_describe(q, k, v, causal, key_padding_mask, mask, bias, alibi_slop
         bias_fn=bias_fn,
         alibi_slopes=alibi_slopes,
         softcap=softcap,
+        global_tokens=global_tokens,
     )
 
 

@@ -46,6 +46,8 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, dropout_p: f
         return "masks and biases other than causal, key padding, window and ALiBi"
     if dropout_p > 0:
         return "dropout"
+    if rules.global_tokens:
+        return "global tokens"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return "gradients (it has no backward)"
     if not extension.cpp_kernels():

@@ -128,9 +128,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, s: FlashSettings) -> tuple[Tensor,
         row_max = torch.full((batch, q_heads, rows, 1), float("-inf"), dtype=dtype, device=q.device)
         row_sum = torch.zeros(batch, q_heads, rows, 1, dtype=dtype, device=q.device)
         acc = torch.zeros(q_tile.shape[0], q_tile.shape[1], dim_v, dtype=dtype, device=q.device)
-        k_lo, k_hi = rules.key_range(q0, q1)
-        for k0 in range(k_lo, k_hi, s.block_k):
-            k1 = min(k_hi, k0 + s.block_k)
+        for k0, k1 in _tiles(rules.key_spans(q0, q1), s.block_k):
             scores = torch.bmm(q_tile, k[:, k0:k1].transpose(1, 2))  # (B*Hk, G*bq, bk)
             scores4 = rules.apply(scores.view(batch, q_heads, rows, k1 - k0), q0, k0, inplace=True)
             new_max = torch.maximum(row_max, scores4.amax(dim=-1, keepdim=True))
@@ -190,9 +188,7 @@ def _backward(grad_out, grad_lse, q, k, v, out, lse, s: FlashSettings, bias_need
         v_tile = v[:, k0:k1]  # (B*Hk, bk, Dv)
         dk_tile = torch.zeros_like(k_tile)
         dv_tile = torch.zeros_like(v_tile)
-        q_lo, q_hi = rules.query_range(k0, k1)
-        for q0 in range(q_lo, q_hi, s.block_q):
-            q1 = min(q_hi, q0 + s.block_q)
+        for q0, q1 in _tiles(rules.query_spans(k0, k1), s.block_q):
             rows = q1 - q0
             q_tile = _group_rows(q, kv_heads, q0, q1).to(dtype)  # (B*Hk, G*bq, D)
             do_tile = _group_rows(grad_out, kv_heads, q0, q1)  # (B*Hk, G*bq, Dv)
@@ -284,3 +280,10 @@ def _trainable_leaves(rules: ScoreRules, device: torch.device) -> tuple[Tensor, 
             leaves.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return tuple(leaves)
+
+
+def _tiles(spans: list[tuple[int, int]], block: int):
+    """(start, end) of the tiles of at most `block` positions covering each span."""
+    for lo, hi in spans:
+        for start in range(lo, hi, block):
+            yield start, min(hi, start + block)

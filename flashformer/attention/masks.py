@@ -13,7 +13,9 @@ Order of operations on a tile of scaled scores s = scale * q @ k^T:
 Positions are aligned bottom-right: query i sits at key position
 i + (Lk - Lq), which is what a KV cache needs (Lq new tokens after Lk - Lq
 cached ones). Causal means key j <= i + (Lk - Lq); a window (left, right)
-keeps keys in [i + off - left, i + off + right].
+keeps keys in [i + off - left, i + off + right]. Global tokens (Longformer, BigBird) widen
+the window: the first `global_tokens` key positions are visible to every query, and the
+queries at those positions see every key (causality still holds: never a later key).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ScoreRules:
     bias_fn: BiasFunction | None = None  # bias(q_pos, k_pos) -> one tile's bias
     alibi_slopes: Tensor | None = None  # (B|1, H, 1, 1) float32
     softcap: float | None = None
+    global_tokens: int = 0  # key / query positions 0 .. global_tokens - 1 are global
 
     # ---- the band (causal and window): pure index arithmetic, no tensors ----
 
@@ -99,6 +102,37 @@ class ScoreRules:
             return False
         return True
 
+    # ---- the spans the tiled backends visit: the band, and the global rows and columns ----
+
+    def key_spans(self, q0: int, q1: int) -> list[tuple[int, int]]:
+        """Half-open key ranges that queries [q0, q1) may see: key_range's band, and with global
+        tokens the global keys [0, global_tokens) (or, for a block holding a global query,
+        every key up to the causal limit). Key tiles outside the spans are skipped."""
+        return _merge([self.key_range(q0, q1), *self._global_key_spans(q0, q1)])
+
+    def query_spans(self, k0: int, k1: int) -> list[tuple[int, int]]:
+        """Half-open query ranges that may see any key in [k0, k1) (the backward's dK, dV)."""
+        return _merge([self.query_range(k0, k1), *self._global_query_spans(k0, k1)])
+
+    def _global_key_spans(self, q0: int, q1: int) -> list[tuple[int, int]]:
+        g = self.global_tokens
+        if g == 0:
+            return []
+        causal_end = min(self.k_len, q1 + self.offset) if self.causal else self.k_len
+        if q0 + self.offset < g:  # a global query: every key it may causally see
+            return [(0, causal_end)]
+        return [(0, min(g, causal_end))]
+
+    def _global_query_spans(self, k0: int, k1: int) -> list[tuple[int, int]]:
+        g = self.global_tokens
+        if g == 0:
+            return []
+        first = max(0, k0 - self.offset) if self.causal else 0  # the first query that may see key k0
+        spans = [(first, min(self.q_len, g - self.offset))]  # the global queries see every key
+        if k0 < g:  # a global key is seen by every later query
+            spans.append((first, self.q_len))
+        return spans
+
     # ---- tensors for one tile ----
 
     def tile_keep(self, q0: int, q1: int, k0: int, k1: int, device) -> Tensor | None:
@@ -115,6 +149,9 @@ class ScoreRules:
                 keep &= j <= i + self.right_limit
             if self.window_left is not None:
                 keep &= j >= i - self.window_left
+            if self.global_tokens:
+                reach = (j < self.global_tokens) | (i < self.global_tokens)
+                keep |= reach & (j <= i) if self.causal else reach
         if self.key_padding_mask is not None:
             keep = _and(keep, self.key_padding_mask[..., k0:k1])
         if self.mask is not None:
@@ -169,6 +206,17 @@ class ScoreRules:
             else:
                 scores = scores.masked_fill(~keep, float("-inf"))
         return scores
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Non-empty half-open ranges, sorted, overlapping or touching ones joined."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(span for span in spans if span[0] < span[1]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def _and(a: Tensor | None, b: Tensor) -> Tensor:

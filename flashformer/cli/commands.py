@@ -117,6 +117,19 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
         "FLOPs, memory, KV cache and memory traffic from the formulas (table, JSON, PNG)",
         "Per-component FLOPs and bytes of a model, and a plot of how each part grows with n.",
     ),
+    "study": (
+        "run a study: models trained and measured alike (JSON + PNG + Markdown)",
+        {
+            "alternatives": Command(
+                "flashformer.cli.study",
+                "the Transformer against its alternatives at matched parameters: bits/byte, long-range "
+                "tasks, speed and memory against n",
+                "Every family trained by the same trainer on the same tokens (Python's stdlib and the synthetic "
+                "recall, copying and selective-copying tasks), then timed in fresh processes; about an hour on 2 "
+                "CPU cores, --quick in minutes. docs/alternatives.md shows the stored run.",
+            ),
+        },
+    ),
     "viz": (
         "draw attention maps or the positional encodings (PNG)",
         {

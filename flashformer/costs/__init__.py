@@ -37,7 +37,7 @@ from flashformer.costs.flops import (
 )
 from flashformer.costs.memory import Saved, attention_peak_bytes, parameter_count
 from flashformer.model import hf
-from flashformer.model.config import PRESETS, ModelConfig, preset
+from flashformer.model.config import PRESETS, RECURRENT_ARCHS, ModelConfig, preset
 
 __all__ = [
     "CONVENTIONS",
@@ -130,6 +130,11 @@ def estimate(
     sram_bytes: the on-chip memory M of the IO model (default 192 KiB, an A100 SM's).
     """
     config = resolve_config(config_or_preset)
+    if config.arch in RECURRENT_ARCHS or config.attention_kind == "linear":
+        raise ValueError(
+            f"estimate() holds the exact-attention Transformer's formulas; a {config.arch!r} model with "
+            f"attention_kind={config.attention_kind!r} has its own in flashformer.costs.alternatives"
+        )
     _positive("seq_len", seq_len)
     _positive("cache_len", cache_len, minimum=0)
     _positive("batch", batch)

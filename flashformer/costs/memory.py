@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashformer.costs.flops import Pass, Shapes, flash_block_sizes
-from flashformer.model.config import ModelConfig
+from flashformer.model.config import RECURRENT_ARCHS, ModelConfig
 
 FLOAT32 = 4
 INDEX = 8  # int64 token ids, positions, bucket indices
@@ -61,8 +61,22 @@ def stack_parameters(config: ModelConfig, layers: int, cross_attention: bool) ->
     return total
 
 
+def recurrent_parameter_count(config: ModelConfig) -> int:
+    """Parameters of an LSTM, GRU or SSM model (model/recurrent.py, model/ssm.py)."""
+    d = config.d_model
+    total = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    if config.arch in ("lstm", "gru"):
+        gates = 4 if config.arch == "lstm" else 3
+        return total + config.n_layers * gates * (2 * d * d + 2 * d)  # W_ih, W_hh, b_ih, b_hh
+    e, n, r, k = config.ssm_expand * d, config.ssm_state, config.ssm_dt_rank, config.ssm_conv
+    block = norm_parameters(config) + d * 2 * e + e * k + e + e * (r + 2 * n) + r * e + e + e * n + e + e * d
+    return total + config.n_layers * block + norm_parameters(config)
+
+
 def parameter_count(config: ModelConfig) -> int:
     """Parameters of flashformer.build(config), tied weights counted once."""
+    if config.arch in RECURRENT_ARCHS:
+        return recurrent_parameter_count(config)
     d, vocab = config.d_model, config.vocab_size
     total = vocab * d
     if config.position == "learned":

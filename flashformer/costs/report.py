@@ -13,6 +13,7 @@ from pathlib import Path
 from flashformer.costs import (
     CONVENTIONS,
     Estimate,
+    alternatives,
     closed_form_crossover,
     crossover_seq_len,
     estimate,
@@ -295,8 +296,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
 
 
-def main_from_args(args: argparse.Namespace) -> Estimate:
+def main_from_args(args: argparse.Namespace) -> Estimate | list[dict]:
     config = resolve_config(args.config)
+    if alternatives.family(config) != "transformer":
+        return alternatives_report(config, args)
     est = estimate(
         config,
         config.max_seq_len if args.seq_len is None else args.seq_len,
@@ -317,6 +320,22 @@ def main_from_args(args: argparse.Namespace) -> Estimate:
         written.append(args.out / "cost.png")
     print(f"\nwrote {' and '.join(str(p) for p in written)}")
     return est
+
+
+def alternatives_report(config, args: argparse.Namespace) -> list[dict]:
+    """`flashformer cost` for a recurrent model or a windowed / linear-attention decoder
+    (costs/alternatives.py): FLOPs and decoding memory against n, from 512 to 16k or --seq-len."""
+    lengths = [args.seq_len] if args.seq_len else [512 * 2**i for i in range(6)]
+    name = Path(args.config).name if Path(args.config).exists() else args.config
+    print(f"{name}: {alternatives.family(config)}, d={config.d_model}, L={config.n_layers}, B={args.batch}")
+    print(alternatives.table(config, lengths, args.batch))
+    rows = alternatives.cost_rows(config, lengths, args.batch)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cost.json").write_text(
+        json.dumps({"family": alternatives.family(config), "rows": rows}, indent=2)
+    )
+    print(f"\nwrote {args.out / 'cost.json'}")
+    return rows
 
 
 # ---- the tables and figures of docs/costs.md ----

@@ -70,6 +70,50 @@ class KVCache:
             self.memory_kv = tuple(t.repeat_interleave(times, dim=0) for t in self.memory_kv)
 
 
+class RecurrentState:
+    """One recurrent layer's state for generation, in place of a KV cache: an LSTM's (h, c), a
+    GRU's h, an SSM's conv window and state. Its tensors have a fixed size, replaced at every
+    step, so decoding memory is O(1) in the tokens seen (`nbytes` does not depend on `length`);
+    the price is that it cannot go back: a state holds exactly `length` tokens and the next
+    forward must continue at cache_position == length.
+
+    tensors: name -> (B, ...) tensor, batch first (recurrent.py / ssm.py name them).
+    """
+
+    memory_kv = None  # no cross-attention (the decoder stack's protocol)
+
+    def __init__(self, **tensors: Tensor):
+        self.tensors = tensors
+        self.length = 0
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def advance(self, new_tokens: int, **tensors: Tensor) -> None:
+        """The state after `new_tokens` more tokens."""
+        self.tensors.update(tensors)
+        self.length += new_tokens
+
+    def check_position(self, cache_position: int) -> None:
+        if cache_position != self.length:
+            raise ValueError(
+                f"a recurrent state holds the {self.length} tokens it has seen and cannot rewind or skip; "
+                f"got cache_position={cache_position}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def reorder(self, rows: Tensor, length: int) -> None:
+        """Beam search: row r continues from row rows[r]."""
+        self.tensors = {name: t[rows] for name, t in self.tensors.items()}
+
+    def expand(self, times: int) -> None:
+        """Repeat every row `times` times (one prefill per prompt serves its beams)."""
+        self.tensors = {name: t.repeat_interleave(times, dim=0) for name, t in self.tensors.items()}
+
+
 def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     """The dtype the layers' keys and values will be stored in: the model's
     kv_cache_dtype attribute where set (a quantized model's float16 cache, as
@@ -84,11 +128,25 @@ def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
 
 
 def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -> list[KVCache]:
-    """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel)."""
+    """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel), or
+    the states of a model that keeps its own (a recurrent model's `new_states`: RecurrentState,
+    max_len unused; a linear-attention decoder's)."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if hasattr(model, "new_states"):
+        return model.new_states(batch, device, cache_dtype(model, device))
     config = model.config
     n_layers = config.n_layers if config.arch == "decoder" else config.n_decoder_layers
-    device = torch.device(device) if device is not None else next(model.parameters()).device
     dtype = cache_dtype(model, device)
+    if config.attention_kind == "linear":  # S = sum phi(k) v^T, z = sum phi(k) (attention/linear.py)
+        features = config.head_dim if config.linear_feature_map == "elu" else config.linear_features
+        shape = (batch, config.n_kv_heads, features)
+        return [
+            RecurrentState(
+                S=torch.zeros(*shape, config.head_dim, dtype=dtype, device=device),
+                z=torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(n_layers)
+        ]
     return [
         KVCache(batch, config.n_kv_heads, max_len, config.head_dim, dtype=dtype, device=device)
         for _ in range(n_layers)

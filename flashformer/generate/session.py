@@ -221,6 +221,8 @@ def let_sizes_vary(caches: list) -> None:
     prompt + max_new_tokens reuses the graph instead of compiling again
     (torch.compile still specializes a batch of 1 at first)."""
     for cache in caches:
+        if not hasattr(cache, "k"):  # a recurrent state: its sizes do not grow
+            continue
         for t in (cache.k, cache.v):
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 2)

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 
 from flashformer.model.positional import RopeScaling
 
-ARCHS = ("encoder", "decoder", "encoder-decoder")
+RECURRENT_ARCHS = ("lstm", "gru", "ssm")  # the recurrent alternatives (recurrent.py, ssm.py)
+ARCHS = ("encoder", "decoder", "encoder-decoder", *RECURRENT_ARCHS)
+CAUSAL_ARCHS = ("decoder", *RECURRENT_ARCHS)  # next-token language models
+ATTENTION_KINDS = ("softmax", "linear")
+FEATURE_MAPS = ("elu", "favor")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -33,7 +37,9 @@ class ModelConfig:
     """Everything that decides a model's shape and behaviour.
 
     Sizes
-        arch: "encoder" (BERT), "decoder" (GPT-2, LLaMA), "encoder-decoder" (T5).
+        arch: "encoder" (BERT), "decoder" (GPT-2, LLaMA), "encoder-decoder" (T5), or one of the
+            recurrent alternatives (no attention): "lstm", "gru" (recurrent.py: n_layers
+            nn.LSTM / nn.GRU of width d_model) and "ssm" (ssm.py: Mamba blocks).
         vocab_size, d_model, n_layers, n_heads, d_ff: the usual sizes.
         n_kv_heads: key/value heads (GQA, MQA); None = n_heads.
         head_dim: None = d_model // n_heads; T5 sets it apart (d_kv).
@@ -70,6 +76,17 @@ class ModelConfig:
         layer_types: per layer "full_attention" or "sliding_attention" (the window above,
             and rope_local_theta); None = every layer full.
         share_layers: one block's weights for all layers of a stack (ALBERT).
+        global_tokens: the first global_tokens positions attend to every key and every query
+            attends to them, beside the window (Longformer / BigBird's global tokens); 0 = none.
+            Only in sliding_attention layers, where they widen what the window sees.
+        attention_kind: "softmax" (exact attention) or "linear" (kernelized linear attention,
+            attention/linear.py: phi(q) (sum phi(k) v^T), O(n) time and an O(1) decoding state).
+        linear_feature_map: linear attention's phi: "elu" (elu + 1, Katharopoulos et al. 2020)
+            or "favor" (Performer's positive random features, linear_features of them).
+    State-space blocks (arch "ssm", Mamba: ssm.py)
+        ssm_state: N, the state size per channel; ssm_conv: the causal conv's width;
+        ssm_expand: the inner width d_inner = ssm_expand * d_model;
+        ssm_dt_rank: the rank of the step size's projection; None = ceil(d_model / 16).
     Heads
         type_vocab_size: segment embeddings (BERT's token types); 0 = none.
         tie_word_embeddings: the output projection is the token embedding.
@@ -99,7 +116,9 @@ class ModelConfig:
     Tokens
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id.
     hf_model_type: the Hugging Face family this model saves as ("bert",
-        "gpt2", "t5", "llama", "qwen2", "phi3"), or None.
+        "gpt2", "t5", "llama", "qwen2", "phi3"), or None. The recurrent archs, linear attention
+        and global tokens have no Hugging Face family: for them it becomes None (so that
+        `--model.arch lstm` on the gpt-mini preset trains without a GPT-2 export at the end).
     """
 
     arch: str = "decoder"
@@ -138,6 +157,15 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     share_layers: bool = False
+    global_tokens: int = 0
+    attention_kind: str = "softmax"
+    linear_feature_map: str = "elu"
+    linear_features: int = 64
+
+    ssm_state: int = 16
+    ssm_conv: int = 4
+    ssm_expand: int = 2
+    ssm_dt_rank: int | None = None
 
     type_vocab_size: int = 0
     tie_word_embeddings: bool = True
@@ -193,6 +221,7 @@ class ModelConfig:
             "n_decoder_layers": self.n_layers,
             "num_labels": len(self.labels) if self.labels else 2,
             "attention_out_bias": self.attention_bias,
+            "ssm_dt_rank": -(-self.d_model // 16),
         }
         self._derived = frozenset(name for name in derived if getattr(self, name) is None)
         for name in self._derived:
@@ -212,6 +241,7 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
         self._check_layer_types()
+        self._check_alternatives()
         self._check_task()
 
     def _check_layer_types(self) -> None:
@@ -236,6 +266,36 @@ class ModelConfig:
             )
         if self.share_layers and len(set(self.layer_types)) > 1:
             raise ValueError("ModelConfig.share_layers=True needs every layer of one type (layer_types)")
+
+    def _check_alternatives(self) -> None:
+        """The sparse / linear attention fields and the SSM sizes."""
+        if self.arch in RECURRENT_ARCHS or self.attention_kind == "linear" or self.global_tokens:
+            self.hf_model_type = None  # transformers has no such family: nothing to export as
+        _choice("attention_kind", self.attention_kind, ATTENTION_KINDS)
+        _choice("linear_feature_map", self.linear_feature_map, FEATURE_MAPS)
+        for name in ("ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank", "linear_features"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be an int >= 1; got {getattr(self, name)!r}")
+        if not isinstance(self.global_tokens, int) or self.global_tokens < 0:
+            raise ValueError(f"ModelConfig.global_tokens must be an int >= 0; got {self.global_tokens!r}")
+        if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
+            raise ValueError(
+                f"ModelConfig.global_tokens={self.global_tokens} widens sliding-window layers, but "
+                f"layer_types has none: {self.layer_types!r}"
+            )
+        if self.attention_kind == "linear":
+            clashes = {
+                "position": self.position in ("alibi", "relative"),
+                "attention_softcap": self.attention_softcap is not None,
+                "layer_types": self.layer_types is not None,
+                "arch": self.arch != "decoder",
+            }
+            bad = [name for name, clash in clashes.items() if clash]
+            if bad:
+                raise ValueError(
+                    f"attention_kind='linear' forms no score matrix, so it takes no score bias, softcap or "
+                    f"window, and serves decoders; got {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}"
+                )
 
     def layer_type(self, index: int) -> str:
         """ "full_attention" or "sliding_attention": what layer `index` attends to."""
@@ -372,6 +432,16 @@ _LLAMA = dict(
     eos_token_id=2,
     hf_model_type="llama",
 )
+# recurrent language models: no positions (the recurrence orders the tokens), no attention
+_RECURRENT = dict(
+    n_heads=1,  # not read: no attention (n_heads only has to divide d_model)
+    vocab_size=2048,
+    max_seq_len=256,
+    position="none",
+    dropout=0.0,
+    attention_dropout=0.0,
+    tie_word_embeddings=True,
+)
 _TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=1000, max_seq_len=128)
 
 PRESETS: dict[str, dict] = {
@@ -399,6 +469,13 @@ PRESETS: dict[str, dict] = {
     "gpt2-tiny": dict(_GPT2, **_TINY),
     "t5-tiny": dict(_T5, **dict(_TINY, head_dim=16)),
     "llama-tiny": dict(_LLAMA, **dict(_TINY, n_kv_heads=2, d_ff=96)),
+    # the alternatives of docs/alternatives.md, gpt-mini's vocabulary and training defaults
+    "lstm-mini": dict(_RECURRENT, arch="lstm", d_model=256, n_layers=2),
+    "gru-mini": dict(_RECURRENT, arch="gru", d_model=288, n_layers=2),
+    "mamba-mini": dict(_RECURRENT, arch="ssm", d_model=192, n_layers=6, norm="rmsnorm"),
+    "lstm-tiny": dict(_RECURRENT, **dict(_TINY, arch="lstm")),
+    "gru-tiny": dict(_RECURRENT, **dict(_TINY, arch="gru")),
+    "mamba-tiny": dict(_RECURRENT, **dict(_TINY, arch="ssm", norm="rmsnorm", ssm_state=8)),
 }
 
 

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashformer.attention import attention
+from flashformer.attention.linear import causal_linear_attention, linear_attention_step, make_feature_map
+from flashformer.generate.cache import RecurrentState
 from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
 from flashformer.model.positional import apply_rotary
@@ -205,6 +207,7 @@ def attend(
     alibi_slopes: Tensor | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    global_tokens: int = 0,
     cross: bool = False,
 ) -> Tensor:
     """flashformer.attention for the layers; returns (B, Hq, Lq, Dv) in q's dtype.
@@ -227,6 +230,7 @@ def attend(
             alibi_slopes=alibi_slopes,
             window=window,
             softcap=softcap,
+            global_tokens=global_tokens,
             scale=scale,
             dropout_p=dropout_p,
             backend=backend if maps is None else "eager",
@@ -248,13 +252,15 @@ class MultiHeadAttention(nn.Module):
     (see the module docstring).
 
     What differs between layers of one model (Gemma's sliding-window layers) is fixed here,
-    at construction: `window` (attention_window), the softcap, the q/k head norms.
+    at construction: `window` (attention_window), the softcap, the q/k head norms, and the
+    global tokens a windowed layer adds (config.global_tokens: Longformer / BigBird).
     """
 
     def __init__(self, config: ModelConfig, causal: bool, window: tuple[int, int | None] | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.causal, self.window, self.softcap = causal, window, config.attention_softcap
+        self.global_tokens = config.global_tokens if window is not None else 0
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout
         self.backend = config.attention_backend
@@ -280,14 +286,12 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: (B, cache_position + L) bool, True = a real token.
         """
         batch, length, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
-        q = q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, L, D)
-        k = k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
-        q, k = self.q_norm(q), self.k_norm(k)  # per head, over D (qk_norm), before RoPE
-        v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = self.project(x, rotary)
         if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
+            if self.global_tokens:
+                raise NotImplementedError(
+                    "a paged KV cache does not serve global tokens (config.global_tokens)"
+                )
             out = kv_cache.attend(
                 q, k, v, scale=self.scale, window=self.window, softcap=self.softcap
             )  # (B, Hq, L, D)
@@ -304,11 +308,76 @@ class MultiHeadAttention(nn.Module):
             alibi_slopes=alibi_slopes,
             window=self.window,
             softcap=self.softcap,
+            global_tokens=self.global_tokens,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
         )  # (B, Hq, L, D)
         return self.out(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def project(self, x: Tensor, rotary: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, L, d_model) -> q (B, Hq, L, D), k, v (B, Hk, L, D), with the head norms and RoPE."""
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, L, D)
+        k = k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        q, k = self.q_norm(q), self.k_norm(k)  # per head, over D (qk_norm), before RoPE
+        v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return q, k, v
+
+
+class LinearSelfAttention(MultiHeadAttention):
+    """Causal self-attention through a feature map (attention_kind="linear"; attention/linear.py):
+    phi(q) (sum phi(k) v^T) / (phi(q) · sum phi(k)), no score matrix, so no mask, bias or
+    window. Its decoding cache is a state of fixed size (generate.cache.make_caches: S, z per
+    layer), advanced by the recurrent step. Performer's random features are drawn per layer
+    (seed = the layer's index) and saved with the weights."""
+
+    def __init__(self, config: ModelConfig, index: int = 0):
+        super().__init__(config, causal=True)
+        self.feature_map = make_feature_map(
+            config.linear_feature_map, config.head_dim, config.linear_features, seed=index
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        kv_cache=None,
+        cache_position: int = 0,
+        **no_scores,  # bias, alibi_slopes: score rules, which a linear attention has none of
+    ) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model); kv_cache: a RecurrentState holding S and z."""
+        if key_padding_mask is not None and not bool(key_padding_mask.all()):
+            raise ValueError("linear attention sums over every earlier token and takes no key padding")
+        if kv_cache is not None and not isinstance(kv_cache, RecurrentState):
+            raise ValueError(
+                "linear attention keeps a fixed-size state (generate.cache.make_caches gives a RecurrentState), "
+                f"not a KV cache; got {type(kv_cache).__name__}"
+            )
+        batch, length, _ = x.shape
+        q, k, v = self.project(x, rotary)
+        phi_q, phi_k = self.feature_map(q, True), self.feature_map(k, False)  # (B, Hq | Hk, L, F)
+        if kv_cache is None:
+            out, _ = causal_linear_attention(phi_q, phi_k, v)  # (B, Hq, L, D)
+        else:
+            kv_cache.check_position(cache_position)
+            state = (kv_cache["S"].to(v.dtype), kv_cache["z"].to(v.dtype))
+            step = linear_attention_step if length == 1 else causal_linear_attention
+            out, (s, z) = step(phi_q, phi_k, v, state)
+            kv_cache.advance(length, S=s, z=z)
+        return self.out(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def make_self_attention(config: ModelConfig, index: int, causal: bool) -> nn.Module:
+    """Layer `index`'s self-attention: exact (with its window and global tokens) or linear."""
+    if config.attention_kind == "linear":
+        return LinearSelfAttention(config, index)
+    return MultiHeadAttention(config, causal=causal, window=attention_window(config, index, causal))
 
 
 class CrossAttention(nn.Module):
@@ -415,7 +484,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.has_cross_attention = cross_attention
         self.attn_norm = make_norm(config)
-        self.attn = MultiHeadAttention(config, causal=True, window=attention_window(config, index, True))
+        self.attn = make_self_attention(config, index, causal=True)
         self.attn_out_norm = make_output_norm(config)
         if cross_attention:
             self.cross_norm = make_norm(config)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from flashformer.model.config import CAUSAL_ARCHS
 from flashformer.model.models import cross_entropy
 from flashformer.text.bpe import EOS, MASK, NUM_SENTINELS, SPECIAL_TOKENS
 from flashformer.train.loss_plot import plot_losses
@@ -56,7 +57,8 @@ class LanguageModeling:
         self.arch = None  # set by model_config
 
     def model_config(self, model_config):
-        self.arch = model_config.arch
+        # the recurrent families are next-token language models like a decoder
+        self.arch = "decoder" if model_config.arch in CAUSAL_ARCHS else model_config.arch
         return model_config.replace(vocab_size=self.tokenizer.vocab_size)
 
     def initialize(self, model) -> None:

@@ -295,3 +295,88 @@ def tiny_chat_folder(folder, max_positions: int):
     model.save_pretrained(folder)
     tokenizer.save(folder)
     return folder
+
+
+def alternatives_payload():
+    """A stored alternatives study (bench/alternatives.py's JSON) with made-up figures: a
+    Transformer and an LSTM whose decoding speeds cross at n = 1024 (log-symmetric about it)."""
+
+    def task_run(seed, accuracy):
+        return {
+            "seed": seed,
+            "val_loss": 1.0,
+            "accuracy": accuracy,
+            "by_distance": {"2-3": accuracy},
+            "counts": {"2-3": 10},
+            "train_tokens_per_s": 900.0,
+            "minutes": 0.5,
+        }
+
+    def corpus_run(seed, bits):
+        return {
+            "seed": seed,
+            "val_loss": 2.0,
+            "val_bits_per_byte": bits,
+            "tokens": 1000,
+            "train_tokens_per_s": 1000.0,
+            "minutes": 1.0,
+        }
+
+    def decode(rates, state):
+        return [
+            {"n": n, "prefill_s": 1.0, "decode_tokens_per_s": r, "state_bytes": s, "peak_extra_bytes": s}
+            for n, r, s in zip((512, 2048), rates, state)
+        ]
+
+    payload = {
+        "study": "alternatives",
+        "machine": {"cpu": "test CPU", "threads": 2, "torch": "2.13.0"},
+        "load_average": {"start": [1.0, 1.0, 1.0], "end": [2.0, 2.0, 2.0]},
+        "config": {
+            "seeds": [0, 1],
+            "layers": 2,
+            "corpus_steps": 10,
+            "batch_size": 8,
+            "corpus_seq_len": 256,
+            "tokenizer": "bpe",
+            "task_steps": 10,
+            "task_seq_len": 128,
+            "decode_ns": [512, 2048],
+            "train_ns": [512],
+        },
+        "families": {
+            "transformer": {
+                "summary": "attention",
+                "corpus": {"width": 128, "parameters": 658944},
+                "tasks": {"width": 128, "parameters": 413440},
+            },
+            "lstm": {
+                "summary": "an LSTM",
+                "corpus": {"width": 152, "parameters": 683392},
+                "tasks": {"width": 160, "parameters": 432960},
+            },
+        },
+        "corpus": {
+            "transformer": {"runs": [corpus_run(0, 1.4), corpus_run(1, 1.6)]},
+            "lstm": {"runs": [corpus_run(0, 1.8), corpus_run(1, 2.0)]},
+        },
+        "tasks": {
+            "recall": {
+                "transformer": {"runs": [task_run(0, 0.8), task_run(1, 1.0)]},
+                "lstm": {"runs": [task_run(0, 0.1), task_run(1, 0.2)]},
+            }
+        },
+        "decode": {
+            "transformer": decode((200.0, 100.0), (1 << 20, 1 << 22)),
+            "lstm": decode((100.0, 200.0), (2432, 2432)),
+        },
+        "train_speed": {
+            "transformer": [{"n": 512, "tokens_per_s": 3000.0, "peak_extra_bytes": 1 << 24}],
+            "lstm": [{"n": 512, "tokens_per_s": 1000.0, "peak_extra_bytes": 1 << 23}],
+        },
+        "minutes": {"total": 5.0, "training": 4.0, "speed": 1.0},
+    }
+    from flashformer.bench.alternatives_report import crossovers
+
+    payload["crossovers"] = crossovers(payload)
+    return payload
