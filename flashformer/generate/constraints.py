@@ -160,7 +160,9 @@ class GrammarVocabulary:
                 f"vocab_size={size} is smaller than the tokenizer's {len(vocab)} tokens "
                 f"(the model's vocabulary must hold every token the tokenizer makes)"
             )
-        tokens = list(vocab.tokens) + [b""] * (size - len(vocab))
+        # llguidance marks special tokens with a leading 0xFF byte; 0xFF never occurs in UTF-8
+        # text, so a token that starts with it (Gemma's <0xFF>) can never be allowed anyway
+        tokens = [b"" if t[:1] == b"\xff" else t for t in vocab.tokens] + [b""] * (size - len(vocab))
         special = sorted(vocab.special | set(range(len(vocab), size)))
         self.vocab_size, self.eos = size, tuple(vocab.eos)
         self.words = (size + 31) // 32  # int32 words of a bitmask row

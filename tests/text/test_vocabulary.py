@@ -19,10 +19,14 @@ def assert_bytes_match_llguidance(tokenizer):
     vocab = vocabulary_of(tokenizer)
     reference = llguidance.LLTokenizer(tokenizer.backend.to_str())
     assert len(vocab) == tokenizer.vocab_size
+    # llguidance spells a SentencePiece <0xFF> piece as b"": 0xFF is its own special-token
+    # marker (it never occurs in UTF-8), so that one token differs by design
     wrong = [
         i
         for i in range(len(vocab))
-        if i not in vocab.special and vocab.tokens[i] != reference.decode_bytes([i])
+        if i not in vocab.special
+        and vocab.tokens[i] != reference.decode_bytes([i])
+        and not (vocab.tokens[i] == b"\xff" and reference.decode_bytes([i]) == b"")
     ]
     assert wrong == [], [(i, vocab.tokens[i], reference.decode_bytes([i])) for i in wrong[:5]]
     assert all(vocab.tokens[i] == b"" for i in vocab.special)
