@@ -1,0 +1,193 @@
+"""Tool calls through `flashformer serve` with the real `openai` client: the tiny model of
+test_serve.py, its folder given a second chat template, "tool_use", in Qwen2.5's style (the
+tokenizer renders a request with tools through it, as transformers picks it); a request
+without tools but with a tool history goes through SmolLM2's own template, which has no
+tools: the generic format. The prompts are compared with transformers' rendering of the same
+template and messages; `required` and a named function give calls whose arguments validate
+(jsonschema); streamed answers equal whole ones; bad shapes get a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import tiny_chat_folder
+from test_serve import KEY, http, start_server
+
+from flashformer.text.tool_prompt import generic_tool_messages, with_call_arguments_as_objects
+
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+TOOL_USE_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\\n' + (messages[0].content if messages[0].role == 'system' else 'You are helpful.') }}
+{{- '\\n\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\nCall one within <tool_call></tool_call>: {"name": <name>, "arguments": <object>}<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- for call in message.tool_calls %}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+HISTORY = QUESTION + [
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_7",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_7", "content": '{"temperature": 21}'},
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """test_serve.py's tiny model with a 1024-token context and a second template, tool_use."""
+    folder = tiny_chat_folder(tmp_path_factory.mktemp("tiny-tools"), max_positions=1024)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_USE_TEMPLATE)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    process, url = start_server(folder, "--api-key", KEY, "--max-batch", "8", "--kv-blocks", "96")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def theirs(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def post(server, body: dict) -> tuple[int, dict]:
+    code, text = http("POST", server + "/v1/chat/completions", json.dumps(body).encode(), HEADERS)
+    return code, json.loads(text)
+
+
+def ask(client, folder, messages, **kwargs):
+    return client.chat.completions.create(model=folder.name, messages=messages, **kwargs)
+
+
+def joined(chunks) -> tuple[str, list[dict], str]:
+    """A stream's content, calls (name, arguments, id) and finish reason, as the client sees them."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"name": "", "arguments": "", "id": None})
+                if piece.id:
+                    assert call["id"] is None and piece.id.startswith("call_")
+                    call["id"] = piece.id
+                if piece.function.name:
+                    call["name"] += piece.function.name
+                call["arguments"] += piece.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def test_tools_render_through_the_templates_tool_use(client, folder, theirs):
+    """With tools, the prompt is the tool_use template's, as transformers renders the same
+    messages (calls' arguments as objects) and tools."""
+    reply = ask(client, folder, HISTORY, tools=[WEATHER, TIME], max_tokens=3, temperature=0)
+    expected = theirs.apply_chat_template(
+        with_call_arguments_as_objects(HISTORY),
+        tools=[WEATHER, TIME],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    assert reply.usage.prompt_tokens == len(expected)
+    text = theirs.decode(expected)
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in text and "<tools>" in text
+
+
+def test_tool_history_without_tools_is_the_generic_format(client, folder, theirs):
+    """No tools in the request (SmolLM2's template, which has none): the calls and results of the
+    history in the generic format; tool_choice "none" with tools: the same, tools not shown."""
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        reply = ask(client, folder, HISTORY, max_tokens=3, temperature=0, **extra)
+        messages = generic_tool_messages(HISTORY, [])
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        assert reply.usage.prompt_tokens == len(expected)
+        assert reply.choices[0].message.tool_calls is None
+        assert '{"name": "get_weather", "arguments": {"city": "Paris"' in theirs.decode(expected)
+
+
+def test_auto_streamed_equals_whole(client, folder):
+    """auto: the model decides (this one writes no call); the text is content, streamed or not."""
+    kwargs = dict(tools=[WEATHER], max_tokens=24, temperature=0)
+    whole = ask(client, folder, QUESTION, **kwargs)
+    content, calls, reason = joined(ask(client, folder, QUESTION, stream=True, **kwargs))
+    message = whole.choices[0].message
+    assert (content, calls, reason) == (message.content, [], whole.choices[0].finish_reason)
+    assert message.tool_calls is None and len(content) > 10
+
+
+BAD = [
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "'get_weather' is given twice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice names the function 'get_time'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "needs tools"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, named", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_shapes_get_400_naming_the_field(server, folder, fields, named):
+    code, reply = post(server, {"model": folder.name, "messages": QUESTION, **fields})
+    assert code == 400 and named in reply["error"]["message"], reply
+    field = named.split()[0] if "." in named.split()[0] else None
+    if field:
+        assert reply["error"]["param"] == field
