@@ -191,3 +191,52 @@ def test_bad_shapes_get_400_naming_the_field(server, folder, fields, named):
     field = named.split()[0] if "." in named.split()[0] else None
     if field:
         assert reply["error"]["param"] == field
+
+
+# ---- the schema a forced call is generated under (no server) ----
+
+ADDRESS = {
+    "type": "function",
+    "function": {
+        "name": "ship",
+        "parameters": {
+            "type": "object",
+            "$defs": {"place": {"type": "object", "properties": {"zip": {"$ref": "#/$defs/zip"}}, "required": ["zip"]},
+                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {"to": {"$ref": "#/$defs/place"}, "count": {"type": "integer", "minimum": 1}},
+            "required": ["to", "count"],
+        },
+    },
+}  # fmt: skip
+
+
+def test_call_schemas_accept_exactly_the_valid_calls():
+    """jsonschema's verdicts on calls under tool_call_schema equal its verdicts on the arguments
+    under the function's own schema ($defs moved to the root, references kept)."""
+    import jsonschema
+
+    from flashformer.serve.openai.tools import tool_call_schema
+
+    good = {"to": {"zip": "75001"}, "count": 2}
+    bad = [{"to": {"zip": "7500"}, "count": 2}, {"to": {"zip": "75001"}, "count": 0}, {"to": {}}]
+    tools = [WEATHER, ADDRESS, TIME]
+    named = tool_call_schema([ADDRESS], many=False)
+    required = tool_call_schema(tools, many=True)
+    single = tool_call_schema(tools, many=True, parallel=False)
+    for schema in (named, required, single):
+        jsonschema.Draft202012Validator.check_schema(schema)
+    own = ADDRESS["function"]["parameters"]
+    assert jsonschema.Draft202012Validator(own).is_valid(good)
+    assert not any(jsonschema.Draft202012Validator(own).is_valid(b) for b in bad)
+    valid = jsonschema.Draft202012Validator(named).is_valid
+    assert valid({"name": "ship", "arguments": good})
+    assert not any(valid({"name": "ship", "arguments": b}) for b in bad)
+    assert not valid({"name": "get_weather", "arguments": good}) and not valid({"name": "ship"})
+    assert list(named["properties"]) == ["name", "arguments"]  # the name streams first
+    valid = jsonschema.Draft202012Validator(required).is_valid
+    weather = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    assert valid([weather, {"name": "ship", "arguments": good}, {"name": "get_time", "arguments": {}}])
+    assert not valid([]) and not valid([{"name": "ship", "arguments": bad[0]}])
+    assert not valid([{"name": "get_weather", "arguments": good}])
+    assert jsonschema.Draft202012Validator(single).is_valid([weather])
+    assert not jsonschema.Draft202012Validator(single).is_valid([weather, weather])
