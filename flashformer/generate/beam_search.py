@@ -22,9 +22,12 @@ constant transformers uses (float32 rounding of such sums then agrees too).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import Tensor
 
+from flashformer.generate.constraints import constrain, keep_an_end, matchers_for
 from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, TokenHistory
 
 IMPOSSIBLE = -1.0e9
@@ -61,6 +64,9 @@ def beam_search(
     history = TokenHistory.for_settings(s, prompt, real, vocab)
     if history is not None:
         history.expand(beams)
+    matchers = matchers_for(s.constraint, batch)  # per prompt, then one per beam
+    if matchers is not None:
+        matchers = [m if m is None else m.copy() for m in matchers for _ in range(beams)]
 
     logits = session.prefill().repeat_interleave(beams, dim=0)  # (B*K, V): one prefill per prompt
     session.expand(beams)
@@ -68,7 +74,12 @@ def beam_search(
     while True:
         if logits_out is not None:
             logits_out.append(logits)
-        log_probs = process(torch.log_softmax(logits, dim=-1), history, length - prompt_len)  # (B*K, V)
+        log_probs = torch.log_softmax(logits, dim=-1)  # (B*K, V)
+        if matchers is None:
+            log_probs = process(log_probs, history, length - prompt_len)
+        else:  # each beam's grammar mask, then the processors (transformers' order)
+            masked = constrain(log_probs, matchers, eos)
+            log_probs = keep_an_end(process(masked, history, length - prompt_len), masked)
         totals = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, -1)
 
         # 2. the best continuations over all beams of a prompt
@@ -122,10 +133,27 @@ def beam_search(
         if history is not None:
             history.reorder(rows)
             history.add(new_tokens)
+        if matchers is not None:
+            matchers = _follow(matchers, rows.tolist(), new_tokens.tolist())
         logits = session.step(new_tokens)
 
     out_length = prompt_len + int(finished_lengths[:, 0].max())
     return finished[:, 0, :out_length]
+
+
+def _follow(matchers: list, rows: list[int], tokens: list[int]) -> list:
+    """The surviving beams' matchers: each takes its parent's state (a copy where two beams share
+    a parent) and then its new token."""
+    left = Counter(rows)  # the original state is advanced at its parent's last use, copied before
+    followed = []
+    for row, token in zip(rows, tokens):
+        matcher = matchers[row]
+        left[row] -= 1
+        if matcher is not None:
+            matcher = matcher.copy() if left[row] else matcher
+            matcher.advance(token)
+        followed.append(matcher)
+    return followed
 
 
 def _may_improve(

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from flashformer.checks import check_token_ids, padding_mask_from
 from flashformer.generate.beam_search import beam_search
+from flashformer.generate.constraints import constrain, keep_an_end, matchers_for
 from flashformer.generate.sampling import (
     GenerationSettings,
     LogitsProcessor,
@@ -108,21 +109,39 @@ def stream_tokens(
     which a quantized model's layers refuse."""
     process = LogitsProcessor(s, session.input_ids.device)
     unfinished = tokens = None
+    matchers = matchers_for(s.constraint, session.input_ids.shape[0])
     for index in range(s.max_new_tokens):
         logits = session.prefill() if index == 0 else session.step(tokens)  # (B, V) float32
         if logits_out is not None:
             logits_out.append(logits)
-        tokens = choose_tokens(process(logits, history, index), s.do_sample, generator)  # (B,)
+        if matchers is None:
+            scores = process(logits, history, index)
+        else:  # the grammar's mask first, so that the processors see only what it allows
+            masked = constrain(logits, _still_running(matchers, unfinished), process.eos)
+            scores = keep_an_end(process(masked, history, index), masked)
+        tokens = choose_tokens(scores, s.do_sample, generator)  # (B,)
         if process.eos.numel():
             if unfinished is None:
                 unfinished = torch.ones_like(tokens, dtype=torch.bool)
             tokens = torch.where(unfinished, tokens, s.pad_token_id)
+        if matchers is not None:
+            for matcher, token in zip(_still_running(matchers, unfinished), tokens.tolist()):
+                if matcher is not None:
+                    matcher.advance(token)
+        if process.eos.numel():
             unfinished = unfinished & ~torch.isin(tokens, process.eos)
         if history is not None:
             history.add(tokens)
         yield tokens
         if unfinished is not None and not bool(unfinished.any()):
             return
+
+
+def _still_running(matchers: list, unfinished: Tensor | None) -> list:
+    """The matchers of the rows that have not ended (an ended row's pad tokens are no text)."""
+    if unfinished is None:
+        return matchers
+    return [m if alive else None for m, alive in zip(matchers, unfinished.tolist())]
 
 
 # ---- the methods models get ----
@@ -167,8 +186,10 @@ class GenerationMixin:
         eos_token_id (int or list, the stop tokens; default the config's), pad_token_id,
         decoder_start_token_id; OpenAI's logit_bias ({token id: bias}), presence_penalty=0,
         frequency_penalty=0 and ignore_eos=False (vLLM's); and flashformer's
-        prefill_chunk_size (None = the whole prompt at once) and compile (torch.compile
-        the decode step). generator or seed make sampling reproducible.
+        prefill_chunk_size (None = the whole prompt at once), compile (torch.compile
+        the decode step) and constraint (generate.constraints: a Constraint, or one per
+        prompt, that the new text must follow: a JSON schema, a regex, a choice, a grammar).
+        generator or seed make sampling reproducible.
         Returns (B, P + n) for a decoder, (B, 1 + n) for an encoder-decoder, or a
         GenerateOutput with return_dict_in_generate=True.
         """

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashformer.generate.constraints import Constraint, check_constraint
+
 # ---- settings ----
 
 
@@ -49,6 +51,9 @@ class GenerationSettings:
     decoder_start_token_id: int | None = None
     prefill_chunk_size: int | None = None
     compile: bool = False
+    # a grammar the text must follow (generate.constraints): one Constraint for every row, or a
+    # list with one per prompt (None: a free row); its mask comes before the logits processors
+    constraint: Constraint | list[Constraint | None] | None = None
 
 
 def settings_from(model, **kwargs) -> GenerationSettings:
@@ -117,6 +122,7 @@ def check_settings(s: GenerationSettings, model) -> None:
         _check_int("prefill_chunk_size", s.prefill_chunk_size, 1)
     if not isinstance(s.compile, bool):
         raise ValueError(f"compile must be True or False; got {s.compile!r}")
+    check_constraint(s.constraint)
     if model.config.arch == "encoder-decoder":
         start = s.decoder_start_token_id
         if not (isinstance(start, int) and not isinstance(start, bool) and 0 <= start < vocab):

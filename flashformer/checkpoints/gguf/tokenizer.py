@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as Backend
 
 from flashformer.checkpoints.gguf.reader import read_file
 from flashformer.text.tokenizer import END_OF_TURN_TEXTS, Tokenizer, unique_ids
+from flashformer.text.vocabulary import byte_alphabet
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -96,25 +97,6 @@ PRE_TOKENIZERS = {
     "tekken": (_regex(TEKKEN_SPLIT), True),
     **dict.fromkeys(("gpt-4o", "llama4"), (_regex(GPT4O_SPLIT), False)),
 }
-
-
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: each byte as one printable character. The printable Latin-1
-    bytes stand for themselves; the other 68 (controls, space, ...) take the code points from 256
-    up, in byte order. Byte-level vocabularies are spelled in it ("Ġ" is the space)."""
-    printable = {
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    }
-    alphabet, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            alphabet[byte] = chr(byte)
-        else:
-            alphabet[byte] = chr(256 + extra)
-            extra += 1
-    return alphabet
 
 
 def read_tokenizer(path: str | Path) -> Tokenizer:
