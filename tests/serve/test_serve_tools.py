@@ -212,7 +212,8 @@ ADDRESS = {
 
 def test_call_schemas_accept_exactly_the_valid_calls():
     """jsonschema's verdicts on calls under tool_call_schema equal its verdicts on the arguments
-    under the function's own schema ($defs moved to the root, references kept)."""
+    under the function's own schema ($defs moved to the root, references kept), except keys
+    the function's objects do not list."""
     import jsonschema
 
     from flashformer.serve.openai.tools import tool_call_schema
@@ -232,6 +233,11 @@ def test_call_schemas_accept_exactly_the_valid_calls():
     assert valid({"name": "ship", "arguments": good})
     assert not any(valid({"name": "ship", "arguments": b}) for b in bad)
     assert not valid({"name": "get_weather", "arguments": good}) and not valid({"name": "ship"})
+    # keys the function does not list: valid for its own schema, not generated in a call
+    extra = {"to": {"zip": "75001", "floor": 3}, "count": 2, "note": "x"}
+    assert jsonschema.Draft202012Validator(own).is_valid(extra) and not valid(
+        {"name": "ship", "arguments": extra}
+    )
     assert list(named["properties"]) == ["name", "arguments"]  # the name streams first
     valid = jsonschema.Draft202012Validator(required).is_valid
     weather = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}

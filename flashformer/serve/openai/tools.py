@@ -97,7 +97,8 @@ def tool_call_schema(tools: list[dict], many: bool, parallel: bool = True) -> di
     """The JSON schema of a call to one of `tools`: {"name": <its name>, "arguments": <its
     parameters>}, name first (so a streamed call's name comes before its arguments); many: an
     array of one or more (one if not parallel). Each function's $defs move to the root under
-    "<name>.<key>" (a reference inside arguments would otherwise point at the wrong root)."""
+    "<name>.<key>" (a reference inside arguments would otherwise point at the wrong root), and
+    its objects take no keys beyond their properties unless they say so (_closed)."""
     definitions: dict = {}
     calls = []
     for tool in tools:
@@ -108,7 +109,7 @@ def tool_call_schema(tools: list[dict], many: bool, parallel: bool = True) -> di
                 "type": "object",
                 "properties": {
                     "name": {"const": function["name"]},
-                    "arguments": _hoisted(parameters, function["name"], definitions),
+                    "arguments": _closed(_hoisted(parameters, function["name"], definitions)),
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
@@ -128,8 +129,30 @@ def _hoisted(parameters: dict, name: str, definitions: dict) -> dict:
     its references rewritten to match."""
     local = {**parameters.get("$defs", {}), **parameters.get("definitions", {})}
     for key, value in local.items():
-        definitions[f"{name}.{key}"] = _references_moved(value, name)
+        definitions[f"{name}.{key}"] = _closed(_references_moved(value, name))
     return _references_moved({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}, name)
+
+
+COMBINATORS = ("allOf", "anyOf", "oneOf", "not", "$ref", "if")
+
+
+def _closed(schema):
+    """The schema with `additionalProperties: false` on each object that lists properties and
+    says nothing of others (down through properties and items, not through combinators, where
+    another branch may allow more keys). Every call it allows is valid under the original; a
+    small model otherwise goes on inventing keys until max_tokens cuts the call."""
+    if not isinstance(schema, dict) or any(key in schema for key in COMBINATORS):
+        return schema
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {key: _closed(value) for key, value in out["properties"].items()}
+        if not any(
+            key in out for key in ("additionalProperties", "patternProperties", "unevaluatedProperties")
+        ):
+            out["additionalProperties"] = False
+    if isinstance(out.get("items"), dict):
+        out["items"] = _closed(out["items"])
+    return out
 
 
 def _references_moved(schema, name: str):
