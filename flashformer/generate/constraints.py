@@ -286,6 +286,8 @@ class Matcher:
     def advance(self, token: int) -> bool:
         """Take the chosen token; False if the grammar did not allow it (the matcher then stays
         in an error state and finished is True)."""
+        if self.matcher.is_error():
+            return False
         if self.finished and int(token) in self.vocabulary.eos:
             return True
         return self.matcher.consume_token(int(token))

@@ -125,9 +125,13 @@ def stream_tokens(
                 unfinished = torch.ones_like(tokens, dtype=torch.bool)
             tokens = torch.where(unfinished, tokens, s.pad_token_id)
         if matchers is not None:
-            for matcher, token in zip(_still_running(matchers, unfinished), tokens.tolist()):
-                if matcher is not None:
-                    matcher.advance(token)
+            for row, (matcher, token) in enumerate(
+                zip(_still_running(matchers, unfinished), tokens.tolist())
+            ):
+                if matcher is not None and not matcher.advance(token):
+                    raise RuntimeError(
+                        f"constraint: the grammar engine stopped on row {row} at new token {index}: {matcher.error}"
+                    )
         if process.eos.numel():
             unfinished = unfinished & ~torch.isin(tokens, process.eos)
         if history is not None:

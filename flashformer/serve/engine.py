@@ -11,7 +11,8 @@ Each step the engine
    is full), through runner.py: for a float model a forward per chunk and a
    padded decode batch, for a quantized one a single packed forward;
 4. samples each sequence's next token (generate.sampling: the request's
-   logits processor, then choose_tokens with the sequence's generator),
+   logits processor, then choose_tokens with the sequence's generator; a
+   constrained sequence's grammar mask first, generate.constraints),
    streams its text to its client (text.detokenizer: stop strings, partial
    UTF-8 held back), and frees a finished sequence's blocks at once.
 
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.eval.loglikelihood import token_logprobs as score_prompt
+from flashformer.generate.constraints import Constraint, constrain, keep_an_end
 from flashformer.generate.sampling import (
     GenerationSettings,
     LogitsProcessor,
@@ -73,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the top k
     prompt_logprobs: int | None = None  # None: none; k: every prompt token's, and the top k
     stop_token_ids: tuple[int, ...] = ()  # the tokens that end a sequence (never part of its text)
+    constraint: Constraint | None = None  # structured output: the grammar each choice follows
 
 
 @dataclass
@@ -143,6 +146,8 @@ class Sequence:
         self.cached_tokens: int | None = None  # tokens reused at its first admission
         self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
         self.history: TokenHistory | None = None  # for the penalties; made at the first sample
+        constraint = request.params.constraint  # its own place in the grammar, if constrained
+        self.matcher = None if constraint is None else constraint.matcher()
         self.finish_reason: str | None = None
         self.arrival = next(Sequence._order)
         seed = request.params.seed
@@ -369,9 +374,18 @@ class Engine(ModelLoop):
         logits = logits.float()
         if sequence.history is None and needs_history(request.settings):
             sequence.history = _history(sequence, request.settings, logits.shape[-1], logits.device)
-        scores = request.process(logits[None], sequence.history, len(sequence.generated))  # (1, V)
+        generated = len(sequence.generated)
+        if sequence.matcher is None:
+            scores = request.process(logits[None], sequence.history, generated)  # (1, V)
+        else:  # only a constrained row is masked: the others pay nothing for it
+            masked = constrain(logits[None], [sequence.matcher], request.process.eos)
+            scores = request.process(masked, sequence.history, generated)
+            if generated < request.settings.min_new_tokens:
+                scores = keep_an_end(scores, masked)
         token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
         sequence.tokens.append(token)
+        if sequence.matcher is not None:
+            sequence.matcher.advance(token)
         if sequence.history is not None:
             sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
@@ -389,6 +403,14 @@ class Engine(ModelLoop):
         else:
             text = detokenizer.add(token)
             reason = "stop" if detokenizer.stopped else None
+        if reason is None and sequence.matcher is not None and sequence.matcher.finished:
+            if sequence.matcher.error:  # never a "stop" whose text breaks the grammar
+                sequence.finish_reason = "error"
+                message = f"structured output: the grammar engine stopped: {sequence.matcher.error}"
+                sequence.request.emit(Event("error", sequence.index, message=message))
+                self._retire(sequence)
+                return
+            reason = "stop"  # the grammar is complete: nothing but a stop token could follow
         if reason is None and len(sequence.generated) >= params.max_tokens:
             reason = "length"
         if reason is None and len(sequence.tokens) >= self.context:

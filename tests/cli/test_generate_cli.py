@@ -138,3 +138,27 @@ def test_a_config_without_the_model_is_a_clear_error(tiny_run, tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="lacks the model's config"):
         flashformer.load(folder)
+
+
+def test_structure_flags_constrain_the_text(tiny_run, tmp_path, capsys):
+    """A tiny byte-level run (its vocabulary is the 256 bytes) held to a regex, a choice and a
+    JSON schema: the printed continuation matches each (Python's re, json and jsonschema)."""
+    import re
+
+    import jsonschema
+
+    base = ["generate", str(tiny_run), "--prompt", PROMPT, "--max-new-tokens", "40"]
+    code, out, _ = run_cli(base + ["--regex", "[0-9]{3}-[a-z]{2}"], capsys)
+    assert code == 0 and re.fullmatch(r"[0-9]{3}-[a-z]{2}", out[len(PROMPT) : -1]), out
+    code, out, _ = run_cli(base + ["--choice", "yes", "--choice", "no", "--seed", "1"], capsys)
+    assert code == 0 and out[len(PROMPT) : -1] in ("yes", "no"), out
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, out, _ = run_cli(base + ["--json-schema", str(tmp_path / "schema.json")], capsys)
+    assert code == 0
+    jsonschema.validate(json.loads(out[len(PROMPT) : -1]), schema)

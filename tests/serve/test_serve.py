@@ -295,10 +295,13 @@ BAD = [
         "best_of is not supported",
     ),
     (
-        "json mode",
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        "unenforceable schema keyword",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
+        },
         400,
-        "response_format is not supported",
+        "the JSON schema keyword 'not' cannot be enforced",
     ),
     ("unknown field", {"messages": [{"role": "user", "content": "x"}], "beam_width": 4}, 400, "beam_width"),
 ]

@@ -15,8 +15,9 @@ events ending with `data: [DONE]`, stream_options.include_usage), logprobs /
 top_logprobs, echo (the prompt's log-probabilities, max_tokens 0 allowed), usage; vLLM's
 top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids and OpenAI's
 presence / frequency penalties and logit_bias (generate.sampling, as generate() applies
-them); any other field is refused by name (400) unless it cannot change the
-answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
+them); structured outputs: response_format (json_object, json_schema) and vLLM's
+structured_outputs / guided_* fields (structured.py: compiled off the engine's thread);
+any other field is refused by name (400) unless it cannot change the answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
 (400 for a bad request, 401 for a wrong API key, 404 for an unknown model,
 503 when the queue is full). A client that goes away has its request
 cancelled within one engine step.
@@ -33,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from flashformer.generate.constraints import Constraint
 from flashformer.serve.embeddings import EmbeddingEngine, EmbeddingRequest
 from flashformer.serve.engine import Busy, Engine, Event, SamplingParams
 from flashformer.serve.engine import Request as EngineRequest
@@ -46,8 +48,15 @@ from flashformer.serve.openai.protocol import (
     refuse_unsupported,
 )
 from flashformer.serve.openai.responses import collect, embedding_response, prometheus, stream_events
+from flashformer.serve.openai.structured import compile_for, describe_vocabulary_soon, requested_constraint
 from flashformer.serve.openai.tokenize import add_tokenizer_routes
-from flashformer.serve.openai.tools import ToolPlan, check_parser, plan_tools, template_messages
+from flashformer.serve.openai.tools import (
+    ToolPlan,
+    call_constraint,
+    check_parser,
+    plan_tools,
+    template_messages,
+)
 
 
 def create_app(
@@ -125,7 +134,9 @@ def create_app(
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
-        params = _params(body, limit, top, len(prompt), engine)
+        asked = requested_constraint(body)
+        constraint = await compile_for(engine, call_constraint(plan, asked) or asked)
+        params = _params(body, limit, top, len(prompt), engine, constraint=constraint)
         return await _respond(engine, http, body, prompt, params, model_name, chat=True, tools=plan)
 
     @app.post("/v1/completions")
@@ -155,7 +166,8 @@ def create_app(
         if not ids:
             raise APIError(400, "prompt: the prompt is empty", param="prompt")
         scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt's too
-        params = _params(body, body.max_tokens, body.logprobs, len(ids), engine, scored)
+        constraint = await compile_for(engine, requested_constraint(body))
+        params = _params(body, body.max_tokens, body.logprobs, len(ids), engine, scored, constraint)
         echo = None
         if body.echo:
             echo = (
@@ -178,6 +190,7 @@ def create_app(
 
     if isinstance(engine, Engine):
         add_tokenizer_routes(app, engine, model_name)
+        describe_vocabulary_soon(engine)
     if webui:
         add_page(app, "embeddings" if isinstance(engine, EmbeddingEngine) else "chat", api_key is not None)
     return app
@@ -294,9 +307,11 @@ def _params(
     prompt_len: int,
     engine: Engine,
     prompt_logprobs: int | None = None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The request's settings, checked (400 naming the field and the value). max_tokens 0 is
-    allowed with echo (prompt_logprobs set, or echo alone): the prompt, and no token."""
+    allowed with echo (prompt_logprobs set, or echo alone): the prompt, and no token.
+    constraint: the compiled structured output (structured.py), or None."""
     if prompt_len >= engine.context:
         raise APIError(
             400,
@@ -343,6 +358,7 @@ def _params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         stop_token_ids=tuple(dict.fromkeys(own_stops + asked_stops)),
+        constraint=constraint,
     )
 
 

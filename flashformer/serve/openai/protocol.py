@@ -45,6 +45,14 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # structured outputs (serve/openai/structured.py reads and checks them, naming the field):
+    # OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 # ---- tools (serve/openai/tools.py uses them) ----
@@ -131,7 +139,6 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "prediction"}
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # without tools, both mean plain text
     "parallel_tool_calls": (True, False),  # without tools, nothing to call

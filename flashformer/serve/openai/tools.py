@@ -23,6 +23,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from flashformer.generate.constraints import ConstraintSpec
 from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest
 from flashformer.text.tool_calls import PARSERS, CallDelta, format_of_template, parse_tool_calls, parser_for
 from flashformer.text.tool_prompt import (
@@ -91,6 +92,22 @@ def template_messages(messages: list[dict], template: str | None, plan: ToolPlan
     if plan is None and not with_tools:
         return messages, None
     return generic_tool_messages(messages, plan.tools if plan else []), None
+
+
+def call_constraint(plan: ToolPlan | None, asked: tuple | None) -> tuple[ConstraintSpec, str] | None:
+    """The constraint of a forced call (required, named), as structured.compile_for takes it
+    (the spec, and "tools": the field a 400 then names); None for an answer left free. asked:
+    the request's structured output (structured.requested_constraint), which cannot also be
+    the shape of a call."""
+    if plan is None or plan.schema is None:
+        return None
+    if asked is not None:
+        field = asked[1]
+        raise APIError(
+            400, f"tool_choice {plan.choice!r} and {field} both decide the answer's shape; ask for one",
+            param=field,
+        )  # fmt: skip
+    return ConstraintSpec.of("json_schema", plan.schema), "tools"
 
 
 def tool_call_schema(tools: list[dict], many: bool, parallel: bool = True) -> dict:
