@@ -329,3 +329,44 @@ def test_call_schemas_accept_exactly_the_valid_calls():
     assert not valid([{"name": "get_weather", "arguments": good}])
     assert jsonschema.Draft202012Validator(single).is_valid([weather])
     assert not jsonschema.Draft202012Validator(single).is_valid([weather, weather])
+
+
+# ---- a real model (slow) ----
+
+
+@pytest.fixture(scope="module")
+def smollm2_server():
+    from flashformer.checkpoints.gguf import smollm2_path
+
+    process, url = start_server(smollm2_path(), "--quantize", "gguf", "--max-batch", "4", "--kv-blocks", "64")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_smollm2_calls_the_weather_tool(smollm2_server):
+    """SmolLM2-135M-Instruct (its template has no tools: the generic format) asked for the
+    weather in Paris: the forced call names Paris and validates, streamed as whole."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=smollm2_server + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        kwargs = dict(
+            model=model, messages=QUESTION, tools=[WEATHER], tool_choice=choice, max_tokens=80, temperature=0
+        )
+        reply = client.chat.completions.create(**kwargs)
+        (call,) = reply.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+        assert call.function.name == "get_weather" and arguments["city"] == "Paris"
+        assert reply.choices[0].finish_reason == "tool_calls"
+        content, calls, reason = joined(client.chat.completions.create(stream=True, **kwargs))
+        assert (content, [(c["name"], c["arguments"]) for c in calls], reason) == (
+            "",
+            calls_of(reply.choices[0].message),
+            "tool_calls",
+        )
