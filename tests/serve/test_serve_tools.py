@@ -115,11 +115,12 @@ def ask(client, folder, messages, **kwargs):
     return client.chat.completions.create(model=folder.name, messages=messages, **kwargs)
 
 
-def joined(chunks) -> tuple[str, list[dict], str]:
-    """A stream's content, calls (name, arguments, id) and finish reason, as the client sees them."""
+def joined(chunks, index: int = 0) -> tuple[str, list[dict], str]:
+    """A stream's content, calls (name, arguments, id) and finish reason for choice `index`, as
+    the client sees them."""
     content, calls, reason = "", {}, None
     for chunk in chunks:
-        for choice in chunk.choices:
+        for choice in (c for c in chunk.choices if c.index == index):
             content += choice.delta.content or ""
             for piece in choice.delta.tool_calls or []:
                 call = calls.setdefault(piece.index, {"name": "", "arguments": "", "id": None})
@@ -221,6 +222,26 @@ def test_required_calls_validate(client, folder, temperature):
         assert len(calls) == 1 or parallel
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_several_choices_each_call(client, folder):
+    """n=2: each choice its own call and its own parser, whole and streamed alike."""
+    import jsonschema
+
+    kwargs = dict(model=folder.name, messages=QUESTION, tools=[WEATHER], tool_choice="required", n=2,
+                  parallel_tool_calls=False, max_tokens=160, temperature=1, seed=5)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert len(whole.choices) == 2
+    for choice in whole.choices:
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        content, calls, reason = joined(chunks, choice.index)
+        assert (content, [(c["name"], c["arguments"]) for c in calls], reason) == (
+            "",
+            calls_of(choice.message),
+            "tool_calls",
+        )
 
 
 def test_round_trip(client, folder, theirs):
