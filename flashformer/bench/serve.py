@@ -24,6 +24,8 @@ its prefix cache on and off (--no-prefix-cache):
   is a document of --history-tokens tokens and a question, every later turn
   re-sends the whole history (the answers included) and a new question, as
   chat front-ends do. One chat alone gives the TTFT of turn 2 against turn 1.
+With --json-schema FILE, every answer of the mixed workload follows that schema
+(response_format json_schema): run with and without it to see what constraining costs.
 Writes serve.json and serve.png.
 """
 
@@ -33,6 +35,7 @@ import argparse
 import asyncio
 import importlib.util
 import inspect
+import json
 import os
 import random
 import socket
@@ -173,9 +176,11 @@ def ask(question: str, system: str | None = None) -> list[dict]:
     ]
 
 
-async def drive(url: str, model: str, jobs: list[tuple[str, int]], clients: int, api_key: str) -> dict:
+async def drive(
+    url: str, model: str, jobs: list[tuple[str, int]], clients: int, api_key: str, extra: dict | None = None
+) -> dict:
     """Run the jobs (a question, or a chat's messages, and max_tokens) with `clients` in flight;
-    timings per request."""
+    timings per request. extra: more fields of every request (--json-schema's response_format)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=3600)
@@ -195,6 +200,7 @@ async def drive(url: str, model: str, jobs: list[tuple[str, int]], clients: int,
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
+                **(extra or {}),
             )
             async for chunk in stream:
                 now = time.perf_counter()
@@ -302,6 +308,12 @@ def run(model: str, args) -> dict:
     # one client alone asks other questions: the loaded run's must not be in the prefix cache
     solo = workload(4, args.max_tokens, args.seed + 1)
     chosen = names(args.workloads)
+    structured = None  # --json-schema: the mixed workload's answers follow the schema
+    if getattr(args, "json_schema", None):
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        structured = {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+        }
     if set(chosen) - {"mixed"}:
         from flashformer.checkpoints.loading import load_tokenizer
 
@@ -325,8 +337,8 @@ def run(model: str, args) -> dict:
             served = OpenAI(base_url=url, api_key="bench").models.list().data[0].id
             results[name] = {}
             if "mixed" in runs:
-                alone = asyncio.run(drive(url, served, solo, 1, "bench"))
-                loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench"))
+                alone = asyncio.run(drive(url, served, solo, 1, "bench", structured))
+                loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench", structured))
                 results[name].update(alone=alone, loaded=loaded)
                 print(
                     f"{name}: {loaded['output_tokens_per_s']:.1f} tokens/s with {args.clients} clients",
@@ -364,6 +376,7 @@ def run(model: str, args) -> dict:
             "history_tokens": args.history_tokens,
             "turn_tokens": args.turn_tokens,
             "kv_blocks": args.kv_blocks,
+            "json_schema": str(args.json_schema) if getattr(args, "json_schema", None) else None,
             "load_average": list(os.getloadavg()),
         },
         "servers": results,
@@ -541,6 +554,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--turn-tokens", type=int, default=32, help="multi-turn: max_tokens of each turn")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
+    parser.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="mixed workload: every answer follows this JSON schema (response_format json_schema)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
 

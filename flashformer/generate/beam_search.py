@@ -79,7 +79,9 @@ def beam_search(
             log_probs = process(log_probs, history, length - prompt_len)
         else:  # each beam's grammar mask, then the processors (transformers' order)
             masked = constrain(log_probs, matchers, eos)
-            log_probs = keep_an_end(process(masked, history, length - prompt_len), masked)
+            log_probs = process(masked, history, length - prompt_len)
+            if length - prompt_len < s.min_new_tokens:
+                log_probs = keep_an_end(log_probs, masked)
         totals = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, -1)
 
         # 2. the best continuations over all beams of a prompt

@@ -26,7 +26,6 @@ server compiles each distinct schema once.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -35,6 +34,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -279,9 +279,13 @@ class Matcher:
         return Matcher(self.matcher.deep_copy(), self.vocabulary)
 
     def fill(self, row: Tensor) -> None:
-        """The allowed tokens as a bitmask into row (words,) int32: bit i of word w is token
-        32 w + i (the engine's own stop bits set where the grammar may end)."""
+        """The allowed tokens as a bitmask into row (words,) int32, contiguous on the CPU: bit i
+        of word w is token 32 w + i (the engine's own stop bits set where the grammar may end)."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    def fill_array(self, row: np.ndarray) -> None:
+        """fill() into a numpy row (words,) int32."""
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
 
     def advance(self, token: int) -> bool:
         """Take the chosen token; False if the grammar did not allow it (the matcher then stays
@@ -335,27 +339,23 @@ def compile_constraint(spec: ConstraintSpec, tokenizer, vocab_size: int | None =
 # ---- masks on scores ----
 
 
-@functools.cache
-def _byte_bits() -> Tensor:
-    """(256, 8) bool: the bits of every byte, lowest first (a bitmask row unpacked in one gather)."""
-    return (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1
-
-
 def allowed_tokens(matchers: list[Matcher], stop_ids: Tensor, vocab_size: int) -> Tensor:
     """(N, vocab_size) bool: the tokens each matcher allows next (ids past the constraint's
     vocabulary never). The engine's own stop bits are replaced by stop_ids (the caller's stop
     tokens): allowed where the grammar may end and, where it must end, the only ones allowed."""
     vocabulary = matchers[0].vocabulary
-    bitmask = torch.empty(len(matchers), vocabulary.words, dtype=torch.int32)  # (N, W)
+    bitmask = np.empty((len(matchers), vocabulary.words), dtype=np.int32)  # (N, W)
     for row, matcher in zip(bitmask, matchers):
-        matcher.fill(row)
-    bits = _byte_bits()[bitmask.view(torch.uint8).long()]  # (N, 4W, 8): little-endian words
+        matcher.fill_array(row)
+    bits = np.unpackbits(
+        bitmask.view(np.uint8), axis=1, bitorder="little"
+    )  # (N, 32W): words are little-endian
     known = min(vocab_size, vocabulary.vocab_size)
     if known == vocab_size:
-        allowed = bits.view(len(matchers), -1)[:, :vocab_size]  # (N, V)
+        allowed = torch.from_numpy(bits[:, :vocab_size].view(np.bool_))  # (N, V), no copy
     else:  # ids past the constraint's vocabulary are never allowed
         allowed = torch.zeros(len(matchers), vocab_size, dtype=torch.bool)
-        allowed[:, :known] = bits.view(len(matchers), -1)[:, :known]
+        allowed[:, :known] = torch.from_numpy(bits[:, :known].view(np.bool_))
     allowed[:, vocabulary.engine_eos[vocabulary.engine_eos < vocab_size]] = False
     stop_ids = stop_ids[stop_ids < vocab_size]
     if len(stop_ids):
@@ -375,16 +375,18 @@ def constrain(scores: Tensor, matchers: list[Matcher | None], stop_ids: Tensor) 
     if not len(stop_ids):
         stop_ids = torch.tensor(constrained[0].vocabulary.eos, dtype=torch.long)
     allowed = allowed_tokens(constrained, stop_ids.cpu(), scores.shape[-1]).to(scores.device)  # (N, V)
+    forbidden = torch.tensor(-math.inf, dtype=scores.dtype, device=scores.device)
     if len(rows) == scores.shape[0]:
-        return scores.masked_fill(~allowed, -math.inf)
+        return torch.where(allowed, scores, forbidden)
     index = torch.tensor(rows, device=scores.device)
-    return scores.index_copy(0, index, scores[index].masked_fill(~allowed, -math.inf))
+    return scores.index_copy(0, index, torch.where(allowed, scores[index], forbidden))
 
 
 def keep_an_end(processed: Tensor, masked: Tensor) -> Tensor:
     """processed (B, V), the logits processors' output over masked scores, except in rows where
     they left no token (min_new_tokens forbidding the stop tokens a finished grammar allows
-    alone): there the grammar wins, and the masked scores stand."""
+    alone): there the grammar wins, and the masked scores stand. Only min_new_tokens can empty
+    a row (the filters keep at least one token), so callers ask only before it is reached."""
     dead = torch.isneginf(processed).all(dim=-1, keepdim=True)  # (B, 1)
     return torch.where(dead, masked, processed)
 

@@ -118,7 +118,9 @@ def stream_tokens(
             scores = process(logits, history, index)
         else:  # the grammar's mask first, so that the processors see only what it allows
             masked = constrain(logits, _still_running(matchers, unfinished), process.eos)
-            scores = keep_an_end(process(masked, history, index), masked)
+            scores = process(masked, history, index)
+            if index < s.min_new_tokens:
+                scores = keep_an_end(scores, masked)
         tokens = choose_tokens(scores, s.do_sample, generator)  # (B,)
         if process.eos.numel():
             if unfinished is None:
