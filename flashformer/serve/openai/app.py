@@ -17,7 +17,7 @@ top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids and Ope
 presence / frequency penalties and logit_bias (generate.sampling, as generate() applies
 them); structured outputs: response_format (json_object, json_schema) and vLLM's
 structured_outputs / guided_* fields (structured.py: compiled off the engine's thread);
-any other field is refused by name (400) unless it cannot change the answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
+tools, tool_choice and tool calls in the history and the answers (tools.py); any other field is refused by name (400) unless it cannot change the answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
 (400 for a bad request, 401 for a wrong API key, 404 for an unknown model,
 503 when the queue is full). A client that goes away has its request
 cancelled within one engine step.
