@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from flashformer.cli.arguments import add_model_arguments
+from flashformer.text.tool_calls import PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "requests is reused from the KV cache)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--tool-parser",
+        choices=sorted(PARSERS),
+        help="the format the model writes tool calls in (default: the one its chat template "
+        "teaches; generic for a template without tools)",
+    )
 
 
 def main_from_args(args) -> None:
@@ -92,7 +99,7 @@ def main_from_args(args) -> None:
         )
         what = f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens"
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
-    app = create_app(engine, name, api_key=args.api_key, webui=args.webui)
+    app = create_app(engine, name, api_key=args.api_key, webui=args.webui, tool_parser=args.tool_parser)
     engine.start()
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({what})", flush=True)
     if args.webui:

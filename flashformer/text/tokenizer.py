@@ -176,7 +176,7 @@ class Tokenizer:
         (bos_token, eos_token, ...) and any extra keyword argument. tokenize=True encodes the
         text without adding BOS/EOS (the template writes them). A list of conversations gives a
         list of results. chat_template: a template string, or the name of one of the model's."""
-        template = self._chat_template(chat_template, tools)
+        template = self.chat_template_for(chat_template, tools)
         batch = bool(messages) and isinstance(messages[0], list | tuple)
         variables = {name: token for name, token in self.special_tokens.items() if token is not None}
         variables.update(kwargs)
@@ -193,7 +193,10 @@ class Tokenizer:
             results.append(self.encode(text, add_special_tokens=False) if tokenize else text)
         return results if batch else results[0]
 
-    def _chat_template(self, name_or_template: str | None, tools) -> str:
+    def chat_template_for(self, name_or_template: str | None = None, tools=None) -> str:
+        """The template apply_chat_template renders with: one of the model's by name, a given
+        template string, the model's "tool_use" template when tools are given and it has one,
+        else its default. ValueError when there is none."""
         templates = self.chat_template
         if isinstance(templates, dict):
             if name_or_template in templates:

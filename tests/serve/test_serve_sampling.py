@@ -147,9 +147,9 @@ BAD = [
     ({"logit_bias": {"99999999": 1}}, "logit_bias", "'99999999'"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "9"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids", str(10**9)),
-    ({"response_format": {"type": "json_object"}}, "response_format is not supported", "json_object"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported", "'f'"),
-    ({"tool_choice": "required"}, "tool_choice is not supported", "required"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "'xml'"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "'a b'"),
+    ({"tool_choice": "required"}, "tool_choice 'required' needs tools", "required"),
 ]
 
 

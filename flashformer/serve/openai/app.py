@@ -17,7 +17,7 @@ top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids and Ope
 presence / frequency penalties and logit_bias (generate.sampling, as generate() applies
 them); structured outputs: response_format (json_object, json_schema) and vLLM's
 structured_outputs / guided_* fields (structured.py: compiled off the engine's thread);
-any other field is refused by name (400) unless it cannot change the answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
+tools, tool_choice and tool calls in the history and the answers (tools.py); any other field is refused by name (400) unless it cannot change the answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests"). Errors are OpenAI's error JSON with the matching status
 (400 for a bad request, 401 for a wrong API key, 404 for an unknown model,
 503 when the queue is full). A client that goes away has its request
 cancelled within one engine step.
@@ -50,15 +50,29 @@ from flashformer.serve.openai.protocol import (
 from flashformer.serve.openai.responses import collect, embedding_response, prometheus, stream_events
 from flashformer.serve.openai.structured import compile_for, describe_vocabulary_soon, requested_constraint
 from flashformer.serve.openai.tokenize import add_tokenizer_routes
+from flashformer.serve.openai.tools import (
+    ToolPlan,
+    call_constraint,
+    check_parser,
+    plan_tools,
+    template_messages,
+)
 
 
 def create_app(
-    engine: Engine | EmbeddingEngine, model_name: str, api_key: str | None = None, webui: bool = True
+    engine: Engine | EmbeddingEngine,
+    model_name: str,
+    api_key: str | None = None,
+    webui: bool = True,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `model_name`: a text Engine answers the
     completions endpoints, an EmbeddingEngine /v1/embeddings (each refuses the other's by
     name). With api_key, every /v1 call must carry `Authorization: Bearer <api_key>`
-    (compared in constant time); the page at / asks for it. webui=False: no page (404 at /)."""
+    (compared in constant time); the page at / asks for it. webui=False: no page (404 at /).
+    tool_parser: the format tool calls are read in (text.tool_calls; default: the one the
+    chat template teaches)."""
+    check_parser(tool_parser)
     app = FastAPI(title="flashformer", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -106,21 +120,24 @@ def create_app(
         _check_model(body.model, model_name)
         _check_generates(engine, model_name)
         refuse_unsupported(body)
-        # a message's other fields (name, tool_calls, ...) reach the template, as in transformers
-        messages = [
-            {**(m.model_extra or {}), "role": m.role, "content": _text_of(m.content)} for m in body.messages
-        ]
+        offered = body.tools if body.tool_choice != "none" else None  # "none": as if no tools
+        template = _template_of(engine.tokenizer, offered)
+        plan = plan_tools(body, template, tool_parser)
+        messages, tools = template_messages([_message_of(m) for m in body.messages], template, plan)
         try:
-            prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=tools, chat_template=template
+            )
         except ValueError as error:
             raise APIError(400, f"messages: {error}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
-        constraint = await compile_for(engine, requested_constraint(body))
+        asked = requested_constraint(body)
+        constraint = await compile_for(engine, call_constraint(plan, asked) or asked)
         params = _params(body, limit, top, len(prompt), engine, constraint=constraint)
-        return await _respond(engine, http, body, prompt, params, model_name, chat=True)
+        return await _respond(engine, http, body, prompt, params, model_name, chat=True, tools=plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -244,6 +261,27 @@ def _check_model(name: str, served: str) -> None:
         )
 
 
+def _message_of(message) -> dict:
+    """A request's message for the chat template: its other fields (name, ...) reach the
+    template too, as in transformers; an assistant's calls without text keep content None."""
+    fields = {**(message.model_extra or {}), "role": message.role}
+    if message.tool_calls:
+        fields["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    calls_only = message.content is None and message.tool_calls
+    fields["content"] = None if calls_only else _text_of(message.content)
+    return fields
+
+
+def _template_of(tokenizer, tools) -> str | None:
+    """The chat template the prompt is rendered with (None: the tokenizer has none)."""
+    try:
+        return tokenizer.chat_template_for(None, tools or None)
+    except (ValueError, AttributeError):
+        return None
+
+
 def _text_of(content) -> str:
     """A message's content: a string, or OpenAI's list of parts (text parts joined)."""
     if content is None:
@@ -344,6 +382,7 @@ async def _respond(
     model_name: str,
     chat: bool,
     echo: str | None = None,
+    tools: ToolPlan | None = None,
 ):
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -361,7 +400,7 @@ async def _respond(
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            stream_events(request, events, ident, created, model_name, chat, usage, engine),
+            stream_events(request, events, ident, created, model_name, chat, usage, engine, tools),
             media_type="text/event-stream",
         )
-    return await collect(request, events, http, ident, created, model_name, chat, engine, echo)
+    return await collect(request, events, http, ident, created, model_name, chat, engine, echo, tools)

@@ -3,7 +3,7 @@ error shape, for the endpoints of app.py."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,11 +55,52 @@ class Sampling(BaseModel):
     guided_grammar: Any = None
 
 
+# ---- tools (serve/openai/tools.py uses them) ----
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule
+
+
+class FunctionDefinition(BaseModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 class ChatCompletionRequest(Sampling):
@@ -67,6 +108,9 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: True, as OpenAI's default
 
 
 class CompletionRequest(Sampling):
@@ -87,16 +131,17 @@ class EmbeddingsRequest(BaseModel):
 # ---- fields outside the models above ----
 
 # fields that cannot change an answer: who asks, what to store, how to bill
-NO_EFFECT = {"user", "metadata", "store", "service_tier", "prediction", "parallel_tool_calls"}
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "prediction"}
 
 # fields this server does not implement, with the values that ask for nothing (OpenAI's and
-# vLLM's defaults); any other value would change the answer, so it is refused by name
-# (tools and tool_choice: until tool calls land)
+# vLLM's defaults); any other value would change the answer, so it is refused by name (tools
+# and tool_choice reach here only on /v1/completions, which has no tools)
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # without tools, both mean plain text
+    "parallel_tool_calls": (True, False),  # without tools, nothing to call
     "modalities": (["text"],),
 }
 

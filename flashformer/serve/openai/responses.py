@@ -13,12 +13,16 @@ from fastapi.responses import JSONResponse
 
 from flashformer.serve.engine import Engine
 from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.openai.tools import ToolCallStream, message_of
 
 
-async def collect(request, events, http, ident, created, model_name, chat, engine, echo=None) -> dict:
+async def collect(
+    request, events, http, ident, created, model_name, chat, engine, echo=None, tools=None
+) -> dict:
     """Wait for the whole answer (cancelling it if the client goes away), then one response.
     echo: the prompt's text, which then opens every choice's text (and the prompt's tokens its
-    log-probabilities, when the engine scored them: OpenAI's legacy echo)."""
+    log-probabilities, when the engine scored them: OpenAI's legacy echo). tools: the chat
+    request's ToolPlan (tools.py), whose calls are read out of each choice's text."""
     texts = [""] * len(request.sequences)
     logprobs: list[list] = [[] for _ in request.sequences]
     prompt_logprobs: list = []
@@ -51,11 +55,8 @@ async def collect(request, events, http, ident, created, model_name, chat, engin
     choices = []
     for index, (text, reason) in enumerate(zip(texts, reasons)):
         if chat:
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-            }
+            message, reason = message_of(text, tools, reason)
+            choice = {"index": index, "message": message, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text if echo is None else echo + text, "finish_reason": reason}
         entries = prompt_logprobs + logprobs[index]
@@ -72,10 +73,13 @@ async def collect(request, events, http, ident, created, model_name, chat, engin
     }
 
 
-async def stream_events(request, events, ident, created, model_name, chat, include_usage, engine):
+async def stream_events(request, events, ident, created, model_name, chat, include_usage, engine, tools=None):
     """Server-sent events: a chunk per piece of text, a closing chunk per choice, the usage
-    chunk if asked, then [DONE]. Cancelled if the client goes away (the generator is closed)."""
+    chunk if asked, then [DONE]. Cancelled if the client goes away (the generator is closed).
+    tools: the chat request's ToolPlan; each choice's text then goes through its parser
+    (tools.ToolCallStream), and a chunk carries a piece of content or of a call."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    calls = [ToolCallStream(tools) for _ in request.sequences] if tools is not None else None
 
     def chunk(choices, usage=None) -> str:
         payload = {"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices}
@@ -83,11 +87,12 @@ async def stream_events(request, events, ident, created, model_name, chat, inclu
             payload["usage"] = usage
         return f"data: {json.dumps(payload)}\n\n"
 
-    def choice(index, text=None, reason=None, logprobs=None, first=False) -> dict:
+    def choice(index, text=None, reason=None, logprobs=None, first=False, delta=None) -> dict:
         if chat:
-            delta = (
-                {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-            )
+            if delta is None:
+                delta = {"content": text} if text is not None else {}
+            if first:
+                delta = {"role": "assistant", "content": ""}
             out = {"index": index, "delta": delta, "finish_reason": reason}
         else:
             out = {"index": index, "text": text or "", "finish_reason": reason}
@@ -99,8 +104,19 @@ async def stream_events(request, events, ident, created, model_name, chat, inclu
             yield chunk([choice(i, first=True) for i in range(len(request.sequences))])
         while True:
             event = await events.get()
-            if event.kind == "delta":
+            if event.kind == "delta" and calls is not None:
+                deltas = calls[event.index].feed(event.text) or ([{}] if event.logprobs else [])
+                for n, delta in enumerate(deltas):  # the tokens' log-probabilities on the first
+                    yield chunk(
+                        [choice(event.index, delta=delta, logprobs=event.logprobs if n == 0 else None)]
+                    )
+            elif event.kind == "delta":
                 yield chunk([choice(event.index, event.text, logprobs=event.logprobs)])
+            elif event.kind == "finish" and calls is not None:
+                for delta in calls[event.index].finish():
+                    yield chunk([choice(event.index, delta=delta)])
+                reason = calls[event.index].finish_reason(event.finish_reason)
+                yield chunk([choice(event.index, reason=reason)])
             elif event.kind == "finish":
                 yield chunk([choice(event.index, reason=event.finish_reason)])
             elif event.kind == "error":
