@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-
 # the x86 flags that decide which kernels run (ours, PyTorch's, llama.cpp's)
 VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
                 "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
