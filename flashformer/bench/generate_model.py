@@ -434,7 +434,11 @@ def plot(payload: dict, path: Path) -> None:
     else:
         names = list(point["decode_tokens_per_s"])
         rate.barh(names, [point["decode_tokens_per_s"][n] for n in names], color="tab:blue")
-        rate.set_xlabel("decode tokens/s (batch 1, greedy)")
+        benches = {
+            f"llama-bench ({name})": b for name, b in point.get("llama_bench", {}).items() if "error" not in b
+        }
+        rate.barh(list(benches), [b["tg128"]["tokens_per_s"] for b in benches.values()], color="tab:orange")
+        rate.set_xlabel("decode tokens/s (batch 1, greedy; llama-bench: tg128)")
         stream.barh(names, [point["achieved_gb_s"][n] for n in names], color="tab:green")
         stream.axvline(point["bandwidth_gb_s"], color="gray", linestyle="--", label="memory bandwidth")
         stream.set_xlabel("GB/s of weights read")
