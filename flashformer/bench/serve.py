@@ -431,7 +431,7 @@ def table(payload: dict) -> str:
         if "error" not in result and "loaded" not in result:
             continue
         if "error" in result:
-            rows.append([name, f"not measured: {result['error'][:80]}"] + ["-"] * 6)
+            rows.append([name, f"not measured: {' '.join(result['error'].split())[:80]}"] + ["-"] * 6)
             continue
         loaded = result["loaded"]
         rows.append(

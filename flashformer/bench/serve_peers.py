@@ -93,7 +93,8 @@ def start(command: list[str], ready_url: str, timeout_s: float = 600) -> subproc
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
-            raise RuntimeError(f"{Path(command[0]).name} exited ({process.returncode}): {log.read()[-500:]}")
+            output = " ".join(log.read()[-500:].split())  # one line, its end
+            raise RuntimeError(f"{Path(command[0]).name} exited ({process.returncode}): {output}")
         try:
             ready = urllib.request.Request(ready_url, headers={"Authorization": "Bearer bench"})
             with urllib.request.urlopen(ready, timeout=2) as reply:
