@@ -113,7 +113,21 @@ MEASURED = {
         "--no-transformers --new-tokens 128",
         "generate_model",
     ),
-    "serve-smollm2": ('flashformer bench serve "$SMOLLM2" --quantize gguf', "serve"),
+    "generate-smollm2-gguf-llama-bench": (
+        'OMP_WAIT_POLICY=passive flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
+        "--new-tokens 128 --no-transformers --llama-cpp-dir build-native",
+        "generate_model",
+    ),
+    "generate-smollm2-gguf-avx2": (
+        'OMP_WAIT_POLICY=passive flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
+        "--new-tokens 128 --no-transformers --isa avx2 --llama-cpp-dir build-avx2 --llama-cpp-dir build-native",
+        "generate_model",
+    ),
+    "serve-smollm2": (
+        'OMP_WAIT_POLICY=passive flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --kv-blocks 1024 '
+        "--llama-server build-native/bin/llama-server",
+        "serve",
+    ),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
     "quality-gemma3": ('flashformer bench quality "$GEMMA3" --files 3 --threads 2', "quality"),

@@ -48,11 +48,14 @@ def add_run_arguments(
     parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds allowed per {what}")
 
 
-def run_worker(module: str, point: dict, timeout_s: float, memory: bool = True) -> dict:
+def run_worker(
+    module: str, point: dict, timeout_s: float, memory: bool = True, env: dict | None = None
+) -> dict:
     """Run `python -m module --worker JSON` in a fresh process; returns its JSON result.
     memory=False: a worker that only times, with glibc's own allocation thresholds, as users
-    run (handing every allocation above 64 KiB to the system costs fresh page faults each time)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    run (handing every allocation above 64 KiB to the system costs fresh page faults each time).
+    env: variables set for the worker (ATEN_CPU_CAPABILITY: what PyTorch reads once, at start)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     command = [sys.executable, "-m", module, "--worker", json.dumps(point)]

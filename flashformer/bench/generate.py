@@ -216,6 +216,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=MODES, help="with --model: flashformer's model quantized so")
     parser.add_argument("--activations", choices=("int8", "float32"), default="int8", help="with --quantize")
     parser.add_argument(
+        "--llama-cpp-dir",
+        action="append",
+        metavar="DIR",
+        help="with --model: a llama.cpp build (DIR/llama-bench or DIR/bin/llama-bench) whose llama-bench "
+        "runs pp512 and tg128 on the same file, before and after our worker; repeat for several builds",
+    )
+    parser.add_argument(
+        "--isa",
+        choices=tuple(generate_model.ISAS),
+        default="best",
+        help="with --model: our kernels' and PyTorch's instruction set (avx2: like with like against a "
+        "llama.cpp built for AVX2 only)",
+    )
+    parser.add_argument(
         "--no-transformers",
         dest="transformers",
         action="store_false",
@@ -242,6 +256,8 @@ def main_from_args(args: argparse.Namespace) -> dict:
             "activations": args.activations,
             "batches": args.batches or [1],
             "transformers": args.transformers,
+            "llama_cpp_dirs": args.llama_cpp_dir or [],
+            "isa": args.isa,
         }
         print(
             f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message "

@@ -7,7 +7,15 @@ Contenders, timed in turns in one fresh process with the same thread count:
 
 - transformers on the same weights in float32 (its GGUF loader for a GGUF file);
 - flashformer (float32, or quantized by --quantize), eager and with the decode step compiled;
-- llama.cpp through llama-cpp-python on the same GGUF file (when installed).
+- llama.cpp through llama-cpp-python on the same GGUF file (when installed);
+- llama.cpp's own `llama-bench` of each --llama-cpp-dir build, run before and after the
+  worker (its pp512 and tg128 on an empty context, 3 repetitions: llama_cpp_binaries.py),
+  the better of the two kept; our decode and 512-token prompt tokens/s are given as its ratios.
+
+--isa avx2 (or scalar) forces our quantized kernels and PyTorch's own (ATEN_CPU_CAPABILITY,
+read by eager kernels and by torch.compile's code) onto that instruction set, to compare
+like with like against a llama.cpp built for it; the JSON records the CPU's flags and the
+path the kernels ran.
 
 Reported per contender: the load time; decode tokens/s (the steps after the
 first token) and the prefill time of the chat prompt; prompt-processing
@@ -27,9 +35,12 @@ from pathlib import Path
 import torch
 
 from flashformer.bench.common import peak_memory, rss_bytes, time_in_turns
+from flashformer.bench.llama_cpp_binaries import llama_bench_binary, run_llama_bench
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 PROMPT_PROCESSING_TOKENS = 512
+# --isa: our kernels' path -> PyTorch's ATEN_CPU_CAPABILITY for the same instruction set
+ISAS = {"best": None, "avx2": "avx2", "scalar": "default"}
 
 
 def load_transformers(path: Path):
@@ -124,6 +135,11 @@ def timing_worker(point: dict) -> dict:
     started = time.perf_counter()
     ours, tokenizer = flashformer.load(path, quantize=quantize, activations=point.get("activations", "int8"))
     result["load_s"] = {"flashformer": time.perf_counter() - started}
+    result["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    if quantize:  # the code the quantized kernels run: the best this CPU has, or --isa's
+        from flashformer.kernels.quantized import kernel_isa
+
+        result["kernel_isa"] = kernel_isa(point.get("isa") or "best")
     # the memory the model holds: RSS after the load less the process's before it (Python, torch)
     result["memory"] = {
         "rss_before_load": rss_before,
@@ -261,13 +277,61 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "activations": config.get("activations", "int8"),
         "batches": config.get("batches", [1]),
         "transformers": config.get("transformers", True),
+        "isa": config.get("isa") or "best",
     }
-    point.update(run_worker("flashformer.bench.generate", point, timeout_s, memory=False))  # it only times
+    folders = config.get("llama_cpp_dirs") or []
+    for folder in folders:  # refused before any work when missing
+        llama_bench_binary(folder)
+    bench_threads = threads or torch.get_num_threads()
+    before = {folder: run_llama_bench(folder, point["model"], bench_threads) for folder in folders}
+    env = {"ATEN_CPU_CAPABILITY": ISAS[point["isa"]]} if ISAS[point["isa"]] else None
+    # memory=False: it only times
+    point.update(run_worker("flashformer.bench.generate", point, timeout_s, memory=False, env=env))
+    if folders:
+        point["llama_bench"] = {
+            build_name(folder): best_run(
+                before[folder], run_llama_bench(folder, point["model"], bench_threads)
+            )
+            for folder in folders
+        }
     payload = {"benchmark": "generate-model", "machine": machine_info(), "config": config, "points": [point]}
     stem = "generate-model" + (f"-{config['quantize']}" if config.get("quantize") else "")
+    stem += "" if point["isa"] == "best" else f"-{point['isa']}"
     write_json(out_dir / f"{stem}.json", payload)
     plot(payload, out_dir / f"{stem}.png")
     return payload
+
+
+def build_name(folder: str) -> str:
+    """A llama.cpp build's name in the table: its folder's (the one above bin/)."""
+    path = Path(folder).resolve()
+    return path.parent.name if path.name == "bin" else path.name
+
+
+def best_run(*runs: dict) -> dict:
+    """Of llama-bench's runs of one build (before and after the worker), the one of the best
+    tg128, with every run's pp512 and tg128 kept."""
+    measured = [run for run in runs if "error" not in run]
+    if not measured:
+        return runs[-1]
+    best = max(measured, key=lambda run: run["tg128"]["tokens_per_s"])
+    return {**best, "runs": [{key: run.get(key) for key in ("pp512", "tg128", "error")} for run in runs]}
+
+
+def llama_bench_ratios(point: dict) -> dict:
+    """name of the build -> flashformer's decode (compiled) and 512-token prompt tokens/s over
+    that build's tg128 and pp512."""
+    found = {}
+    for name, bench in point.get("llama_bench", {}).items():
+        if "error" in bench or "error" in point:
+            continue
+        decode = point["decode_tokens_per_s"].get("flashformer+compile")
+        prompt = point["prompt_tokens_per_s"].get("flashformer")
+        found[name] = {
+            "decode / tg128": None if decode is None else decode / bench["tg128"]["tokens_per_s"],
+            "prompt / pp512": None if prompt is None else prompt / bench["pp512"]["tokens_per_s"],
+        }
+    return found
 
 
 def table(payload: dict) -> str:
@@ -300,7 +364,11 @@ def table(payload: dict) -> str:
         f"{Path(p['model']).name} ({quantized}; transformers float32), {p.get('prompt_tokens', '?')}-token "
         f"{p.get('prompt_kind', 'chat')} prompt, "
         f"{payload['config']['new_tokens']} new tokens, greedy, batch 1, {p['threads']} threads; memory bandwidth in "
-        f"the same run {p['bandwidth_gb_s']:.1f} GB/s (a float32 sum)\n\n"
+        f"the same run {p['bandwidth_gb_s']:.1f} GB/s (a float32 sum)"
+        + (f"; our kernels' path {p['kernel_isa']}" if p.get("kernel_isa") else "")
+        + (f", PyTorch's {p['torch_cpu_capability']}" if p.get("torch_cpu_capability") else "")
+        + (f"; load average {p['load_before']:.1f} -> {p['load_after']:.1f}" if "load_after" in p else "")
+        + "\n\n"
     )
     header = [
         "contender",
@@ -313,7 +381,24 @@ def table(payload: dict) -> str:
         "GB/s",
         f"tokens equal to {reference}'" + ("" if reference.endswith("s") else "s"),
     ]
+    for name, bench in p.get("llama_bench", {}).items():
+        if "error" in bench:
+            rows.append([f"llama-bench ({name})", f"not measured: {bench['error'][:80]}"] + ["-"] * 7)
+            continue
+        tg, pp = bench["tg128"], bench["pp512"]
+        rows.append([f"llama-bench ({name})", "-", "-", f"{tg['tokens_per_s']:.1f} ± {tg['stddev']:.1f}",
+                     _ratio(tg["tokens_per_s"], p["decode_tokens_per_s"].get("llama.cpp")),
+                     f"{pp['tokens_per_s']:.0f} ± {pp['stddev']:.0f}", "-", "-", "-"])  # fmt: skip
     text = head + markdown_table(header, rows)
+    ratios = llama_bench_ratios(p)
+    if ratios:
+        text += (
+            "\n\nflashformer (decode compiled, 512-token prompt) / llama-bench (tg128, pp512): "
+            + "; ".join(
+                f"{name}: decode {r['decode / tg128']:.2f}x, prompt {r['prompt / pp512']:.2f}x"
+                for name, r in ratios.items()
+            )
+        )
     memory = p.get("memory")
     if memory and memory.get("file_bytes"):
         held = memory["rss_after_load"] - memory["rss_before_load"]
@@ -349,7 +434,11 @@ def plot(payload: dict, path: Path) -> None:
     else:
         names = list(point["decode_tokens_per_s"])
         rate.barh(names, [point["decode_tokens_per_s"][n] for n in names], color="tab:blue")
-        rate.set_xlabel("decode tokens/s (batch 1, greedy)")
+        benches = {
+            f"llama-bench ({name})": b for name, b in point.get("llama_bench", {}).items() if "error" not in b
+        }
+        rate.barh(list(benches), [b["tg128"]["tokens_per_s"] for b in benches.values()], color="tab:orange")
+        rate.set_xlabel("decode tokens/s (batch 1, greedy; llama-bench: tg128)")
         stream.barh(names, [point["achieved_gb_s"][n] for n in names], color="tab:green")
         stream.axvline(point["bandwidth_gb_s"], color="gray", linestyle="--", label="memory bandwidth")
         stream.set_xlabel("GB/s of weights read")

@@ -9,15 +9,17 @@ output tokens/s over the whole run, time to first token and the gaps between
 tokens (inter-token latency), p50 and p99.
 
 Servers, started one after the other on the same machine with the same
-threads: flashformer with continuous batching (--max-batch clients), the same
-server one request at a time (--max-batch 1: the baseline), and, when
-llama-cpp-python[server] is installed and MODEL is a GGUF file, llama.cpp's
-OpenAI-compatible server on the same file. Also measured with one client
-alone: the prefill time of one prompt (its time to first token) and the step
-time (its inter-token latency), which the targets are stated against.
+threads (serve_peers.py): flashformer with continuous batching (--max-batch
+clients), the same server one request at a time (--max-batch 1: the
+baseline), and llama.cpp's own server on the same GGUF file (--llama-server
+PATH: `-np` clients slots, continuous batching), or else llama-cpp-python's
+server, marked unbatched. Also measured with one client alone: its tokens/s,
+the prefill time of one prompt (its time to first token) and the step time
+(its inter-token latency), which the targets are stated against.
 
 Two more workloads (--workloads), run by flashformer's batching server with
-its prefix cache on and off (--no-prefix-cache):
+its prefix cache on and off (--no-prefix-cache), and by llama-server with its
+prompt cache on and off:
 - shared-prefix: every request begins with the same system prompt of
   --system-tokens tokens (an agent's or a chat front-end's), then its question;
 - multi-turn: --chats chats in flight, each --turns turns: the first message
@@ -33,17 +35,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import inspect
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from flashformer.bench.llama_cpp_binaries import version
+from flashformer.bench.serve_peers import SLOT_CONTEXT, Server, free_port, peers, start
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
@@ -244,37 +245,9 @@ def summary(requests, clients, errors, tokens, wall, ttfts, gaps) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(command: list[str], url: str, timeout_s: float = 600) -> subprocess.Popen:
-    import tempfile
-    import urllib.request
-
-    # the server's output goes to a file: a pipe nobody reads fills up and blocks a chatty server
-    log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{command[:4]} exited: {log.read()[-500:]}")
-        try:
-            ready = urllib.request.Request(url + "/models", headers={"Authorization": "Bearer bench"})
-            with urllib.request.urlopen(ready, timeout=2) as reply:
-                if reply.status == 200:
-                    return process
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"{command[:4]} did not answer within {timeout_s} s")
-
-
-def servers(model: str, args) -> dict[str, tuple[list[str], set[str]]]:
-    """name -> (the command that serves MODEL on {port}, the workloads it runs)."""
+def servers(model: str, args) -> dict[str, Server]:
+    """name -> Server: flashformer's (batching, its prefix cache on and off, one at a time), then
+    the peers (serve_peers.py), one started after the other."""
     ours = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", "{port}", "--api-key", "bench"]
     if args.threads:
         ours += ["--threads", str(args.threads)]
@@ -287,23 +260,19 @@ def servers(model: str, args) -> dict[str, tuple[list[str], set[str]]]:
     cached = chosen - {"mixed"}  # the workloads measured with the prefix cache on and off
     batching = ours + ["--max-batch", str(args.clients)]
     found = {
-        f"flashformer (max batch {args.clients})": (batching, chosen),
-        f"flashformer (max batch {args.clients}, no prefix cache)": (
-            batching + ["--no-prefix-cache"],
-            cached,
+        f"flashformer (max batch {args.clients})": Server(batching, chosen),
+        f"flashformer (max batch {args.clients}, no prefix cache)": Server(
+            batching + ["--no-prefix-cache"], cached
         ),
-        "flashformer (one at a time)": (ours + ["--max-batch", "1"], chosen & {"mixed"}),
+        "flashformer (one at a time)": Server(ours + ["--max-batch", "1"], chosen & {"mixed"}),
+        **peers(model, args, chosen),
     }
-    if not args.no_llama_cpp and Path(model).is_file() and importlib.util.find_spec("llama_cpp") is not None:
-        threads = str(args.threads or 2)
-        found["llama.cpp (llama-cpp-python server)"] = ([
-            sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", "{port}",
-            "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "4096", "--api_key", "bench",
-        ], chosen & {"mixed"})  # fmt: skip
-    return {name: entry for name, entry in found.items() if entry[1]}
+    return {name: server for name, server in found.items() if server.workloads}
 
 
 def run(model: str, args) -> dict:
+    measured = servers(model, args)  # first: a missing --llama-server is refused before any work
+    load_before = list(os.getloadavg())
     jobs = workload(args.requests, args.max_tokens, args.seed)
     # one client alone asks other questions: the loaded run's must not be in the prefix cache
     solo = workload(4, args.max_tokens, args.seed + 1)
@@ -321,13 +290,13 @@ def run(model: str, args) -> dict:
         shared = shared_prefix_jobs(tokenizer, args)
         conversations = chats(tokenizer, args)
     results = {}
-    for name, (template, runs) in servers(model, args).items():
+    for name, (template, runs, ready_path) in measured.items():
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         command = [part.replace("{port}", str(port)) for part in template]
         print(f"{name}: starting", flush=True)
         try:
-            process = start(command, url)
+            process = start(command, f"http://127.0.0.1:{port}{ready_path}")
         except RuntimeError as error:
             results[name] = {"error": str(error)}
             continue
@@ -335,7 +304,7 @@ def run(model: str, args) -> dict:
             from openai import OpenAI
 
             served = OpenAI(base_url=url, api_key="bench").models.list().data[0].id
-            results[name] = {}
+            results[name] = {"load_average": list(os.getloadavg())}
             if "mixed" in runs:
                 alone = asyncio.run(drive(url, served, solo, 1, "bench", structured))
                 loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench", structured))
@@ -377,20 +346,67 @@ def run(model: str, args) -> dict:
             "turn_tokens": args.turn_tokens,
             "kv_blocks": args.kv_blocks,
             "json_schema": str(args.json_schema) if getattr(args, "json_schema", None) else None,
-            "load_average": list(os.getloadavg()),
+            "threads": args.threads,
+            "llama_server": None
+            if args.llama_server is None
+            else {
+                "path": str(args.llama_server),
+                "version": version(args.llama_server),
+                "slot_context": args.llama_server_context,
+            },
+            "kernel_isa": kernel_path(args.quantize),
+            "load_average_before": load_before,
+            "load_average": list(os.getloadavg()),  # after the run
         },
         "servers": results,
         "targets": targets(results, args.clients),
     }
 
 
+def kernel_path(quantize: str | None) -> str | None:
+    """The code our quantized kernels run on this CPU (the server's process chooses the same way);
+    None for a float model."""
+    if not quantize:
+        return None
+    from flashformer.kernels.quantized import kernel_isa
+
+    return kernel_isa()
+
+
+def peer_targets(ours: dict, theirs: dict, clients: int) -> dict:
+    """The speed issue's ratios against llama-server: one client alone, and `clients` in flight."""
+    if "loaded" not in ours or "loaded" not in theirs:
+        return {}
+    alone, peer_alone, loaded, peer_loaded = ours["alone"], theirs["alone"], ours["loaded"], theirs["loaded"]
+
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+
+    return {
+        "1 client: output tokens/s / llama-server's (>= 1.0)": ratio(
+            alone["output_tokens_per_s"], peer_alone["output_tokens_per_s"]
+        ),
+        "1 client: ITL p99 / llama-server's (<= 1.2)": ratio(alone["itl_p99_s"], peer_alone["itl_p99_s"]),
+        f"{clients} clients: output tokens/s / llama-server's (>= 1.5)": ratio(
+            loaded["output_tokens_per_s"], peer_loaded["output_tokens_per_s"]
+        ),
+        f"{clients} clients: TTFT p50 / llama-server's (<= 1)": ratio(
+            loaded["ttft_p50_s"], peer_loaded["ttft_p50_s"]
+        ),
+        f"{clients} clients: ITL p99 / llama-server's (<= 1)": ratio(
+            loaded["itl_p99_s"], peer_loaded["itl_p99_s"]
+        ),
+    }
+
+
 def targets(results: dict, clients: int) -> dict:
     """The issues' ratios: flashformer's batching server against itself alone and one at a time,
-    and with its prefix cache against without."""
+    with its prefix cache against without, and against llama-server when it ran."""
     ours = results.get(f"flashformer (max batch {clients})", {})
     single = results.get("flashformer (one at a time)", {})
     uncached = results.get(f"flashformer (max batch {clients}, no prefix cache)", {})
-    found = {}
+    found = peer_targets(ours, results.get(f"llama-server (-np {clients})", {}), clients)
+    found = {name: value for name, value in found.items() if value is not None}
     if "shared_prefix" in ours and "shared_prefix" in uncached:
         on, off = ours["shared_prefix"], uncached["shared_prefix"]
         found["shared prefix: TTFT p50, cache on / off (<= 0.5)"] = on["ttft_p50_s"] / off["ttft_p50_s"]
@@ -415,6 +431,10 @@ def targets(results: dict, clients: int) -> dict:
     }
 
 
+# names of older runs' servers, as the table gives them today
+RENAMED = {"llama.cpp (llama-cpp-python server)": "llama-cpp-python server (unbatched)"}
+
+
 def table(payload: dict) -> str:
     def ms(value):
         return "-" if value is None else f"{1e3 * value:.0f}"
@@ -424,18 +444,20 @@ def table(payload: dict) -> str:
         if "error" not in result and "loaded" not in result:
             continue
         if "error" in result:
-            rows.append([name, f"not measured: {result['error'][:80]}"] + ["-"] * 5)
+            rows.append([name, f"not measured: {' '.join(result['error'].split())[:80]}"] + ["-"] * 6)
             continue
         loaded = result["loaded"]
         rows.append(
             [
-                name,
+                RENAMED.get(name, name),
                 f"{loaded['output_tokens_per_s']:.1f}",
                 ms(loaded["ttft_p50_s"]),
                 ms(loaded["ttft_p99_s"]),
                 ms(loaded["itl_p50_s"]),
                 ms(loaded["itl_p99_s"]),
-                f"{ms(result['alone']['ttft_p50_s'])} / {ms(result['alone']['itl_p50_s'])}",
+                f"{result['alone']['output_tokens_per_s']:.1f}",
+                f"{ms(result['alone']['ttft_p50_s'])} / {ms(result['alone']['itl_p50_s'])} / "
+                f"{ms(result['alone']['itl_p99_s'])}",
             ]
         )
     config = payload["config"]
@@ -452,12 +474,16 @@ def table(payload: dict) -> str:
         "TTFT p99 ms",
         "ITL p50 ms",
         "ITL p99 ms",
-        "alone: TTFT / ITL ms",
+        "1 client: tokens/s",
+        "1 client: TTFT / ITL p50 / p99 ms",
     ]
     text = (
         f"{Path(payload['model']).name}; {config['requests']} streamed chat requests, {config['clients']} clients "
         f"in flight, up to {config['max_tokens']} output tokens each, greedy"
         + (f"; flashformer's weights quantized ({config['quantize']})" if config.get("quantize") else "")
+        + (f", its kernels' path {config['kernel_isa']}" if config.get("kernel_isa") else "")
+        + (f"; {config['threads']} threads a server" if config.get("threads") else "")
+        + (f"; load average {_load(config)}" if "load_average_before" in config else "")
         + ".\n\n"
         + markdown_table(header, rows)
     )
@@ -493,9 +519,14 @@ def workload_table(payload: dict) -> str:
         f"\n\nshared prefix: {config['requests']} requests after one {config['system_tokens']}-token system "
         f"prompt, {config['clients']} clients; multi-turn: {config['chats']} chats of {config['turns']} turns "
         f"in flight, a {config['history_tokens']}-token first message, {config['turn_tokens']} tokens a turn; "
-        f"load average {' '.join(f'{x:.1f}' for x in config['load_average'])}.\n\n"
-        + markdown_table(header, rows)
+        f"load average {_load(config)}.\n\n" + markdown_table(header, rows)
     )
+
+
+def _load(config: dict) -> str:
+    """The 1-minute load average at the run's start and end (the end alone in older runs)."""
+    after = f"{config['load_average'][0]:.1f}"
+    return f"{config['load_average_before'][0]:.1f} -> {after}" if "load_average_before" in config else after
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -553,12 +584,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--history-tokens", type=int, default=1000, help="multi-turn: tokens of a chat's first message"
     )
     parser.add_argument("--turn-tokens", type=int, default=32, help="multi-turn: max_tokens of each turn")
-    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
     parser.add_argument(
         "--json-schema",
         type=Path,
         metavar="FILE",
         help="mixed workload: every answer follows this JSON schema (response_format json_schema)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="llama.cpp's llama-server binary: measured on the same GGUF file with --clients parallel "
+        "slots (-np), its prompt cache on and off, instead of llama-cpp-python's unbatched server",
+    )
+    parser.add_argument(
+        "--llama-server-context",
+        type=int,
+        default=SLOT_CONTEXT,
+        help="tokens of each llama-server slot (-c is --clients times this)",
+    )
+    parser.add_argument(
+        "--no-llama-cpp", action="store_true", help="leave llama-cpp-python's server out (no --llama-server)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
