@@ -274,6 +274,8 @@ def servers(model: str, args) -> dict[str, tuple[list[str], set[str]]]:
         ours += ["--threads", str(args.threads)]
     if args.quantize:
         ours += ["--quantize", args.quantize]
+    if getattr(args, "no_compile", False):
+        ours += ["--no-compile"]
     for flag in ("prefill_chunk", "prefill_budget", "kv_blocks"):
         if getattr(args, flag, None):
             ours += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -364,6 +366,7 @@ def run(model: str, args) -> dict:
             "history_tokens": args.history_tokens,
             "turn_tokens": args.turn_tokens,
             "kv_blocks": args.kv_blocks,
+            "compile": not getattr(args, "no_compile", False),
             "load_average": list(os.getloadavg()),
         },
         "servers": results,
@@ -525,6 +528,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)"
     )
     parser.add_argument("--kv-blocks", type=int, help="flashformer serve's --kv-blocks (default: its own)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="flashformer serve's --no-compile (its decode step eager)"
+    )
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),
