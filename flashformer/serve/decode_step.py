@@ -23,8 +23,11 @@ Which buckets: a float model's GEMM rows may round differently with the row coun
 so its only bucket is max_batch (every step the same shape, runner.py). A model
 whose every matmul is a quantized kernel computes each row alone, and the compiled
 graph's other operations (norms, RoPE, residuals) are per row too, so a row's bits
-do not depend on the bucket: 1, 2, 4, ... up to max_batch, so that one client pays
+do not depend on the bucket: 1, 4, 16, ... up to max_batch, so that one client pays
 for one row, not max_batch (tests/serve check the tokens alone and among others).
+Powers of 4 rather than of 2: every bucket is a graph to compile at the start (with
+SmolLM2-135M's 30 layers, minutes of C++ compilation each on 2 loaded cores), and a
+quantized step's cost grows slowly with its rows (the weights are read once for all).
 
 torch.compile runs with dynamic=False (each bucket its own static graph; automatic
 dynamic shapes would swap a graph for a symbolic one whose code may round
@@ -49,17 +52,21 @@ from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS
 # builds many engines); past it torch.compile raises instead of running eagerly
 RECOMPILE_LIMIT = 64
 
+# a quantized model's buckets: 1, 4, 16, ... (see the module docstring)
+BUCKET_GROWTH = 4
+
 
 def buckets_for(max_batch: int, rows_alone: bool) -> tuple[int, ...]:
-    """The batch sizes of the compiled step: max_batch alone for float matmuls; powers of two
-    below it and max_batch when every row is computed alone (see the module docstring)."""
+    """The batch sizes of the compiled step: max_batch alone for float matmuls; powers of
+    BUCKET_GROWTH below it and max_batch when every row is computed alone (see the module
+    docstring)."""
     if not rows_alone:
         return (max_batch,)
     sizes = {max_batch}
     size = 1
     while size < max_batch:
         sizes.add(size)
-        size *= 2
+        size *= BUCKET_GROWTH
     return tuple(sorted(sizes))
 
 

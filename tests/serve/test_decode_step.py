@@ -22,10 +22,11 @@ from flashformer.serve.engine import Engine
 ROWS = {"max_batch": 2, "block_size": 8, "prefill_chunk": 32, "prefill_budget": 32}
 
 
-def test_buckets_are_max_batch_for_float_and_powers_of_two_for_rows_alone():
+def test_buckets_are_max_batch_for_float_and_powers_of_four_for_rows_alone():
     assert buckets_for(16, rows_alone=False) == (16,)
-    assert buckets_for(16, rows_alone=True) == (1, 2, 4, 8, 16)
-    assert buckets_for(12, rows_alone=True) == (1, 2, 4, 8, 12)
+    assert buckets_for(16, rows_alone=True) == (1, 4, 16)
+    assert buckets_for(12, rows_alone=True) == (1, 4, 12)
+    assert buckets_for(2, rows_alone=True) == (1, 2)
     assert buckets_for(1, rows_alone=True) == (1,)
 
 
