@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args) -> None:
+    if args.compile:  # before torch and inductor read it
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
     import torch
     import uvicorn
 
@@ -95,8 +97,6 @@ def main_from_args(args) -> None:
         engine = EmbeddingEngine(encoder, max_batch=args.max_batch, max_waiting=args.max_waiting)
         what = f"sentence embeddings ({encoder.dimension} dimensions, max batch {args.max_batch})"
     else:
-        if args.compile:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
         engine = Engine(
             model,
             tokenizer,
