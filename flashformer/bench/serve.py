@@ -253,6 +253,8 @@ def servers(model: str, args) -> dict[str, Server]:
         ours += ["--threads", str(args.threads)]
     if args.quantize:
         ours += ["--quantize", args.quantize]
+    if getattr(args, "no_compile", False):
+        ours += ["--no-compile"]
     for flag in ("prefill_chunk", "prefill_budget", "kv_blocks"):
         if getattr(args, flag, None):
             ours += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -345,6 +347,7 @@ def run(model: str, args) -> dict:
             "history_tokens": args.history_tokens,
             "turn_tokens": args.turn_tokens,
             "kv_blocks": args.kv_blocks,
+<<<<<<< HEAD
             "json_schema": str(args.json_schema) if getattr(args, "json_schema", None) else None,
             "threads": args.threads,
             "llama_server": None
@@ -357,6 +360,9 @@ def run(model: str, args) -> dict:
             "kernel_isa": kernel_path(args.quantize),
             "load_average_before": load_before,
             "load_average": list(os.getloadavg()),  # after the run
+=======
+            "compile": not getattr(args, "no_compile", False),
+>>>>>>> engine-compiled
         },
         "servers": results,
         "targets": targets(results, args.clients),
@@ -569,6 +575,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)"
     )
     parser.add_argument("--kv-blocks", type=int, help="flashformer serve's --kv-blocks (default: its own)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="flashformer serve's --no-compile (its decode step eager)"
+    )
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),

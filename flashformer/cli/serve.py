@@ -10,15 +10,25 @@ sentence-transformers files say.
 
 The server's root, http://127.0.0.1:8000/, is a chat page (an encoder's: two texts and
 their cosine similarity); `--no-webui` leaves only the API.
+
+A text model's decode step is compiled before the server listens (serve/decode_step.py):
+the seconds it took are printed and reported in /metrics (flashformer_compile_seconds);
+inductor keeps what it compiled in INDUCTOR_CACHE (unless TORCHINDUCTOR_CACHE_DIR says
+otherwise), so the next start with the same model and flags is faster. `--no-compile`
+serves eagerly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from flashformer.cli.arguments import add_model_arguments
 from flashformer.text.tool_calls import PARSERS
+
+# where inductor's FX graph cache lasts across starts (its default, under /tmp, may not)
+INDUCTOR_CACHE = Path.home() / ".cache" / "flashformer" / "inductor"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt whole (by default a prompt's beginning shared with earlier "
         "requests is reused from the KV cache)",
     )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the decode step eagerly (by default it is compiled with torch.compile before the "
+        "server listens; the next start reuses inductor's on-disk cache)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
         "--tool-parser",
@@ -66,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args) -> None:
+    if args.compile:  # before torch and inductor read it
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
     import torch
     import uvicorn
 
@@ -96,8 +115,14 @@ def main_from_args(args) -> None:
             prefill_budget=args.prefill_budget,
             max_waiting=args.max_waiting,
             prefix_cache=not args.no_prefix_cache,
+            compile=args.compile,
         )
         what = f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens"
+        if args.compile:
+            buckets = engine.runner.decode_step.buckets
+            print(f"compiling the decode step (batch sizes {', '.join(map(str, buckets))}) ...", flush=True)
+            seconds = engine.warm_up()
+            print(f"compiled the decode step in {seconds:.1f} s", flush=True)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     app = create_app(engine, name, api_key=args.api_key, webui=args.webui, tool_parser=args.tool_parser)
     engine.start()

@@ -193,20 +193,13 @@ class PagedBatch:
 
     def __init__(self):
         self.block_tables = self.seq_lens = self.slots = self.q_starts = None
-        self.real_rows = 0
 
     def set(
-        self,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        slots: Tensor,
-        real_rows: int | None = None,
-        q_starts: Tensor | None = None,
+        self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor, q_starts: Tensor | None = None
     ) -> None:
-        """real_rows: the rows that are sequences; the rest only pad the batch (their
-        attention output is left zero: nothing reads it)."""
+        """Every row attends, padding rows included (over scratch slots of their own: a batch of
+        fixed shape, serve/decode_step.py)."""
         self.block_tables, self.seq_lens, self.slots = block_tables, seq_lens, slots
-        self.real_rows = block_tables.shape[0] if real_rows is None else real_rows
         self.q_starts = q_starts
 
 
@@ -251,22 +244,17 @@ class PagedKVCache:
                 validate=False,
             )  # (T, Hq, Dv)
             return out.transpose(0, 1)[None]  # (1, Hq, T, Dv)
-        real = self.batch.real_rows
-        tables, lengths = self.batch.block_tables[:real], self.batch.seq_lens[:real]
-        out = paged_attention(
-            q[:real],
+        return paged_attention(
+            q,
             self.k,
             self.v,
-            tables,
-            lengths,
+            self.batch.block_tables,
+            self.batch.seq_lens,
             scale=scale,
             window=window,
             softcap=softcap,
             validate=False,
-        )
-        if real == q.shape[0]:
-            return out
-        return torch.cat([out, out.new_zeros(q.shape[0] - real, *out.shape[1:])])  # (B, Hq, L, D)
+        )  # (B, Hq, L, D), one call for the batch
 
 
 def make_paged_caches(model, pool: BlockPool) -> tuple[list[PagedKVCache], PagedBatch]:

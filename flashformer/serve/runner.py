@@ -13,6 +13,13 @@ which reads the weights once for all of them. Either way attention reads
 each sequence's own blocks only (attention.paged), and sampling draws from
 the sequence's own generator (engine.py).
 
+Compiled (compile=True, the server's default): every decode step goes through
+decode_step.DecodeStep, fixed shapes under torch.compile, padded to max_batch
+rows for a float model and to the smallest bucket that holds the batch for a
+quantized one; prompt chunks stay eager (a quantized model's chunks packed in
+one forward, `packed`). A token then always takes the same path (a decode
+token the compiled one, a prompt token the eager one), whoever else runs.
+
 Row r of a forward feeds token `computed` of its sequence: the newest one, or after a
 preemption one it had generated before (a replay); each forward moves `computed` on.
 """
@@ -23,6 +30,7 @@ import torch
 
 from flashformer.attention.paged import kv_slots
 from flashformer.kernels.quantized import QuantizedLinear
+from flashformer.serve.decode_step import DecodeStep, buckets_for
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
 
 
@@ -39,14 +47,31 @@ class ModelRunner:
     """The model, its paged caches and the forwards of a step; see the module docstring.
 
     max_batch: the rows of a padded decode step; context: the most tokens a sequence holds
-    (the width of the block tables)."""
+    (the width of the block tables); compile: decode steps through a compiled DecodeStep (its
+    warm_up compiles them)."""
 
-    def __init__(self, model, pool: BlockPool, *, max_batch: int, context: int):
+    def __init__(self, model, pool: BlockPool, *, max_batch: int, context: int, compile: bool = False):
         self.model, self.pool, self.max_batch = model, pool, max_batch
         self.caches, self.batch = make_paged_caches(model, pool)
         self.pad_decode = pads_decode(model)
         self.max_blocks = pool.blocks_for(context)
         self.device = next(model.parameters()).device
+        self.compiled = compile
+        # a float model's decode steps always through it (one padded shape); a quantized
+        # model's only when compiled (else `packed`)
+        self.decode_step = DecodeStep(
+            model,
+            self.caches,
+            self.batch,
+            pool,
+            max_blocks=self.max_blocks,
+            buckets=buckets_for(max_batch, rows_alone=not self.pad_decode),
+            compile=compile,
+        )
+
+    def warm_up(self) -> float:
+        """Compile the decode steps now (see decode_step.py); the seconds (0 without compile)."""
+        return self.decode_step.warm_up() if self.compiled else 0.0
 
     # ---- the separate steps (float matmuls) ----
 
@@ -61,22 +86,10 @@ class ModelRunner:
         return logits[0, -1]
 
     def decode(self, sequences: list) -> torch.Tensor:
-        """One decode step for the sequences, row r feeding token `computed` of sequence r;
-        padded to max_batch rows when the model has float matmuls (see pads_decode). The
-        logits (len(sequences), V)."""
-        rows = self.max_batch if self.pad_decode else len(sequences)
-        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        for r, sequence in enumerate(sequences):
-            tokens[r, 0] = sequence.tokens[sequence.computed]
-            positions[r, 0] = sequence.computed
-        self._set_batch(
-            sequences, [s.computed + 1 for s in sequences], [[s.computed] for s in sequences], rows
-        )
-        logits = self.model(tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1).logits
-        for sequence in sequences:
-            sequence.computed += 1
-        return logits[: len(sequences), -1]
+        """One decode step for the sequences, row r feeding token `computed` of sequence r,
+        padded (decode_step.DecodeStep: to max_batch rows for a float model). The logits
+        (len(sequences), V)."""
+        return self.decode_step(sequences)
 
     # ---- the packed step (quantized matmuls) ----
 
@@ -120,22 +133,15 @@ class ModelRunner:
 
     # ---- block tables and slots ----
 
-    def _set_batch(self, sequences, seq_lens, positions, rows: int | None = None) -> None:
+    def _set_batch(self, sequences, seq_lens, positions) -> None:
         """The block tables, lengths and write slots of one forward, checked once here (the
-        layers then skip their checks); rows past the sequences (padding) read and write a
-        scratch slot of their own."""
-        rows = rows or len(sequences)
+        layers then skip their checks)."""
+        rows = len(sequences)
         tables = self._block_tables(sequences, rows)
-        lengths = torch.ones(rows, dtype=torch.int32)
-        where = torch.zeros((rows, len(positions[0])), dtype=torch.int64)
-        for r, (length, at) in enumerate(zip(seq_lens, positions)):
-            lengths[r] = length
-            where[r] = torch.tensor(at)
+        lengths = torch.tensor(seq_lens, dtype=torch.int32)  # (rows,)
+        where = torch.tensor(positions, dtype=torch.int64)  # (rows, L)
         slots = kv_slots(tables, where, self.pool.block_size)  # (rows, L)
-        for r in range(len(sequences), rows):
-            block, slot = self.pool.scratch_slot(r)
-            tables[r, 0], slots[r] = block, slot
-        self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device), len(sequences))
+        self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device))
 
     def _block_tables(self, sequences, rows: int) -> torch.Tensor:
         """(rows, max_blocks) int32: row r lists sequence r's blocks; rows past them are zeros."""
