@@ -347,7 +347,6 @@ def run(model: str, args) -> dict:
             "history_tokens": args.history_tokens,
             "turn_tokens": args.turn_tokens,
             "kv_blocks": args.kv_blocks,
-<<<<<<< HEAD
             "json_schema": str(args.json_schema) if getattr(args, "json_schema", None) else None,
             "threads": args.threads,
             "llama_server": None
@@ -360,9 +359,7 @@ def run(model: str, args) -> dict:
             "kernel_isa": kernel_path(args.quantize),
             "load_average_before": load_before,
             "load_average": list(os.getloadavg()),  # after the run
-=======
             "compile": not getattr(args, "no_compile", False),
->>>>>>> engine-compiled
         },
         "servers": results,
         "targets": targets(results, args.clients),
