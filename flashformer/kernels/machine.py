@@ -1,6 +1,13 @@
 """What machine this is, as every benchmark records it: the CPU, its cores and the vector
 instructions PyTorch found (kernels choose their path from the same flags), the threads, torch's
-version and the GPU if any."""
+version and the GPU if any; and which code path the quantized kernels were asked to take.
+
+FLASHFORMER_CPU_ISA (scalar, avx2, avx512-vnni or best; unset: best) picks the quantized C++
+kernels' path when they load (kernels/extension.py): `FLASHFORMER_CPU_ISA=avx2` on an AVX-512
+machine runs the 256-bit AVX2 kernels, what a CPU without AVX-512 runs, to compare with a
+llama.cpp built for AVX2 alone. A path the CPU lacks falls to the best below it. PyTorch's own
+kernels and torch.compile's code follow ATEN_CPU_CAPABILITY (avx2, avx512, default) instead:
+set both for a whole program on AVX2."""
 
 from __future__ import annotations
 
@@ -9,6 +16,18 @@ import platform
 from pathlib import Path
 
 import torch
+
+ISA_VARIABLE = "FLASHFORMER_CPU_ISA"
+KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
+
+
+def requested_isa() -> str:
+    """The quantized kernels' path FLASHFORMER_CPU_ISA asks for, read now: one of KERNEL_ISAS,
+    or "best" (also when unset or empty)."""
+    value = os.environ.get(ISA_VARIABLE, "").strip().lower() or "best"
+    if value not in (*KERNEL_ISAS, "best"):
+        raise ValueError(f"{ISA_VARIABLE}: expected one of {(*KERNEL_ISAS, 'best')}, got {value!r}")
+    return value
 
 
 def machine_info() -> dict:
@@ -26,5 +45,6 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_isa_request": os.environ.get(ISA_VARIABLE) or "best",
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
