@@ -31,7 +31,12 @@ from flashformer.kernels import machine
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "kquants_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
 # torch hashes only SOURCES to decide a rebuild
-INCLUDES = [_CSRC / "quantized_common.h", _CSRC / "quantized_x86.inc", _CSRC / "kquants_x86.inc"]
+INCLUDES = [
+    _CSRC / "quantized_common.h",
+    _CSRC / "quantized_x86.inc",
+    _CSRC / "kquants_x86.inc",
+    _CSRC / "kquants_panel_x86.inc",
+]
 
 LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
 _LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"

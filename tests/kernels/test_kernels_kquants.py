@@ -118,7 +118,7 @@ def test_linear_matches_float64_reference(type_name, shape):
     for activations in ("int8", "float32"):
         for b in (None, bias):
             lin = QuantizedLinear.from_gguf_blocks(type_name, raw, shape, bias=b, activations=activations)
-            for rows in (1, 5):
+            for rows in (1, 5, 9):  # 9: the K-quants' panel kernels (8 x rows and more)
                 x = torch.randn(rows, shape[1])
                 x64 = quantize_activations(x, block) if activations == "int8" else x.double()
                 for isa in kernel_paths():  # AVX2 and AVX-512 VNNI where this CPU has it
