@@ -11,7 +11,8 @@ the fallbacks see them whether or not the build succeeds):
   one call for every sequence (attention/cpu_kernel.py, csrc/paged_attention_cpu.cpp).
 
 Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and runs
-the fallbacks its users registered with on_fallback: PyTorch code, exact and slower.
+the fallbacks its users registered with on_fallback: PyTorch code, exact and slower. Once
+loaded, the quantized kernels take the path FLASHFORMER_CPU_ISA asks for (kernels/machine.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ from pathlib import Path
 
 import torch
 
+from flashformer.kernels import machine
+
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "kquants_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
 # torch hashes only SOURCES to decide a rebuild
-INCLUDES = [_CSRC / "quantized_common.h", _CSRC / "quantized_x86.inc", _CSRC / "kquants_x86.inc"]
+INCLUDES = [
+    _CSRC / "quantized_common.h",
+    _CSRC / "quantized_x86.inc",
+    _CSRC / "kquants_x86.inc",
+    _CSRC / "kquants_panel_x86.inc",
+]
 
 LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
 _LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
@@ -103,6 +111,10 @@ def load() -> str:
             stacklevel=2,
         )
         return _fall_back()
+    request = machine.requested_isa()
+    torch.ops.flashformer.quantized_kernel_isa(
+        len(machine.KERNEL_ISAS) - 1 if request == "best" else machine.KERNEL_ISAS.index(request)
+    )
     return _loaded("cpp")
 
 

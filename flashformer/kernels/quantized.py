@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from flashformer.kernels import extension, gguf_blocks
 from flashformer.kernels.gguf_blocks import KQUANT_FORMATS, SUPER_BLOCK
+from flashformer.kernels.machine import KERNEL_ISAS
 
 BLOCK = 32  # values per quantization block along the input dim (GGUF's QK4_0, QK4_1, QK8_0)
 # Output rows interleaved in the packed layout: 8 for int4, whose one-row kernel reads 8 rows per
@@ -96,13 +97,11 @@ def _kquant_op(fmt: str):
 _LINEAR_OPS |= {fmt: _kquant_op(fmt) for fmt in KQUANT_FORMATS.values()}
 
 
-KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
-
-
 def kernel_isa(request: int | str = -1) -> str:
     """Which code runs the operators: one of KERNEL_ISAS (the C++ kernels) or "torch" (the fallback).
     request (a name or its index) switches the C++ kernels to that code, or the best below it
-    this CPU has; "best" switches back. Tests compare them: all give the same bits."""
+    this CPU has; "best" switches to the best this CPU has (FLASHFORMER_CPU_ISA chose the path at
+    load). Tests compare them: all give the same bits."""
     load_kernels()
     if isinstance(request, str):
         request = len(KERNEL_ISAS) - 1 if request == "best" else KERNEL_ISAS.index(request)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from helpers.kernel_paths import kernel_paths, on_path
 
 from flashformer.kernels import gguf_blocks
 from flashformer.kernels.quantized import (
@@ -117,10 +118,12 @@ def test_linear_matches_float64_reference(type_name, shape):
     for activations in ("int8", "float32"):
         for b in (None, bias):
             lin = QuantizedLinear.from_gguf_blocks(type_name, raw, shape, bias=b, activations=activations)
-            for rows in (1, 5):
+            for rows in (1, 5, 9):  # 9: the K-quants' panel kernels (8 x rows and more)
                 x = torch.randn(rows, shape[1])
                 x64 = quantize_activations(x, block) if activations == "int8" else x.double()
-                check_close(lin(x), x64, w64, magnitude, b)
+                for isa in kernel_paths():  # AVX2 and AVX-512 VNNI where this CPU has it
+                    with on_path(isa):
+                        check_close(lin(x), x64, w64, magnitude, b)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -142,8 +145,9 @@ def test_batch_invariance(type_name):
 @pytest.mark.parametrize("type_name", TYPES)
 def test_every_isa_gives_the_scalar_bits(type_name):
     """Scalar, AVX2 and VNNI (those this CPU has), at every tile of x rows: the same bits."""
+    previous = kernel_isa()
     isas = [isa for isa in KERNEL_ISAS if kernel_isa(isa) == isa]
-    kernel_isa("best")
+    kernel_isa(previous)
     if len(isas) < 2:
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
@@ -160,7 +164,7 @@ def test_every_isa_gives_the_scalar_bits(type_name):
                 assert kernel_isa(isa) == isa
                 results[isa] = (lin(x), lin(x[:1]))
         finally:
-            kernel_isa("best")
+            kernel_isa(previous)
         for isa in isas[1:]:
             assert torch.equal(results[isa][0], results["scalar"][0]), (activations, out_features, isa)
             assert torch.equal(results[isa][1], results["scalar"][1]), (activations, out_features, isa)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from helpers.kernel_paths import kernel_paths, on_path
 from torch import nn
 
 from flashformer.checkpoints.gguf import smollm2_path
@@ -83,6 +84,7 @@ def check_close(y: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, bias=None
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("shape", [(37, 64), (576, 576), (192, 576), (1536, 576), (576, 1536)])
 def test_linear_matches_float64_reference(source, shape):
+    """On every vector path this CPU runs (AVX2 and AVX-512 VNNI), in this one run."""
     torch.manual_seed(hash((source, shape)) % 1000)
     weight = torch.randn(shape) * 0.05
     bias = torch.randn(shape[0])
@@ -92,7 +94,9 @@ def test_linear_matches_float64_reference(source, shape):
             for rows in (1, 3, 16):
                 x = torch.randn(rows, shape[1])
                 x64 = quantize_activations(x) if activations == "int8" else x.double()
-                check_close(lin(x), x64, w64, b)
+                for isa in kernel_paths():
+                    with on_path(isa):
+                        check_close(lin(x), x64, w64, b)
 
 
 def test_int8_activations_stay_close_to_float_ones():
@@ -203,8 +207,9 @@ def test_batch_invariance(source):
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_isa_gives_the_scalar_bits(source):
     """Scalar, AVX2 and VNNI kernels (those this CPU has) at every tile of x rows: the same bits."""
+    previous = kernel_isa()
     isas = [isa for isa in KERNEL_ISAS if kernel_isa(isa) == isa]
-    kernel_isa("best")
+    kernel_isa(previous)
     if len(isas) < 2:
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
@@ -219,7 +224,7 @@ def test_every_isa_gives_the_scalar_bits(source):
                 assert kernel_isa(isa) == isa
                 results[isa] = (lin(x), lin(x[:1]))
         finally:
-            kernel_isa("best")
+            kernel_isa(previous)
         for isa in isas[1:]:
             assert torch.equal(results[isa][0], results["scalar"][0]), (activations, out_features, isa)
             assert torch.equal(results[isa][1], results["scalar"][1]), (activations, out_features, isa)

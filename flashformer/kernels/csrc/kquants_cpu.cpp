@@ -15,11 +15,13 @@
 // - int8_activations: x is quantized per block of 256 (llama.cpp's Q8_K: one float scale
 //   d = amax / 127, q = round(x / d), and each 16 quants' sum). A block's product is then
 //   integers: sumi = sum_j sc[j] * (q . x)_j and summ = sum_i m[i / 2] * xsum_i (Q6_K:
-//   sum_i sc[i] * xsum_i, the -32's), each kept in 8 lanes (a fixed partition of the terms,
-//   exact whatever the order), then per block one float multiply-add per lane, d * dx and
-//   -dmin * dx (Q6_K: -32 d * dx), in block order; the lanes are added at the end: the same on
-//   every ISA (kquants_x86.inc forms the integers with AVX2's maddubs + madd, or VNNI's
-//   maddubs + vpdpwssd on 512-bit vectors folded onto the 8 lanes).
+//   sum_i sc[i] * xsum_i, the -32's), whole and exact whatever the order they are added in;
+//   then per block one float multiply-add each, by d * dx and -dmin * dx (Q6_K: -32 d * dx), in
+//   block order, and the two sums added at the end: the same on every ISA and in every kernel.
+//   Rows of x in the hundreds (a prompt) take the panel kernels (kquants_panel_x86.inc): 16 or 8
+//   weight rows unpacked once per call into a transposed panel, each row in a vector lane, so
+//   that one x word broadcast serves them all; one or a few x rows take the row kernels
+//   (kquants_x86.inc), which form the same integers.
 // - float activations: each block is dequantized to 256 floats exactly as gguf does, and x . w is
 //   formed in 8 float lanes (lane l: values l, l + 8, ...) added at the end; exact with respect to
 //   the dequantized weights, and the same bits on every ISA.
@@ -39,6 +41,7 @@ using namespace flashformer_cpu;
 constexpr int64_t kSuper = 256;    // values per K-quant block (GGUF's QK_K)
 constexpr int64_t kChunkRows = 16;  // weight rows a task's x tiles pass over (in L2, the tile in L1)
 constexpr int kScalarTile = 4;      // x rows per scalar kernel call (any tile gives the same bits)
+constexpr int64_t kPanelMinRows = 8;  // x rows from which the panel kernels run (the same bits)
 
 // ---- the blocks, as in the file ----
 
@@ -211,12 +214,11 @@ void quantize_super_scalar(const float* x, int8_t* q, float* d, int16_t* sums) {
 }
 
 // One weight row (nb blocks) against x rows m0 .. m0 + tile - 1: out[t * ld] (+ bias[0]).
-// The integer sums are kept in the x86 kernels' 8 lanes (lane l: bytes 4l .. 4l + 3 of each 32
-// values, and minimums' pairs 2l, 2l + 1), each lane's accumulated in float, the lanes added at
-// the end: no horizontal sum per block.
+// A block's two integers are whole (exact: every kernel forms them in its own order), then one
+// float multiply-add each, in block order; the two sums are added at the end.
 template <class Block>
 void kquant_int8act_scalar(int tile, const Block* row, int64_t nb, const SuperRows& x, int64_t m0, const Output& o) {
-  float acc[kScalarTile][8] = {}, acc_min[kScalarTile][8] = {};
+  float acc[kScalarTile] = {}, acc_min[kScalarTile] = {};
   for (int64_t b = 0; b < nb; ++b) {
     int q[kSuper], scale16[16], min16[16];
     KQuant<Block>::decode(row[b], q, scale16, min16);
@@ -226,22 +228,19 @@ void kquant_int8act_scalar(int tile, const Block* row, int64_t nb, const SuperRo
       const int8_t* xq = x.quants(xb);
       const int16_t* sums = x.sums16(xb);
       const float dx = x.d[xb];
-      for (int l = 0; l < 8; ++l) {
-        int32_t lane = 0;
-        for (int j = 0; j < 8; ++j) {
-          const int v0 = 32 * j + 4 * l;
-          int32_t dot = 0;
-          for (int v = v0; v < v0 + 4; ++v) dot += q[v] * xq[v];
-          lane += scale16[v0 / 16] * dot;
-        }
-        const int32_t min_lane = min16[2 * l] * sums[2 * l] + min16[2 * l + 1] * sums[2 * l + 1];
-        acc[t][l] = std::fma(d * dx, static_cast<float>(lane), acc[t][l]);
-        acc_min[t][l] = std::fma(KQuant<Block>::min_factor(d, dmin, dx), static_cast<float>(min_lane), acc_min[t][l]);
+      int32_t sumi = 0, summ = 0;
+      for (int i = 0; i < 16; ++i) {
+        int32_t dot = 0;
+        for (int v = 16 * i; v < 16 * i + 16; ++v) dot += q[v] * xq[v];
+        sumi += scale16[i] * dot;
+        summ += min16[i] * sums[i];
       }
+      acc[t] = std::fma(d * dx, static_cast<float>(sumi), acc[t]);
+      acc_min[t] = std::fma(KQuant<Block>::min_factor(d, dmin, dx), static_cast<float>(summ), acc_min[t]);
     }
   }
   for (int t = 0; t < tile; ++t) {
-    const float sum = hsum8_scalar(acc[t]) + hsum8_scalar(acc_min[t]);
+    const float sum = acc[t] + acc_min[t];
     o.out[t * o.ld] = o.bias ? sum + o.bias[0] : sum;
   }
 }
@@ -263,13 +262,14 @@ void kquant_f32act_scalar(int tile, const Block* row, int64_t nb, const FloatX& 
   }
 }
 
-// ---- x86 kernels: kquants_x86.inc, twice ----
+// ---- x86 kernels: kquants_x86.inc and kquants_panel_x86.inc, twice ----
 #if FF_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define FF_VNNI 0
 #include "kquants_x86.inc"
+#include "kquants_panel_x86.inc"
 #undef FF_VNNI
 }  // namespace avx2
 #pragma GCC pop_options
@@ -279,6 +279,7 @@ namespace avx2 {
 namespace vnni {
 #define FF_VNNI 1
 #include "kquants_x86.inc"
+#include "kquants_panel_x86.inc"
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
@@ -308,6 +309,24 @@ SuperRows quantize_super_rows(const float* x, int64_t rows, int64_t k, int isa) 
   return xa;
 }
 
+#if FF_X86
+// The panel kernels over every chunk of panel_rows weight rows, chunks in parallel, each task
+// with its own panel's scratch memory.
+template <class Block, class PanelBlockT>
+void panel_product(void (*chunk)(const Block*, int64_t, int64_t, int64_t, const SuperRows&, int64_t,
+                                 const OutputMatrix&, PanelBlockT*),
+                   int64_t panel_rows, const Block* weights, int64_t nb, int64_t n, int64_t rows, const SuperRows& xa,
+                   const OutputMatrix& result) {
+  const int64_t chunks = (n + panel_rows - 1) / panel_rows;
+  at::parallel_for(0, chunks, group_grain(8 * nb, rows, panel_rows), [&](int64_t c0, int64_t c1) {
+    std::vector<PanelBlockT> panel(nb);
+    for (int64_t c = c0; c < c1; ++c) {
+      chunk(weights, nb, c * panel_rows, std::min(panel_rows, n - c * panel_rows), xa, rows, result, panel.data());
+    }
+  });
+}
+#endif
+
 template <class Block>
 at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool int8_activations) {
@@ -330,6 +349,16 @@ at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const
   SuperRows xa;
   if (int8_activations) xa = quantize_super_rows(xp, rows, k, isa);
   const FloatX xf{xp, k};
+#if FF_X86
+  if (int8_activations && isa != kScalar && rows >= kPanelMinRows) {
+    if (isa == kVnni) {
+      panel_product(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result);
+    } else {
+      panel_product(avx2::panel_chunk<Block>, avx2::kPanelRows, weights, nb, n, rows, xa, result);
+    }
+    return out;
+  }
+#endif
   int64_t tile_rows = kScalarTile;
 #if FF_X86
   if (isa != kScalar) tile_rows = int8_activations ? avx2::kKInt8Tile : avx2::kKFloatTile;

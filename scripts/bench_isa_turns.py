@@ -1,0 +1,125 @@
+"""flashformer against llama.cpp on one GGUF file, each in fresh processes taken in turns, as
+issue 27's table asks: batch-1 decode tokens/s (128 tokens after a short prompt) and prompt
+tokens/s (512 tokens), 2 threads; the best of --repeats fresh processes per contender.
+
+    PYTHONPATH=. python scripts/bench_isa_turns.py FILE [--isa avx2] [--llama-bench PATH]
+                                                   [--repeats 3] [--threads 2]
+
+Contenders: flashformer (quantize="gguf", decode step compiled, the prompt eager as `bench
+generate` runs it; --isa sets FLASHFORMER_CPU_ISA and ATEN_CPU_CAPABILITY in its processes),
+llama.cpp's `llama-bench -p 512 -n 128 -r 3` when --llama-bench is given, else
+llama-cpp-python (native only). Prints one line per process with the load average, then the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+NEW, PROMPT = 128, 512
+
+
+def flashformer_worker(path: str, threads: int) -> dict:
+    import torch
+
+    import flashformer
+    from flashformer.kernels.quantized import kernel_isa
+
+    torch.set_num_threads(threads)
+    model, tokenizer = flashformer.load(path, quantize="gguf")
+    ids = torch.tensor([tokenizer.encode("Once upon a time, in a lighthouse by the sea,")])
+    long_ids = torch.tensor([(ids[0].tolist() * PROMPT)[:PROMPT]])
+
+    def run(batch, n, compile):
+        started = time.perf_counter()
+        model.generate(batch, max_new_tokens=n, eos_token_id=[], compile=compile)
+        return time.perf_counter() - started
+
+    run(ids, 4, True)  # compile
+    run(long_ids, 1, False)
+    decode = min(run(ids, NEW + 1, True) - run(ids, 1, True) for _ in range(2))
+    prompt = min(run(long_ids, 1, False) for _ in range(2))
+    return {"isa": kernel_isa(), "decode": NEW / decode, "prompt": PROMPT / prompt}
+
+
+def llama_cpp_python_worker(path: str, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+    ids = llm.tokenize(b"Once upon a time, in a lighthouse by the sea,")
+    long_ids = (ids * PROMPT)[:PROMPT]
+
+    def decode():
+        llm.reset()
+        started, out = None, 0
+        for _ in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out += 1
+            if out == 1:
+                started = time.perf_counter()
+            if out == NEW + 1:
+                break
+        return time.perf_counter() - started
+
+    def prompt():
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(long_ids)
+        return time.perf_counter() - started
+
+    decode(), prompt()
+    return {
+        "decode": NEW / min(decode() for _ in range(2)),
+        "prompt": PROMPT / min(prompt() for _ in range(2)),
+    }
+
+
+def llama_bench(binary: str, path: str, threads: int) -> dict:
+    cmd = [binary, "-m", path, "-t", str(threads), "-p", str(PROMPT), "-n", str(NEW), "-r", "3", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    rates = {("prompt" if row["n_prompt"] else "decode"): row["avg_ts"] for row in rows}
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("file")
+    parser.add_argument(
+        "--isa", default=None, help="FLASHFORMER_CPU_ISA for flashformer (and ATEN_CPU_CAPABILITY)"
+    )
+    parser.add_argument("--llama-bench", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default=None, help="flashformer or llama.cpp")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker = flashformer_worker if args.worker == "flashformer" else llama_cpp_python_worker
+        print(json.dumps(worker(args.file, args.threads)))
+        return
+    names = [n for n in ("flashformer", "llama.cpp") if args.only in (None, n)]
+    best: dict[str, dict] = {}
+    for repeat in range(args.repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            load = os.getloadavg()[0]
+            if name == "llama.cpp" and args.llama_bench:
+                rates = llama_bench(args.llama_bench, args.file, args.threads)
+            else:
+                env = dict(os.environ)
+                if name == "flashformer" and args.isa:
+                    env["FLASHFORMER_CPU_ISA"] = args.isa
+                    env["ATEN_CPU_CAPABILITY"] = {"avx512-vnni": "avx512"}.get(args.isa, args.isa)
+                cmd = [sys.executable, __file__, args.file, "--worker", name, "--threads", str(args.threads)]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                rates = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{name:12s} {json.dumps(rates)} load {load:.2f}", flush=True)
+            for key in ("decode", "prompt"):
+                best.setdefault(name, {})[key] = max(best.get(name, {}).get(key, 0.0), rates[key])
+    print("best", json.dumps(best))
+
+
+if __name__ == "__main__":
+    main()
