@@ -44,7 +44,15 @@ import time
 from pathlib import Path
 
 from flashformer.bench.llama_cpp_binaries import version
-from flashformer.bench.serve_peers import SLOT_CONTEXT, Server, free_port, peers, start
+from flashformer.bench.serve_peers import (
+    SLOT_CONTEXT,
+    Server,
+    free_port,
+    kernel_path,
+    peer_targets,
+    peers,
+    start,
+)
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
@@ -363,42 +371,6 @@ def run(model: str, args) -> dict:
         },
         "servers": results,
         "targets": targets(results, args.clients),
-    }
-
-
-def kernel_path(quantize: str | None) -> str | None:
-    """The code our quantized kernels run on this CPU (the server's process chooses the same way);
-    None for a float model."""
-    if not quantize:
-        return None
-    from flashformer.kernels.quantized import kernel_isa
-
-    return kernel_isa()
-
-
-def peer_targets(ours: dict, theirs: dict, clients: int) -> dict:
-    """The speed issue's ratios against llama-server: one client alone, and `clients` in flight."""
-    if "loaded" not in ours or "loaded" not in theirs:
-        return {}
-    alone, peer_alone, loaded, peer_loaded = ours["alone"], theirs["alone"], ours["loaded"], theirs["loaded"]
-
-    def ratio(a, b):
-        return None if a is None or not b else a / b
-
-    return {
-        "1 client: output tokens/s / llama-server's (>= 1.0)": ratio(
-            alone["output_tokens_per_s"], peer_alone["output_tokens_per_s"]
-        ),
-        "1 client: ITL p99 / llama-server's (<= 1.2)": ratio(alone["itl_p99_s"], peer_alone["itl_p99_s"]),
-        f"{clients} clients: output tokens/s / llama-server's (>= 1.5)": ratio(
-            loaded["output_tokens_per_s"], peer_loaded["output_tokens_per_s"]
-        ),
-        f"{clients} clients: TTFT p50 / llama-server's (<= 1)": ratio(
-            loaded["ttft_p50_s"], peer_loaded["ttft_p50_s"]
-        ),
-        f"{clients} clients: ITL p99 / llama-server's (<= 1)": ratio(
-            loaded["itl_p99_s"], peer_loaded["itl_p99_s"]
-        ),
     }
 
 

@@ -104,3 +104,39 @@ def start(command: list[str], ready_url: str, timeout_s: float = 600) -> subproc
             time.sleep(0.5)
     process.kill()
     raise RuntimeError(f"{Path(command[0]).name} did not answer {ready_url} within {timeout_s} s")
+
+
+def kernel_path(quantize: str | None) -> str | None:
+    """The code our quantized kernels run on this CPU (the server's process chooses the same way);
+    None for a float model."""
+    if not quantize:
+        return None
+    from flashformer.kernels.quantized import kernel_isa
+
+    return kernel_isa()
+
+
+def peer_targets(ours: dict, theirs: dict, clients: int) -> dict:
+    """The speed issue's ratios against llama-server: one client alone, and `clients` in flight."""
+    if "loaded" not in ours or "loaded" not in theirs:
+        return {}
+    alone, peer_alone, loaded, peer_loaded = ours["alone"], theirs["alone"], ours["loaded"], theirs["loaded"]
+
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+
+    return {
+        "1 client: output tokens/s / llama-server's (>= 1.0)": ratio(
+            alone["output_tokens_per_s"], peer_alone["output_tokens_per_s"]
+        ),
+        "1 client: ITL p99 / llama-server's (<= 1.2)": ratio(alone["itl_p99_s"], peer_alone["itl_p99_s"]),
+        f"{clients} clients: output tokens/s / llama-server's (>= 1.5)": ratio(
+            loaded["output_tokens_per_s"], peer_loaded["output_tokens_per_s"]
+        ),
+        f"{clients} clients: TTFT p50 / llama-server's (<= 1)": ratio(
+            loaded["ttft_p50_s"], peer_loaded["ttft_p50_s"]
+        ),
+        f"{clients} clients: ITL p99 / llama-server's (<= 1)": ratio(
+            loaded["itl_p99_s"], peer_loaded["itl_p99_s"]
+        ),
+    }
