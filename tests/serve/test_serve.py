@@ -7,6 +7,7 @@ scheduling (preemption, invariance) is also tested in-process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -73,19 +74,32 @@ def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not answer /health within 600 s")
 
 
+@contextlib.contextmanager
+def serving(folder, *extra: str):
+    """start_server for the length of a with-block (a module fixture's yield): its URL."""
+    process, url = start_server(folder, *extra)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def openai_client(url: str, api_key: str = KEY):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):
-    process, url = start_server(tiny_chat_model, "--api-key", KEY, "--max-batch", "16", "--kv-blocks", "96")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(tiny_chat_model, "--api-key", KEY, "--max-batch", "16", "--kv-blocks", "96") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

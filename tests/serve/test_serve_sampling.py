@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from test_serve import KEY, QUESTIONS, http, start_server, tiny_chat_model  # noqa: F401 (a fixture)
+from test_serve import KEY, QUESTIONS, http, serving, tiny_chat_model  # noqa: F401 (a fixture)
 
 import flashformer
 
@@ -24,10 +24,8 @@ HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):  # noqa: F811
-    process, url = start_server(tiny_chat_model, "--api-key", KEY, "--max-batch", "8", "--kv-blocks", "96")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(tiny_chat_model, "--api-key", KEY, "--max-batch", "8", "--kv-blocks", "96") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

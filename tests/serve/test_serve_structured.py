@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from helpers.schemas import schema_suite
 from pydantic import BaseModel, Field
-from test_serve import KEY, http, start_server, tiny_chat_model  # noqa: F401 (a fixture)
+from test_serve import KEY, http, openai_client, serving, start_server, tiny_chat_model  # noqa: F401 (a fixture)
 
 import flashformer
 from flashformer.generate.constraints import Constraint
@@ -25,17 +25,13 @@ from flashformer.serve.engine import Engine, Event, Request, SamplingParams
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):  # noqa: F811
-    process, url = start_server(tiny_chat_model, "--api-key", KEY, "--max-batch", "16", "--kv-blocks", "256")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(tiny_chat_model, "--api-key", KEY, "--max-batch", "16", "--kv-blocks", "256") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server)
 
 
 def ask(client, content: str = "Answer as JSON.", **kwargs):

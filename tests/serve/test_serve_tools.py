@@ -12,7 +12,7 @@ import json
 
 import pytest
 from helpers import tiny_chat_folder
-from test_serve import KEY, http, start_server
+from test_serve import KEY, http, openai_client, serving
 
 from flashformer.text.tool_prompt import generic_tool_messages, with_call_arguments_as_objects
 
@@ -86,17 +86,13 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    process, url = start_server(folder, "--api-key", KEY, "--max-batch", "8", "--kv-blocks", "96")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(folder, "--api-key", KEY, "--max-batch", "8", "--kv-blocks", "96") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -359,10 +355,8 @@ def test_call_schemas_accept_exactly_the_valid_calls():
 def smollm2_server():
     from flashformer.checkpoints.gguf import smollm2_path
 
-    process, url = start_server(smollm2_path(), "--quantize", "gguf", "--max-batch", "4", "--kv-blocks", "64")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(smollm2_path(), "--quantize", "gguf", "--max-batch", "4", "--kv-blocks", "64") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_serve import KEY, free_port, http, metrics, start_server, tiny_chat_model  # noqa: F401
+from test_serve import KEY, free_port, http, metrics, serving, start_server, tiny_chat_model  # noqa: F401
 
 from flashformer.serve.engine import Event
 from flashformer.serve.openai import create_app
@@ -74,10 +74,8 @@ def server(long_chat_model):
         "--kv-blocks",
         "320",
     )
-    process, url = start_server(long_chat_model, *extra)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(long_chat_model, *extra) as url:
+        yield url
 
 
 class EchoTokenizer:
