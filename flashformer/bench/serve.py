@@ -305,16 +305,19 @@ def run(model: str, args) -> dict:
         url = f"http://127.0.0.1:{port}/v1"
         command = [part.replace("{port}", str(port)) for part in template]
         print(f"{name}: starting", flush=True)
+        started = time.perf_counter()
         try:
             process = start(command, f"http://127.0.0.1:{port}{ready_path}")
         except RuntimeError as error:
             results[name] = {"error": str(error)}
             continue
+        start_s = time.perf_counter() - started  # launch to ready: loading, and our compile
+        print(f"{name}: ready after {start_s:.1f} s", flush=True)
         try:
             from openai import OpenAI
 
             served = OpenAI(base_url=url, api_key="bench").models.list().data[0].id
-            results[name] = {"load_average": list(os.getloadavg())}
+            results[name] = {"load_average": list(os.getloadavg()), "start_s": start_s}
             if "mixed" in runs:
                 alone = asyncio.run(drive(url, served, solo, 1, "bench", structured))
                 loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench", structured))
@@ -419,7 +422,7 @@ def table(payload: dict) -> str:
         if "error" not in result and "loaded" not in result:
             continue
         if "error" in result:
-            rows.append([name, f"not measured: {' '.join(result['error'].split())[:80]}"] + ["-"] * 6)
+            rows.append([name, f"not measured: {' '.join(result['error'].split())[:80]}"] + ["-"] * 7)
             continue
         loaded = result["loaded"]
         rows.append(
@@ -433,6 +436,7 @@ def table(payload: dict) -> str:
                 f"{result['alone']['output_tokens_per_s']:.1f}",
                 f"{ms(result['alone']['ttft_p50_s'])} / {ms(result['alone']['itl_p50_s'])} / "
                 f"{ms(result['alone']['itl_p99_s'])}",
+                f"{result['start_s']:.0f}" if "start_s" in result else "-",
             ]
         )
     config = payload["config"]
@@ -451,6 +455,7 @@ def table(payload: dict) -> str:
         "ITL p99 ms",
         "1 client: tokens/s",
         "1 client: TTFT / ITL p50 / p99 ms",
+        "ready after s",
     ]
     text = (
         f"{Path(payload['model']).name}; {config['requests']} streamed chat requests, {config['clients']} clients "

@@ -80,7 +80,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command: list[str], ready_url: str, timeout_s: float = 600) -> subprocess.Popen:
+# How long a server may take to answer: flashformer serve compiles its decode step before it
+# listens, from a cold inductor cache about 6 minutes a batch size for SmolLM2 on 2 quiet cores
+# (3 batch sizes with --max-batch 16), more on a loaded machine.
+START_TIMEOUT_S = 3600
+
+
+def start(command: list[str], ready_url: str, timeout_s: float = START_TIMEOUT_S) -> subprocess.Popen:
     """Start the server and wait until ready_url answers 200; RuntimeError with the end of its
     output if it exits first (a bad flag, a file it cannot load) or never answers."""
     # the server's output goes to a file: a pipe nobody reads fills up and blocks a chatty server

@@ -2,8 +2,10 @@
 padded to buckets for a quantized model and to max_batch for a float one. A request's tokens
 are generate()'s (an independent path: the static cache, eager), the same alone, among
 others (padding rows and other buckets change nobody's bits) and through preemptions, and
-prefix caching stays exact. The graphs are compiled once for the module (the engines share
-them: the pool's sizes are symbolic), so each test pays only for its steps."""
+prefix caching stays exact. The graphs are compiled once for each pool shape (engines of the
+same shape share them), so each test pays mostly for its steps; an engine of another shape
+(`small`) compiles its own, and the warmed engines' steps, which skip the guards that cannot
+tell graphs apart, still find their own graphs beside it."""
 
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def test_tokens_are_generates_alone_among_others_and_preempted(compiled):
     small = Engine(model, tokenizer, num_blocks=9, compile=True, **ROWS)  # 8 blocks: too few for 2
     assert run_engine(small, batch, 24) == alone
     assert small.stats["preemptions"] > 0 and small.pool.in_use == 0
+    assert run_engine(engine, batch, 24) == alone  # the warmed engine, past small's graphs
 
 
 def test_reused_prefixes_give_the_same_tokens_and_logits(compiled):
