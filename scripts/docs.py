@@ -128,6 +128,16 @@ MEASURED = {
         "--llama-server build-native/bin/llama-server",
         "serve",
     ),
+    "serve-smollm2-avx2-1-client": (
+        'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 1 --requests 6 '
+        "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
+        "serve",
+    ),
+    "serve-smollm2-avx2": (
+        'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 16 --requests 48 '
+        "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
+        "serve",
+    ),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
     "quality-gemma3": ('flashformer bench quality "$GEMMA3" --files 3 --threads 2', "quality"),
