@@ -138,6 +138,16 @@ MEASURED = {
         "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
         "serve",
     ),
+    "serve-smollm2-avx2-json-schema-1-client": (
+        'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 1 --requests 6 '
+        "--workloads mixed --kv-blocks 1024 --no-llama-cpp --json-schema scripts/schemas/long-summary.json",
+        "serve",
+    ),
+    "serve-smollm2-avx2-json-schema": (
+        'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 16 --requests 48 '
+        "--workloads mixed --kv-blocks 1024 --no-llama-cpp --json-schema scripts/schemas/long-summary.json",
+        "serve",
+    ),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
     "quality-gemma3": ('flashformer bench quality "$GEMMA3" --files 3 --threads 2', "quality"),
