@@ -119,8 +119,8 @@ MEASURED = {
         "generate_model",
     ),
     "generate-smollm2-gguf-avx2": (
-        'OMP_WAIT_POLICY=passive flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
-        "--new-tokens 128 --no-transformers --isa avx2 --llama-cpp-dir build-avx2 --llama-cpp-dir build-native",
+        'flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
+        "--new-tokens 128 --no-transformers --isa avx2 --llama-cpp-dir build-avx2",
         "generate_model",
     ),
     "serve-smollm2": (

@@ -379,7 +379,9 @@ def table(payload: dict) -> str:
         f"prompt tokens/s ({PROMPT_PROCESSING_TOKENS})",
         "MB read / token",
         "GB/s",
-        f"tokens equal to {reference}'" + ("" if reference.endswith("s") else "s"),
+        "tokens equal to a reference's (none ran)"
+        if reference is None
+        else f"tokens equal to {reference}'" + ("" if reference.endswith("s") else "s"),
     ]
     for name, bench in p.get("llama_bench", {}).items():
         if "error" in bench:
