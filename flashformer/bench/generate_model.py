@@ -361,7 +361,9 @@ def table(payload: dict) -> str:
     quantized = f"flashformer {p['quantize']}" if p.get("quantize") else "flashformer float32"
     reference = p.get("reference", "transformers")
     head = (
-        f"{Path(p['model']).name} ({quantized}; transformers float32), {p.get('prompt_tokens', '?')}-token "
+        f"{Path(p['model']).name} ({quantized}"
+        + ("; transformers float32" if reference == "transformers" else "")
+        + f"), {p.get('prompt_tokens', '?')}-token "
         f"{p.get('prompt_kind', 'chat')} prompt, "
         f"{payload['config']['new_tokens']} new tokens, greedy, batch 1, {p['threads']} threads; memory bandwidth in "
         f"the same run {p['bandwidth_gb_s']:.1f} GB/s (a float32 sum)"

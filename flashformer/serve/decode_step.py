@@ -52,6 +52,7 @@ saw, the same model, caches and bucket tensors, so no guard it skips can fail.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -177,11 +178,17 @@ class DecodeStep:
         self.batch.set(inputs.block_tables, inputs.seq_lens, inputs.slots)  # every row attends
         if not self.compiled:
             return self.step(self.model, inputs.tokens, inputs.positions, self.caches)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            if self.warm_up_s is None:  # warming up (or not warmed): every guard runs
-                return self.step(self.model, inputs.tokens, inputs.positions, self.caches)
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):  # module docstring
-                return self.step(self.model, inputs.tokens, inputs.positions, self.caches)
+        # warming up (or never warmed): every guard runs; after warm-up, see the module docstring
+        guards = (
+            contextlib.nullcontext()
+            if self.warm_up_s is None
+            else torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        )
+        with (
+            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True),
+            guards,
+        ):
+            return self.step(self.model, inputs.tokens, inputs.positions, self.caches)
 
     def _fill(self, inputs: StepInputs, sequences: list) -> None:
         """Write the sequences' rows into the bucket's tensors in place; the rest pad."""

@@ -278,16 +278,12 @@ def test_a_repeated_prompt_reuses_its_cached_prefix_and_the_flag_turns_it_off(
     assert first.choices[0].message.content == second.choices[0].message.content
     from openai import OpenAI
 
-    process, url = start_server(tiny_chat_model, "--no-prefix-cache", "--kv-blocks", "32")
-    try:
+    with serving(tiny_chat_model, "--no-prefix-cache", "--kv-blocks", "32") as url:
         uncached = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         replies = [chat(uncached, question, max_tokens=8, temperature=0) for _ in range(2)]
         assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 0]
         assert [r.choices[0].message.content for r in replies] == [first.choices[0].message.content] * 2
         assert metrics(url)["flashformer_kv_blocks_cached"] == 0
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 BAD = [

