@@ -118,6 +118,16 @@ MEASURED = {
         "--new-tokens 128 --no-transformers --llama-cpp-dir build-native",
         "generate_model",
     ),
+    "generate-smollm2-gguf-native": (
+        'flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
+        "--new-tokens 128 --no-transformers --llama-cpp-dir build-native",
+        "generate_model",
+    ),
+    "generate-gemma3-gguf-native": (
+        'flashformer bench generate --model "$GEMMA3" --quantize gguf --threads 2 '
+        "--new-tokens 128 --no-transformers --llama-cpp-dir build-native",
+        "generate_model",
+    ),
     "generate-smollm2-gguf-avx2": (
         'flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
         "--new-tokens 128 --no-transformers --isa avx2 --llama-cpp-dir build-avx2",
