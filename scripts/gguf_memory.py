@@ -20,20 +20,16 @@ WORKER = """
 import json, sys, time
 from pathlib import Path
 import torch
-import flashformer
+from flashformer.bench.common import rss_bytes
 from flashformer.checkpoints import loading
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 torch.set_num_threads(2)
 path, with_tokenizer = Path(sys.argv[1]), sys.argv[2] == "1"
-before, started = rss(), time.perf_counter()
+before, started = rss_bytes(), time.perf_counter()
 model, _ = loading._load_gguf(path, None, "gguf", "int8", with_tokenizer=with_tokenizer)
 seconds = time.perf_counter() - started
 weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-print(json.dumps({"held": rss() - before, "weights": weights, "load_s": seconds}))
+print(json.dumps({"held": rss_bytes() - before, "weights": weights, "load_s": seconds}))
 """
 
 
@@ -53,13 +49,12 @@ def main() -> None:
             )
             for _ in range(args.runs)
         ]
-        held = [r["held"] / 1e6 for r in runs]
+        low, high = min(r["held"] for r in runs), max(r["held"] for r in runs)
         load = [r["load_s"] for r in runs]
         what = "model and tokenizer" if with_tokenizer else "model alone"
         print(
-            f"{what:20s} held {min(held):.0f}-{max(held):.0f} MB = {min(held) * 1e6 / size:.2f}-"
-            f"{max(held) * 1e6 / size:.2f}x the file; weights {runs[0]['weights'] / 1e6:.0f} MB; "
-            f"load {min(load):.2f}-{max(load):.2f} s"
+            f"{what:20s} held {low / 1e6:.0f}-{high / 1e6:.0f} MB = {low / size:.2f}-{high / size:.2f}x "
+            f"the file; weights {runs[0]['weights'] / 1e6:.0f} MB; load {min(load):.2f}-{max(load):.2f} s"
         )
 
 
