@@ -112,7 +112,8 @@ class Tokenizer:
 
     @property
     def kind(self) -> str:
-        return type(self.backend.model).__name__.lower()  # "bpe", "unigram", "wordpiece"
+        kind = getattr(self.backend, "kind", None)  # text.sentencepiece's backend says it
+        return kind or type(self.backend.model).__name__.lower()  # "bpe", "unigram", "wordpiece"
 
     @property
     def vocab_size(self) -> int:
