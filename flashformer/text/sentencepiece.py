@@ -73,6 +73,8 @@ class SentencePieceBPE:
         self._reference = reference
         self._added: dict[str, tuple[int, bool]] = {}  # text -> (id, special), matched whole
         self._added_by_first: dict[str, list[int]] = {}  # first char -> lengths, longest first
+        self._special: frozenset[int] = frozenset()  # the ids decode skips
+        self._rank_key = self._file_rank if merges is not None else self._score_rank
         steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         if add_space_prefix:
             steps.append(decoders.Strip(content=" ", left=1))
@@ -131,6 +133,7 @@ class SentencePieceBPE:
         for text in self._added:
             by_first.setdefault(text[0], set()).add(len(text))
         self._added_by_first = {first: sorted(lengths, reverse=True) for first, lengths in by_first.items()}
+        self._special = frozenset(index for index, is_special in self._added.values() if is_special)
         return new
 
     # ---- encoding ----
@@ -204,7 +207,7 @@ class SentencePieceBPE:
         count = len(pieces)
         following = list(range(1, count + 1))  # following[i] == count: i is the last symbol
         preceding = list(range(-1, count - 1))
-        rank = self._rank_key
+        rank = self._rank_key  # chosen once: scores or the file's merges
         queue = [key for i in range(count - 1) if (key := rank(pieces[i], pieces[i + 1], i)) is not None]
         heapq.heapify(queue)
         pop, push = heapq.heappop, heapq.heappush
@@ -223,23 +226,28 @@ class SentencePieceBPE:
                 push(queue, key)
         return [vocab[piece] for piece in pieces if piece is not None]
 
-    def _rank_key(self, left: str, right: str, i: int) -> tuple | None:
+    def _score_rank(self, left: str, right: str, i: int) -> tuple | None:
         """The queue entry of merging symbol i (left) with the next (right), None when their
-        join is not a token: best first, then leftmost."""
+        join is not a token: higher score, longer left part, longer right part, lower id, then
+        leftmost."""
         joined = left + right
         index = self._vocab.get(joined)
         if index is None:
             return None
-        if self._ranks is not None:
-            rank = self._ranks.get(f"{left} {right}")
-            return None if rank is None else (rank, i, joined)
-        # higher score, longer left part, longer right part, lower id
         return (-self._scores[index], -len(left), -len(right), index, i, joined)
+
+    def _file_rank(self, left: str, right: str, i: int) -> tuple | None:
+        """The same from a file's merges: its rank, then leftmost."""
+        joined = left + right
+        if joined not in self._vocab:
+            return None
+        rank = self._ranks.get(f"{left} {right}")
+        return None if rank is None else (rank, i, joined)
 
     # ---- decoding ----
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        special = {index for index, is_special in self._added.values() if is_special}
+        special = self._special
         pieces = [
             piece
             for index in ids
