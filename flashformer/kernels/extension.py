@@ -1,5 +1,5 @@
 """flashformer's C++ CPU kernels: one extension, compiled with torch.utils.cpp_extension at
-first use (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about 15 s cold).
+first use (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about 55 s cold on 2 cores).
 
 It implements the operators defined here (their schemas are Python's, so torch.compile and
 the fallbacks see them whether or not the build succeeds):
@@ -17,6 +17,7 @@ loaded, the quantized kernels take the path FLASHFORMER_CPU_ISA asks for (kernel
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -85,24 +86,7 @@ def load() -> str:
     if os.environ.get("FLASHFORMER_QUANTIZED_KERNELS") == "torch":
         return _fall_back()
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name="flashformer_cpu_kernels",
-            sources=[str(path) for path in SOURCES],
-            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
-            # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
-            # The included files' hash is a flag: torch rebuilds when the flags change.
-            extra_cflags=[
-                "-O3",
-                "-DNDEBUG",
-                "-fopenmp",
-                "-ffp-contract=off",
-                f"-DFF_INCLUDES={_includes_hash()}",
-            ],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        _build_and_load()
     except Exception as error:  # any failure to build or load: compiler, ninja, headers, linker
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(
@@ -116,6 +100,44 @@ def load() -> str:
         len(machine.KERNEL_ISAS) - 1 if request == "best" else machine.KERNEL_ISAS.index(request)
     )
     return _loaded("cpp")
+
+
+def _build_and_load() -> None:
+    """cpp_extension.load under a lock the kernel releases when its holder dies.
+
+    torch's own build lock is a file that exists while a build runs (a FileBaton): a process
+    killed mid-build (Ctrl-C during a first import, a test run cut short) leaves it behind, and
+    every later load waits on it forever. Every build here takes an flock first, so whoever holds
+    the flock knows a baton file it finds is such a leftover and removes it."""
+    from torch.utils import cpp_extension
+
+    name = "flashformer_cpu_kernels"
+    build = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with open(build / "flashformer.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released at close, or by the kernel if we die
+        baton = build / "lock"
+        if baton.exists():
+            warnings.warn(
+                f"flashformer: removing {baton}, left by a kernel build that was killed", stacklevel=3
+            )
+            baton.unlink(missing_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(path) for path in SOURCES],
+            build_directory=str(build),
+            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
+            # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
+            # The included files' hash is a flag: torch rebuilds when the flags change.
+            extra_cflags=[
+                "-O3",
+                "-DNDEBUG",
+                "-fopenmp",
+                "-ffp-contract=off",
+                f"-DFF_INCLUDES={_includes_hash()}",
+            ],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
 
 
 def cpp_kernels() -> bool:
