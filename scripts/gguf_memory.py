@@ -72,21 +72,8 @@ def llama_cpp_loader(source: Path, build: Path, folder: Path) -> Path:
             f"--llama-cpp-build {build}: no {', '.join(missing)} (a BUILD_SHARED_LIBS=OFF build)"
         )
     includes = [f"-I{source / 'include'}", f"-I{source / 'ggml/include'}"]
-    subprocess.run(
-        [
-            "g++",
-            "-O2",
-            "-std=c++17",
-            str(code),
-            *includes,
-            *map(str, libraries),
-            "-fopenmp",
-            "-lpthread",
-            "-ldl",
-        ]
-        + ["-o", str(binary)],
-        check=True,
-    )
+    compile_ = ["g++", "-O2", "-std=c++17", str(code), *includes, *map(str, libraries)]
+    subprocess.run([*compile_, "-fopenmp", "-lpthread", "-ldl", "-o", str(binary)], check=True)
     return binary
 
 

@@ -29,6 +29,7 @@ import torch
 
 from flashformer.kernels import machine
 
+NAME = "flashformer_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "kquants_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
 # torch hashes only SOURCES to decide a rebuild
@@ -102,6 +103,13 @@ def load() -> str:
     return _loaded("cpp")
 
 
+def build_directory() -> Path:
+    """Where torch builds and caches the extension (TORCH_EXTENSIONS_DIR/.../NAME), created."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(NAME, verbose=False))
+
+
 def _build_and_load() -> None:
     """cpp_extension.load under a lock the kernel releases when its holder dies.
 
@@ -111,8 +119,7 @@ def _build_and_load() -> None:
     the flock knows a baton file it finds is such a leftover and removes it."""
     from torch.utils import cpp_extension
 
-    name = "flashformer_cpu_kernels"
-    build = Path(cpp_extension._get_build_directory(name, verbose=False))
+    build = build_directory()
     with open(build / "flashformer.flock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released at close, or by the kernel if we die
         baton = build / "lock"
@@ -122,7 +129,7 @@ def _build_and_load() -> None:
             )
             baton.unlink(missing_ok=True)
         cpp_extension.load(
-            name=name,
+            name=NAME,
             sources=[str(path) for path in SOURCES],
             build_directory=str(build),
             # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and

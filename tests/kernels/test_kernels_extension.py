@@ -20,9 +20,7 @@ LOAD = "from flashformer.kernels import extension; print(extension.load())"
 def built_copy(tmp_path: Path) -> Path:
     """An extensions folder holding a copy of this process's up-to-date build (mtimes kept, so
     ninja has nothing to rebuild): TORCH_EXTENSIONS_DIR for a child process."""
-    from torch.utils import cpp_extension
-
-    build = Path(cpp_extension._get_build_directory("flashformer_cpu_kernels", verbose=False))
+    build = extension.build_directory()
     root = tmp_path / "extensions"
     shutil.copytree(build, root / build.name, ignore=shutil.ignore_patterns("lock", "*.flock"))
     return root
@@ -32,7 +30,7 @@ def test_a_killed_builds_lock_file_is_removed_not_waited_on(tmp_path):
     """torch's build lock is a plain file: one left by a process killed mid-build made every later
     import wait forever (a CI run hung in collection on it). Under our flock it is removed."""
     root = built_copy(tmp_path)
-    stale = root / "flashformer_cpu_kernels" / "lock"
+    stale = root / extension.NAME / "lock"
     stale.touch()
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root))
     done = subprocess.run(
