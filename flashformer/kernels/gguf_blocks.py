@@ -15,6 +15,8 @@ bit) and the PyTorch fallbacks of their operators.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -56,13 +58,17 @@ def fifth_bit_words(qh: Tensor) -> Tensor:
     Each input bit lands on one output bit, so the word is the OR (here: the sum of disjoint
     bits) of four 256-entry tables, one per input byte: four gathers, where spreading every
     bit to its own int64 took 0.8 s for Gemma 3 270M's Q5_0 tensors."""
-    word = _FIFTH_BIT_TABLES.gather(1, qh.reshape(-1, 4).to(torch.int64).t()).sum(0)  # (n,)
+    word = _fifth_bit_tables().gather(1, qh.reshape(-1, 4).to(torch.int64).t()).sum(0)  # (n,)
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     return word.view(qh.shape[:-1])
 
 
+@functools.cache
 def _fifth_bit_tables() -> Tensor:
-    """(4, 256) int64: table[i][v] = the output bits that byte i of the qh word set when it is v."""
+    """(4, 256) int64: table[i][v] = the output bits that byte i of the qh word set when it is v.
+    Made on first use, not at import: PyTorch's allocator reads THP_MEM_ALLOC_ENABLE at its first
+    allocation, so a tensor made while flashformer is imported would switch huge pages off for the
+    whole process (kernels.huge_pages)."""
     destination = [0] * 32
     for p, j in enumerate(FIFTH_BIT_SOURCE):
         destination[j] = p  # input bit j -> output bit p
@@ -72,9 +78,6 @@ def _fifth_bit_tables() -> Tensor:
         for bit in range(8):
             tables[i] += ((values >> bit) & 1) << destination[8 * i + bit]
     return tables
-
-
-_FIFTH_BIT_TABLES = _fifth_bit_tables()
 
 
 def gguf_bits_of(words: Tensor) -> Tensor:
