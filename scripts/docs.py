@@ -110,7 +110,7 @@ MEASURED = {
     ),
     "generate-llama1b-shape-gguf": (
         "flashformer bench generate --model llama-1b-shape-q4_k_m.gguf --quantize gguf --threads 2 "
-        "--no-transformers --new-tokens 128",
+        "--no-transformers --new-tokens 128 --llama-cpp-dir build-native",
         "generate_model",
     ),
     "generate-smollm2-gguf-llama-bench": (
