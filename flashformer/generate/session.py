@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from flashformer.generate.cache import make_caches
+from flashformer.generate.direct_step import DirectStep
 from flashformer.generate.sampling import GenerationSettings
 from flashformer.kernels import extension
 from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS
@@ -71,6 +72,9 @@ class DecoderSession:
             self.positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
             self.next_positions = self.positions[:, -1:] + 1  # (B, 1)
         self.decode = compiled(decode_step, input_ids.device.type) if s.compile else decode_step
+        # compiled: after the first steps, called without dynamo's guards (see direct_step)
+        self.direct = DirectStep(decode_step, self.decode) if s.compile else None
+        self.last_position = prompt_len + s.max_new_tokens - 2  # the cache position of the last step
 
     def prefill(self) -> Tensor:
         """Run the prompt through the model (chunk by chunk); the last token's logits (B, vocab) float32."""
@@ -90,18 +94,20 @@ class DecoderSession:
 
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (B,) -> the next logits (B, vocab) float32."""
-        logits = self.decode(
-            self.model,
-            tokens[:, None],
-            None if self.key_mask is None else self.key_mask[:, : self.length + 1],
-            self.next_positions,
-            self.caches,
-            self.length,
-        )
+        args = self._step_args(tokens[:, None], self.length)
+        if self.direct is None:
+            logits = self.decode(*args)
+        else:
+            logits = self.direct(args, lambda: self._step_args(args[1], max(self.last_position, self.length)))
         self.length += 1
         if self.next_positions is not None:
             self.next_positions = self.next_positions + 1
         return logits
+
+    def _step_args(self, tokens: Tensor, length: int) -> tuple:
+        """decode_step's arguments for new tokens (B, 1) after `length` cached ones."""
+        mask = None if self.key_mask is None else self.key_mask[:, : length + 1]
+        return self.model, tokens, mask, self.next_positions, self.caches, length
 
     def expand(self, times: int) -> None:
         """Each row becomes `times` consecutive rows (beam search after one prefill per prompt)."""
