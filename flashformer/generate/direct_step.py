@@ -34,8 +34,6 @@ from collections.abc import Callable
 
 import torch
 
-LOCALS = ("model", "tokens", "attention_mask", "position_ids", "caches", "cache_position")
-
 
 def _entries(function) -> list:
     try:
@@ -46,10 +44,13 @@ def _entries(function) -> list:
 
 
 def direct_call(function, now: tuple, last: tuple) -> Callable | None:
-    """The compiled code of `function` (a torch.compile'd module-level step taking LOCALS)
-    whose guards pass for both `now` and `last` (its arguments at this step and at the
-    session's last), callable with the same arguments without dynamo; None if no entry's do."""
-    now_locals, last_locals = dict(zip(LOCALS, now)), dict(zip(LOCALS, last))
+    """The compiled code of `function` (a torch.compile'd module-level function of positional
+    arguments) whose guards pass for both `now` and `last` (its arguments at this step and at
+    the session's last), callable with the same arguments without dynamo; None if no entry's
+    do. The serving engine's step, whose inputs never change, passes the same twice."""
+    code = function.__code__
+    names = code.co_varnames[: code.co_argcount]
+    now_locals, last_locals = dict(zip(names, now)), dict(zip(names, last))
     for entry in _entries(function):
         if entry.guard_manager.check(now_locals) and entry.guard_manager.check(last_locals):
             return types.FunctionType(entry.code, function.__globals__, function.__name__)
@@ -71,7 +72,7 @@ class DirectStep:
         self.checked: tuple | None = None  # (batch shape, id of each cache) the guards passed with
 
     def __call__(self, args: tuple, last: Callable[[], tuple]) -> torch.Tensor:
-        """args: this step's arguments (LOCALS' order); last(): those of the session's last step."""
+        """args: this step's arguments; last(): those of the session's last step."""
         key = (args[1].shape, tuple(map(id, args[4])))
         if self.direct is not None and key == self.checked:
             return self.direct(*args)

@@ -47,7 +47,10 @@ def compiled(request, folder):
     model, tokenizer = flashformer.load(folder, quantize=request.param)
     engine = Engine(model, tokenizer, num_blocks=96, compile=True, **ROWS)
     assert engine.warm_up() > 0 and engine.stats["compile_seconds"] == engine.compile_seconds
-    assert engine.runner.decode_step.buckets == ((1, 2) if request.param else (2,))
+    step = engine.runner.decode_step
+    assert step.buckets == ((1, 2) if request.param else (2,))
+    # every bucket's graph called without dynamo from now on (generate.direct_step)
+    assert set(step.direct) == set(step.buckets) and all(step.direct.values())
     return model, tokenizer, engine
 
 
