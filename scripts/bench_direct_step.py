@@ -46,8 +46,9 @@ def main() -> None:
             short, _ = generate(8, attempts)
             long, _ = generate(136, attempts)
             steps[name].append((long - short) / 128 * 1e3)
-    guards = sum(len(str(entry.guard_manager).splitlines()) for entry in _entries(session.decode_step))
-    print(f"{args.model}: {len(_entries(session.decode_step))} graphs, {guards} guard lines")
+    graphs = _entries(session.decode_step)
+    guards = sum(len(str(entry.guard_manager).splitlines()) for entry in graphs)
+    print(f"{args.model}: {len(graphs)} graphs, {guards} guard lines")
     print("| variant | ms per step, best | median | range |\n|---|---|---|---|")
     for name, values in steps.items():
         print(

@@ -173,12 +173,10 @@ class DecodeStep:
         """Run every bucket once with padding rows only (each writes its scratch slot), so
         that tracing and compiling happen now and not in a client's request; the seconds."""
         start = time.perf_counter()
-        for inputs in self.inputs.values():
+        for rows, inputs in self.inputs.items():
             self._fill(inputs, [])
-            self._run(inputs)
-        if self.compiled:  # each bucket's graph, to call without dynamo (see the module docstring)
-            for rows, inputs in self.inputs.items():
-                self.batch.set(inputs.block_tables, inputs.seq_lens, inputs.slots)
+            self._run(inputs)  # (sets the batch to this bucket's tensors)
+            if self.compiled:  # the bucket's graph, to call without dynamo (see the module docstring)
                 args = (self.model, inputs.tokens, inputs.positions, self.caches)
                 self.direct[rows] = direct_call(paged_decode_step, args, args)
         self.warm_up_s = time.perf_counter() - start
