@@ -125,11 +125,41 @@ def main_from_args(args) -> None:
             print(f"compiled the decode step in {seconds:.1f} s", flush=True)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     app = create_app(engine, name, api_key=args.api_key, webui=args.webui, tool_parser=args.tool_parser)
-    engine.start()
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({what})", flush=True)
     if args.webui:
         print(f"the page: http://{args.host}:{args.port}/", flush=True)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    if not run_beside(engine, http):
+        raise SystemExit(f"the HTTP server on {args.host}:{args.port} stopped (see the error above)")
+
+
+def run_beside(engine, http) -> bool:
+    """The engine's loop on this thread, the one that loaded and warmed the model, with the
+    HTTP server in another (serve/loop.py says why the step must stay on this thread), until
+    Ctrl-C or SIGTERM (True) or the HTTP server ends on its own, as when its port is taken
+    (False)."""
+    import signal
+    import threading
+
+    def serve_http() -> None:
+        try:
+            http.run()  # off the main thread uvicorn leaves the signals to us
+        finally:
+            engine.stop()
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    web = threading.Thread(target=serve_http, name="flashformer-http", daemon=True)
+    web.start()
+    interrupted = False
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        engine.run()
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
-        engine.stop()
+        signal.signal(signal.SIGTERM, previous)
+        http.should_exit = True
+        web.join()
+    return interrupted
