@@ -148,6 +148,16 @@ MEASURED = {
         "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
         "serve",
     ),
+    "serve-gemma3-avx2-1-client": (
+        'flashformer bench serve "$GEMMA3" --quantize gguf --threads 2 --clients 1 --requests 6 '
+        "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
+        "serve",
+    ),
+    "serve-gemma3-avx2": (
+        'flashformer bench serve "$GEMMA3" --quantize gguf --threads 2 --clients 16 --requests 48 '
+        "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
+        "serve",
+    ),
     "serve-smollm2-avx2-json-schema-1-client": (
         'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 1 --requests 6 '
         "--workloads mixed --kv-blocks 1024 --no-llama-cpp --json-schema scripts/schemas/long-summary.json",

@@ -6,7 +6,9 @@ output length are drawn from a fixed seeded distribution (a question of
 5..150 words built from Python's own docstrings, 16..`--max-tokens` output
 tokens, greedy), so every server gets the same load. Reported per server:
 output tokens/s over the whole run, time to first token and the gaps between
-tokens (inter-token latency), p50 and p99.
+tokens (inter-token latency), p50 and p99. A model without a chat template (a
+base model such as Gemma 3 270M) is asked over /v1/completions instead, the
+question (after the system prompt, if any) as the prompt, by every server alike.
 
 Servers, started one after the other on the same machine with the same
 threads (serve_peers.py): flashformer with continuous batching (--max-batch
@@ -185,11 +187,24 @@ def ask(question: str, system: str | None = None) -> list[dict]:
     ]
 
 
+def as_prompt(question: str | list[dict]) -> str:
+    """A job's text for /v1/completions (a model without a chat template): a question as it is,
+    a chat's messages one after another, a blank line between."""
+    return question if isinstance(question, str) else "\n\n".join(m["content"] for m in question)
+
+
 async def drive(
-    url: str, model: str, jobs: list[tuple[str, int]], clients: int, api_key: str, extra: dict | None = None
+    url: str,
+    model: str,
+    jobs: list[tuple[str, int]],
+    clients: int,
+    api_key: str,
+    extra: dict | None = None,
+    completions: bool = False,
 ) -> dict:
     """Run the jobs (a question, or a chat's messages, and max_tokens) with `clients` in flight;
-    timings per request. extra: more fields of every request (--json-schema's response_format)."""
+    timings per request. extra: more fields of every request (--json-schema's response_format).
+    completions: over /v1/completions, each job's text as the prompt (a base model's server)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=3600)
@@ -201,19 +216,19 @@ async def drive(
         nonlocal tokens, errors
         started = time.perf_counter()
         last, chunks, counted = None, 0, False
+        fields = dict(model=model, max_tokens=limit, temperature=0, stream=True,
+                      stream_options={"include_usage": True}, **(extra or {}))  # fmt: skip
         try:
-            stream = await client.chat.completions.create(
-                model=model,
-                messages=ask(question) if isinstance(question, str) else question,
-                max_tokens=limit,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                **(extra or {}),
-            )
+            if completions:
+                stream = await client.completions.create(prompt=as_prompt(question), **fields)
+            else:
+                messages = ask(question) if isinstance(question, str) else question
+                stream = await client.chat.completions.create(messages=messages, **fields)
             async for chunk in stream:
                 now = time.perf_counter()
-                if chunk.choices and chunk.choices[0].delta.content:
+                if chunk.choices and (
+                    chunk.choices[0].text if completions else chunk.choices[0].delta.content
+                ):
                     if last is None:
                         ttfts.append(now - started)
                     else:
@@ -293,10 +308,14 @@ def run(model: str, args) -> dict:
         structured = {
             "response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
         }
-    if set(chosen) - {"mixed"}:
-        from flashformer.checkpoints.loading import load_tokenizer
+    from flashformer.checkpoints.loading import load_tokenizer
 
-        tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model)
+    # a base model (no chat template) is asked over /v1/completions, by every server alike
+    completions = not tokenizer.chat_template
+    if completions and "multi-turn" in chosen:
+        raise ValueError(f"--workloads multi-turn needs a chat template, and {model} has none")
+    if set(chosen) - {"mixed"}:
         shared = shared_prefix_jobs(tokenizer, args)
         conversations = chats(tokenizer, args)
     results = {}
@@ -319,15 +338,15 @@ def run(model: str, args) -> dict:
             served = OpenAI(base_url=url, api_key="bench").models.list().data[0].id
             results[name] = {"load_average": list(os.getloadavg()), "start_s": start_s}
             if "mixed" in runs:
-                alone = asyncio.run(drive(url, served, solo, 1, "bench", structured))
-                loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench", structured))
+                alone = asyncio.run(drive(url, served, solo, 1, "bench", structured, completions))
+                loaded = asyncio.run(drive(url, served, jobs, args.clients, "bench", structured, completions))
                 results[name].update(alone=alone, loaded=loaded)
                 print(
                     f"{name}: {loaded['output_tokens_per_s']:.1f} tokens/s with {args.clients} clients",
                     flush=True,
                 )
             if "shared-prefix" in runs:
-                result = asyncio.run(drive(url, served, shared, args.clients, "bench"))
+                result = asyncio.run(drive(url, served, shared, args.clients, "bench", None, completions))
                 results[name]["shared_prefix"] = result
                 print(f"{name}: shared prefix, TTFT p50 {result['ttft_p50_s']:.3f} s", flush=True)
             if "multi-turn" in runs:
@@ -359,6 +378,7 @@ def run(model: str, args) -> dict:
             "turn_tokens": args.turn_tokens,
             "kv_blocks": args.kv_blocks,
             "json_schema": str(args.json_schema) if getattr(args, "json_schema", None) else None,
+            "api": "completions" if completions else "chat",
             "threads": args.threads,
             "llama_server": None
             if args.llama_server is None
@@ -457,8 +477,9 @@ def table(payload: dict) -> str:
         "1 client: TTFT / ITL p50 / p99 ms",
         "ready after s",
     ]
+    kind = "completion" if config.get("api") == "completions" else "chat"  # no chat template: completions
     text = (
-        f"{Path(payload['model']).name}; {config['requests']} streamed chat requests, {config['clients']} clients "
+        f"{Path(payload['model']).name}; {config['requests']} streamed {kind} requests, {config['clients']} clients "
         f"in flight, up to {config['max_tokens']} output tokens each, greedy"
         + (f"; flashformer's weights quantized ({config['quantize']})" if config.get("quantize") else "")
         + (f", its kernels' path {config['kernel_isa']}" if config.get("kernel_isa") else "")

@@ -61,3 +61,12 @@ def test_unknown_workloads_are_refused_by_name():
     assert serve.names("mixed,multi-turn") == ["mixed", "multi-turn"]
     with pytest.raises(ValueError, match="--workloads takes some of mixed, shared-prefix, multi-turn"):
         serve.names("mixed,chat")
+
+
+def test_a_base_models_prompt_is_the_question_or_the_messages_in_order(tokenizer):
+    assert serve.as_prompt("Summarize: a b c") == "Summarize: a b c"
+    args = arguments(requests=2, system_tokens=64)
+    messages, _ = serve.shared_prefix_jobs(tokenizer, args)[0]
+    prompt = serve.as_prompt(messages)
+    assert prompt == messages[0]["content"] + "\n\n" + messages[1]["content"]
+    assert prompt.startswith("You answer questions about this text. ")
