@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flashformer.bench import generate_model, serve
+from flashformer.bench import generate_model, serve, serve_load
 from flashformer.bench.llama_cpp_binaries import llama_bench_command, parse_llama_bench, run_llama_bench
 from flashformer.bench.serve_peers import free_port, start
 
@@ -210,7 +210,9 @@ def test_the_real_llama_server_streams_with_usage():
     )
     try:
         url = f"http://127.0.0.1:{port}/v1"
-        found = asyncio.run(serve.drive(url, "any", [("Say hello.", 8), ("Count to three.", 8)], 2, "bench"))
+        found = asyncio.run(
+            serve_load.drive(url, "any", [("Say hello.", 8), ("Count to three.", 8)], 2, "bench")
+        )
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from flashformer.bench import serve
+from flashformer.bench import serve, serve_load
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,13 @@ def arguments(**given) -> argparse.Namespace:
 
 def test_the_shared_prompt_and_the_chats_have_their_tokens(tokenizer):
     args = arguments(requests=5, system_tokens=512, chats=2, turns=3, history_tokens=300)
-    jobs = serve.shared_prefix_jobs(tokenizer, args)
+    jobs = serve_load.shared_prefix_jobs(tokenizer, args)
     systems = {messages[0]["content"] for messages, _ in jobs}
     assert len(jobs) == 5 and len(systems) == 1
     assert (
         512 <= len(tokenizer.encode(systems.pop())) <= 540
     )  # the words that make 512 tokens, and a preamble
-    chats = serve.chats(tokenizer, args)
+    chats = serve_load.chats(tokenizer, args)
     assert [len(c) for c in chats] == [3, 3] and chats[0][0] != chats[1][0]
     assert all(len(tokenizer.encode(c[0])) >= 300 for c in chats)
     assert all(len(message.split()) <= 26 for c in chats for message in c[1:])  # short follow-ups
@@ -58,15 +58,15 @@ def test_the_targets_are_the_ratios_of_cache_on_and_off():
 
 
 def test_unknown_workloads_are_refused_by_name():
-    assert serve.names("mixed,multi-turn") == ["mixed", "multi-turn"]
+    assert serve_load.names("mixed,multi-turn") == ["mixed", "multi-turn"]
     with pytest.raises(ValueError, match="--workloads takes some of mixed, shared-prefix, multi-turn"):
-        serve.names("mixed,chat")
+        serve_load.names("mixed,chat")
 
 
 def test_a_base_models_prompt_is_the_question_or_the_messages_in_order(tokenizer):
-    assert serve.as_prompt("Summarize: a b c") == "Summarize: a b c"
+    assert serve_load.as_prompt("Summarize: a b c") == "Summarize: a b c"
     args = arguments(requests=2, system_tokens=64)
-    messages, _ = serve.shared_prefix_jobs(tokenizer, args)[0]
-    prompt = serve.as_prompt(messages)
+    messages, _ = serve_load.shared_prefix_jobs(tokenizer, args)[0]
+    prompt = serve_load.as_prompt(messages)
     assert prompt == messages[0]["content"] + "\n\n" + messages[1]["content"]
     assert prompt.startswith("You answer questions about this text. ")
