@@ -204,21 +204,32 @@ def encoder_decoder_step(model, tokens, memory, memory_mask, caches, cache_posit
     return out.logits[:, -1].float()
 
 
+# the step's arguments that change every token, symbolic from the first compile on
+CHANGING_EVERY_STEP = "L['cache_position'],L['attention_mask']:1"
+
+
 @functools.cache
 def compiled(step, device_type: str):
     """A decode step (decode_step or encoder_decoder_step) under torch.compile,
     made on first use (importing the compiler is slow), one per step and device type.
 
-    torch.compile's automatic dynamic shapes: the first compiled step is
-    specialized to its cache position; the second, seeing it change, compiles
-    a graph with the position symbolic, which then serves every later step
-    and call (the cache sizes are symbolic already, see let_sizes_vary; a new
-    dtype or model compiles again). dynamic=True from the start would also
-    make the layers' float attributes symbolic, which breaks the graph.
+    The cache position (and a padding mask's length) are symbolic from the first
+    compile on (torch.compiler.config.dynamic_sources, set while dynamo traces):
+    left to automatic dynamic shapes, the first step compiled a graph specialized
+    to its position and the second compiled again with the position symbolic,
+    twice the compile time for a graph used once. The cache sizes are symbolic
+    already (let_sizes_vary); a new dtype or model compiles again. dynamic=True
+    would also make the layers' float attributes symbolic, which breaks the graph.
     """
     if device_type == "cpu":
         extension.load()  # the C++ kernels (attention's "cpu" backend) before tracing, see cpp_kernels
-    return torch.compile(step, options=CPU_DECODE_STEP_OPTIONS if device_type == "cpu" else None)
+    graph = torch.compile(step, options=CPU_DECODE_STEP_OPTIONS if device_type == "cpu" else None)
+
+    def call(*args):
+        with torch.compiler.config.patch(dynamic_sources=CHANGING_EVERY_STEP):
+            return graph(*args)
+
+    return call
 
 
 def let_sizes_vary(caches: list) -> None:

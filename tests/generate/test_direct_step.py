@@ -106,3 +106,29 @@ def test_a_compiled_session_goes_direct_with_the_same_tokens(decoder_pair, padde
     assert direct.sequences.tolist() == dynamo.sequences.tolist()
     for a, b in zip(direct.logits, dynamo.logits):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["one-prompt", "left-padded"])
+def test_a_compiled_session_compiles_one_graph_with_the_position_symbolic(decoder_pair, padded, monkeypatch):
+    """session.compiled makes the position (and the padding mask's length) symbolic from the
+    first trace: one graph for the whole session, not one specialized to the first position
+    and a second with it symbolic; the tokens are eager's. (Dynamo's eager backend stands in
+    for inductor: what is under test is what dynamo traces.)"""
+    from flashformer.generate.direct_step import _entries
+
+    _, _, ours = decoder_pair
+    ids, mask, alone = left_padded()
+    if not padded:
+        ids, mask = alone[0], None
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda step, options=None: real_compile(step, backend="eager"))
+    torch._dynamo.reset()
+    session.compiled.cache_clear()
+    try:
+        got = ours.generate(ids, attention_mask=mask, max_new_tokens=10, compile=True)
+        graphs = len(_entries(session.decode_step))
+    finally:
+        torch._dynamo.reset()
+        session.compiled.cache_clear()
+    assert graphs == 1
+    assert got.tolist() == ours.generate(ids, attention_mask=mask, max_new_tokens=10).tolist()
