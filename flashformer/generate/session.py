@@ -8,7 +8,7 @@ A session is one prefill over the prompt, then one decode step per token,
 each a forward pass of one new token per row against the cache
 (flashformer.generate.cache). With compile=True the decode step is compiled once with
 torch.compile (as gpt-fast does) and reused by later calls; on the CPU with
-the inductor options of kernels.cpu.CPU_DECODE_STEP_OPTIONS.
+the inductor options of kernels.cpu.cpu_decode_step_options.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from flashformer.generate.cache import make_caches
 from flashformer.generate.direct_step import DirectStep
 from flashformer.generate.sampling import GenerationSettings
 from flashformer.kernels import extension
-from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS
+from flashformer.kernels.cpu import cpu_decode_step_options
 
 # ---- sessions ----
 
@@ -223,7 +223,7 @@ def compiled(step, device_type: str):
     """
     if device_type == "cpu":
         extension.load()  # the C++ kernels (attention's "cpu" backend) before tracing, see cpp_kernels
-    graph = torch.compile(step, options=CPU_DECODE_STEP_OPTIONS if device_type == "cpu" else None)
+    graph = torch.compile(step, options=cpu_decode_step_options() if device_type == "cpu" else None)
 
     def call(*args):
         with torch.compiler.config.patch(dynamic_sources=CHANGING_EVERY_STEP):

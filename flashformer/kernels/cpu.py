@@ -11,7 +11,7 @@ reads as if it were F.linear. Underneath, on the CPU:
 
 The same hardware question decides the dtype attention computes in
 (`attention_compute_dtype`), so that a model's matmuls and its attention follow
-one policy. `CPU_DECODE_STEP_OPTIONS` are the inductor options a compiled
+one policy. `cpu_decode_step_options()` are the inductor options a compiled
 decode step gets on the CPU. The measurements behind each choice are in
 docs/benchmarks.md ("CPU matmul paths").
 """
@@ -187,3 +187,18 @@ CPU_DECODE_STEP_OPTIONS = {
     # overhead was about a tenth of a GPT-2-small step. Costs compile time.
     "cpp_wrapper": True,
 }
+
+
+def cpu_decode_step_options() -> dict:
+    """CPU_DECODE_STEP_OPTIONS and the vector width inductor generates code for, named.
+
+    Inductor picks that width from ATEN_CPU_CAPABILITY (AVX2 forced on an AVX-512 CPU: 256
+    bits), but its on-disk FX graph cache does not key on it: a process forced to AVX2 found
+    the graph an AVX-512 process had cached, code written for 16-lane loops, and compiled it
+    with AVX2's 8-lane vectors; half of each loop's indices were never computed and the
+    step died on inductor's bounds check ("index out of bounds: 0 <= tmp7 < 65536", Gemma 3's
+    embedding lookup; without that check it would have read garbage). cpp.simdlen is part of
+    the cache key, and set to the width inductor would pick anyway it changes no code."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {**CPU_DECODE_STEP_OPTIONS, "cpp.simdlen": pick_vec_isa().bit_width()}

@@ -64,7 +64,7 @@ from torch import Tensor
 
 from flashformer.generate.direct_step import direct_call
 from flashformer.kernels import extension
-from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS
+from flashformer.kernels.cpu import cpu_decode_step_options
 
 # graphs one process may hold for the step: buckets x models x pool shapes (a test session
 # builds many engines); past it torch.compile raises instead of running eagerly
@@ -101,7 +101,7 @@ def compiled_step(device_type: str):
     slow), one per device type; dynamo keeps a graph per model and shape under it."""
     if device_type == "cpu":
         extension.load()  # the C++ kernels (paged attention's "cpu" backend) before tracing
-    options = CPU_DECODE_STEP_OPTIONS if device_type == "cpu" else None
+    options = cpu_decode_step_options() if device_type == "cpu" else None
     return torch.compile(paged_decode_step, dynamic=False, options=options)
 
 

@@ -147,7 +147,47 @@ def test_the_cpu_decode_step_options_are_inductor_options():
     """A torch upgrade that renames one of them must fail here, not in a user's first compile=True."""
     import torch._inductor.config
 
-    assert set(cpu.CPU_DECODE_STEP_OPTIONS) <= set(torch._inductor.config.get_config_copy())
+    assert set(cpu.cpu_decode_step_options()) <= set(torch._inductor.config.get_config_copy())
+
+
+# A decode step's first kernel in miniature: token -> (group, row) of a packed int8 table, a
+# gather, a scale and an RMS norm; loops of int64 indices, whose width follows the vector ISA.
+ISA_PROBE = """
+import sys, torch
+from flashformer.kernels.cpu import cpu_decode_step_options
+torch.manual_seed(0)
+table = torch.randint(-100, 100, (4096, 20, 4, 32), dtype=torch.int8)
+scales = torch.rand(4096, 20, 4).half()
+def step(tokens):
+    group, row = tokens // 4, tokens % 4
+    x = (table[group, :, row].float() * scales[group, :, row].float()[..., None]).flatten(1)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+tokens = torch.randint(0, 4 * 4096, (16,))
+got = torch.compile(step, dynamic=False, options=cpu_decode_step_options())(tokens)
+torch.testing.assert_close(got, step(tokens))
+print(cpu_decode_step_options()["cpp.simdlen"])
+"""
+
+
+def test_a_compiled_step_cached_for_one_vector_isa_is_not_reused_for_another(tmp_path):
+    """Inductor's FX graph cache does not key on ATEN_CPU_CAPABILITY: a process forced to AVX2
+    reused the graph an AVX-512 process had cached and died in it (kernels.cpu.
+    cpu_decode_step_options). Every vector width this CPU has, widest first, then the others,
+    compile the same step into one shared cache; each must compute what eager does."""
+    import os
+    import subprocess
+    import sys
+
+    widths = {}
+    for capability in ("avx512", "avx2", "default", "avx512"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+        done = subprocess.run(
+            [sys.executable, "-c", ISA_PROBE], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, f"ATEN_CPU_CAPABILITY={capability}: {done.stderr[-2000:]}"
+        widths[capability] = int(done.stdout.split()[-1])
+    # one width per capability asked (a CPU without AVX-512 gets AVX2's for it)
+    assert widths["default"] == 0 and widths["avx2"] == 256 and widths["avx512"] in (256, 512)
 
 
 @pytest.mark.skipif(

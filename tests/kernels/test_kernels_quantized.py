@@ -21,7 +21,7 @@ from torch import nn
 
 from flashformer.checkpoints.gguf import smollm2_path
 from flashformer.kernels import quantized
-from flashformer.kernels.cpu import CPU_DECODE_STEP_OPTIONS
+from flashformer.kernels.cpu import cpu_decode_step_options
 from flashformer.kernels.quantized import (
     KERNEL_ISAS,
     QuantizedEmbedding,
@@ -294,7 +294,7 @@ class TinyDecoder(nn.Module):
 def test_compiles_as_one_graph():
     torch.manual_seed(7)
     model = TinyDecoder()
-    compiled = torch.compile(model, fullgraph=True, options=CPU_DECODE_STEP_OPTIONS)
+    compiled = torch.compile(model, fullgraph=True, options=cpu_decode_step_options())
     ids = torch.tensor([[1, 5, 99], [0, 2, 3]])
     with torch.no_grad():
         assert torch.equal(compiled(ids), model(ids))
