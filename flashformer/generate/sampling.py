@@ -311,7 +311,36 @@ def choose_tokens(scores: Tensor, do_sample: bool, generator: torch.Generator | 
     server choose here, so a row's token is the same whoever asks)."""
     if do_sample:
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
-    return scores.argmax(dim=-1)
+    return first_argmax(scores)
+
+
+# scores per chunk of first_argmax: small enough that finding the winner inside one is cheap
+ARGMAX_CHUNK = 512
+
+
+def first_argmax(scores: Tensor) -> Tensor:
+    """scores.argmax(dim=-1) for (B, V) scores, the same indices (the first of equal maxima, a
+    NaN above everything, the first NaN), in two passes that vectorize.
+
+    PyTorch's argmax on the CPU tracks an index beside every value and runs at about 1.2
+    billion scores a second: 0.23 ms for one row of Gemma's 262,144, 3.6 ms of a 16-row
+    serving step (a tenth of it). amax vectorizes: the maximum of each chunk of ARGMAX_CHUNK
+    scores, the first chunk holding the row's maximum (argmax over the chunk maxima, which
+    are few), then the first index inside that chunk. A tail shorter than a chunk wins only
+    with a greater score (or a NaN against none), so the first index still wins ties."""
+    rows, vocab = scores.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if chunks < 2 or scores.stride(-1) != 1:
+        return scores.argmax(dim=-1)
+    body = scores[:, : chunks * ARGMAX_CHUNK].unflatten(-1, (chunks, ARGMAX_CHUNK))  # (B, n, C)
+    chunk = body.amax(dim=-1).argmax(dim=-1)  # (B,)
+    every = torch.arange(rows, device=scores.device)
+    found = chunk * ARGMAX_CHUNK + body[every, chunk].argmax(dim=-1)  # (B,)
+    if chunks * ARGMAX_CHUNK == vocab:
+        return found
+    tail = scores[:, chunks * ARGMAX_CHUNK :].argmax(dim=-1) + chunks * ARGMAX_CHUNK  # (B,)
+    best, rival = scores[every, found], scores[every, tail]
+    return torch.where((rival > best) | (rival.isnan() & ~best.isnan()), tail, found)
 
 
 def make_generator(generator, seed, device) -> torch.Generator | None:

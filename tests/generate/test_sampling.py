@@ -20,6 +20,7 @@ from flashformer.generate.sampling import (
     LogitsProcessor,
     TokenHistory,
     filter_min_p,
+    first_argmax,
     penalize_presence_and_frequency,
     penalize_repetition,
 )
@@ -195,3 +196,25 @@ def test_bad_settings_are_refused_by_name(decoder_pair, changes, named):
     family, _, ours = decoder_pair
     with pytest.raises(ValueError, match=named):
         ours.generate(prompts(batch=1), max_new_tokens=2, **changes)
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 1500, 50257, 262144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_equals_torchs_argmax_ties_nans_and_infinities(vocab, dtype):
+    """The chunked argmax gives torch.argmax's index in every case that decides between equals:
+    ties (scores from a handful of values, so the maximum repeats across chunks and inside one,
+    and the tail), NaNs (the first wins, wherever it is), infinities, whole rows of -inf, and a
+    row view that is not contiguous."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = torch.randint(0, 4, (12, vocab), generator=generator).to(dtype)  # (B, V), many ties
+    rows[1] = torch.randn(vocab, generator=generator).to(dtype)  # no tie
+    rows[2, -1] = 9  # the maximum in the tail alone
+    rows[3, vocab // 2] = float("nan")
+    rows[4, -1] = float("nan")  # a NaN in the tail only
+    rows[5, 0] = rows[5, -1] = float("nan")
+    rows[6] = float("-inf")
+    rows[7, vocab // 3] = float("inf")
+    rows[7, -1] = float("inf")
+    rows[8, -1] = 3  # ties the body's maximum: the body's first index wins
+    for scores in (rows, rows[:, : vocab - 1] if vocab > 1 else rows, torch.cat([rows, rows], 1)[:, ::2]):
+        assert torch.equal(first_argmax(scores), scores.argmax(dim=-1)), scores.shape
