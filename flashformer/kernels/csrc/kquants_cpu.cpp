@@ -20,8 +20,9 @@
 //   block order, and the two sums added at the end: the same on every ISA and in every kernel.
 //   Rows of x in the hundreds (a prompt) take the panel kernels (kquants_panel_x86.inc): 16 or 8
 //   weight rows unpacked once per call into a transposed panel, each row in a vector lane, so
-//   that one x word broadcast serves them all; one or a few x rows take the row kernels
-//   (kquants_x86.inc), which form the same integers.
+//   that one x word broadcast serves them all; a few x rows take the row kernels
+//   (kquants_x86.inc), which form the same integers; one x row (decoding) takes 8 weight rows at
+//   a time, their scales unpacked and their float steps taken in 8-lane vectors (lane r: row r).
 // - float activations: each block is dequantized to 256 floats exactly as gguf does, and x . w is
 //   formed in 8 float lanes (lane l: values l, l + 8, ...) added at the end; exact with respect to
 //   the dequantized weights, and the same bits on every ISA.
@@ -29,8 +30,10 @@
 // - Threads: at::parallel_for over chunks of weight rows; x is read in tiles of rows that stay in
 //   L1 while a chunk of weight rows (in L2) passes over them.
 
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "quantized_common.h"
 
@@ -386,14 +389,28 @@ at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const
       kquant_f32act_scalar<Block>(tile, row, nb, xf, m0, o);
     }
   };
+  // one x row: 8 weight rows at a time (kquants_x86.inc, "one x row against 8 weight rows")
+  const bool eights = FF_X86 && int8_activations && isa != kScalar && rows == 1;
   const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
   // 8 32-value blocks per K-quant block, for the grain's count of (x row, weight row, block)
   at::parallel_for(0, chunks, group_grain(8 * nb, rows, kChunkRows), [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t r1 = std::min(n, (c + 1) * kChunkRows);
+      int64_t r0 = c * kChunkRows;
+#if FF_X86
+      for (; eights && r0 + 8 <= r1; r0 += 8) {
+        const Block* eight[8];
+        for (int i = 0; i < 8; ++i) eight[i] = weights + (r0 + i) * nb;
+        if (isa == kVnni) {
+          vnni::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
+        } else {
+          avx2::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
+        }
+      }
+#endif
       for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
         const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-        for (int64_t r = c * kChunkRows; r < r1; ++r) row_tile(r, m0, tile);
+        for (int64_t r = r0; r < r1; ++r) row_tile(r, m0, tile);
       }
     }
   });
