@@ -152,6 +152,7 @@ def test_every_isa_gives_the_scalar_bits(type_name):
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
     x = torch.randn(11, 512)  # 11 rows: whole tiles and a tail on every ISA
+    prompt = torch.randn(19, 512)  # the int5 panel (16 rows and more): 4 tiles of 4 and 3
     # 42 and 50 rows: int5's pairs of groups of 8 with a partial last group, and an odd last group
     for activations, out_features in ((a, n) for a in ("int8", "float32") for n in (42, 50)):
         raw = random_blocks(type_name, out_features, 512, seed=out_features)
@@ -162,12 +163,13 @@ def test_every_isa_gives_the_scalar_bits(type_name):
         try:
             for isa in isas:
                 assert kernel_isa(isa) == isa
-                results[isa] = (lin(x), lin(x[:1]))
+                results[isa] = (lin(x), lin(x[:1]), lin(prompt))
         finally:
             kernel_isa(previous)
         for isa in isas[1:]:
             assert torch.equal(results[isa][0], results["scalar"][0]), (activations, out_features, isa)
             assert torch.equal(results[isa][1], results["scalar"][1]), (activations, out_features, isa)
+            assert torch.equal(results[isa][2], results["scalar"][2]), (activations, out_features, isa)
 
 
 def test_fallbacks_match_reference():

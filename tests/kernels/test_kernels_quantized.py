@@ -214,6 +214,7 @@ def test_every_isa_gives_the_scalar_bits(source):
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
     x = torch.randn(11, 320)  # 11 rows: a full VNNI tile of 8 and a tail of 3; AVX2's 4 + 4 + 3
+    prompt = torch.randn(19, 320)  # the int4 / int5 panel (16 rows and more): 4 tiles of 4 and 3
     # 42 output rows: int4's 6 groups of 8, the last partial, make 3 pairs for VNNI's two-group
     # pass; 50: 7 groups, the odd last one alone
     for activations, out_features in itertools.product(("int8", "float32"), (42, 50)):
@@ -222,12 +223,13 @@ def test_every_isa_gives_the_scalar_bits(source):
         try:
             for isa in isas:
                 assert kernel_isa(isa) == isa
-                results[isa] = (lin(x), lin(x[:1]))
+                results[isa] = (lin(x), lin(x[:1]), lin(prompt))
         finally:
             kernel_isa(previous)
         for isa in isas[1:]:
             assert torch.equal(results[isa][0], results["scalar"][0]), (activations, out_features, isa)
             assert torch.equal(results[isa][1], results["scalar"][1]), (activations, out_features, isa)
+            assert torch.equal(results[isa][2], results["scalar"][2]), (activations, out_features, isa)
         assert torch.equal(results["scalar"][1][0], results["scalar"][0][0]), (activations, out_features)
 
 

@@ -54,6 +54,7 @@ using namespace flashformer_cpu;
 constexpr int64_t kInt4Rows = 8;   // int4: output rows interleaved in the packed layout (one group)
 constexpr int64_t kGroupRows = 4;  // int8: the same; int4: half a group, what a float-activation kernel reads
 constexpr int64_t kScalarTile = 4;  // x rows per call of a scalar kernel (any tile gives the same bits)
+constexpr int64_t kNibblePanelMinRows = 16;  // x rows from which the int4 / int5 kernels read a panel
 
 // ---- the packed layouts (quantized.py packs them; dequantize() there undoes them) ----
 // Block b of group g is entry g * nb + b of qweight and of scales, each viewed as an array of
@@ -417,6 +418,34 @@ at::Tensor nibble_linear(const at::Tensor& x_in, const at::Tensor& qweight, cons
   };
   const int64_t tile_rows = row_tile(isa, int8_activations);
 #if FF_X86
+  // A prompt's rows: each group unpacked once into a panel that every tile of x rows reads
+  // (nibble_panel_int8act: the row kernels' operations, without their unpacking per tile).
+  // Gemma 3 270M's 512-token prompt, 2 threads, Zen 4: AVX2 795 -> 905 tokens/s, VNNI (against
+  // its two-group kernel) 980 -> 1170.
+  if (isa != kScalar && int8_activations && rows >= kNibblePanelMinRows) {
+    at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
+      // aligned by hand to the vectors' 32 bytes: a std::vector of the AVX type was not
+      std::vector<uint8_t> scratch((nb + 1) * sizeof(avx2::NibbleBlock));
+      void* panel = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
+      for (int64_t g = g0; g < g1; ++g) {
+        if (isa == kVnni) {
+          vnni::nibble_unpack_panel(weights.group(g), static_cast<vnni::NibbleBlock*>(panel));
+        } else {
+          avx2::nibble_unpack_panel(weights.group(g), static_cast<avx2::NibbleBlock*>(panel));
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+          const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+          const Output o = result.part(m0, g * kInt4Rows, kInt4Rows);
+          if (isa == kVnni) {
+            vnni::nibble_panel_int8act_rows<Block::kFiveBit>(tile, static_cast<vnni::NibbleBlock*>(panel), nb, xa, m0, o);
+          } else {
+            avx2::nibble_panel_int8act_rows<Block::kFiveBit>(tile, static_cast<avx2::NibbleBlock*>(panel), nb, xa, m0, o);
+          }
+        }
+      }
+    });
+    return out;
+  }
   // VNNI: two groups a pass on 512-bit vectors (the same bits as one at a time); an odd last
   // group goes alone.
   if (isa == kVnni && int8_activations) {
