@@ -419,9 +419,8 @@ at::Tensor nibble_linear(const at::Tensor& x_in, const at::Tensor& qweight, cons
   const int64_t tile_rows = row_tile(isa, int8_activations);
 #if FF_X86
   // A prompt's rows: each group unpacked once into a panel that every tile of x rows reads
-  // (nibble_panel_int8act: the row kernels' operations, without their unpacking per tile).
-  // Gemma 3 270M's 512-token prompt, 2 threads, Zen 4: AVX2 795 -> 905 tokens/s, VNNI (against
-  // its two-group kernel) 980 -> 1170.
+  // (nibble_panel_int8act: the row kernels' operations, without their unpacking per tile; the
+  // figures in docs/benchmarks.md, "Q5_0 and K-quant kernels").
   if (isa != kScalar && int8_activations && rows >= kNibblePanelMinRows) {
     at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
       // aligned by hand to the vectors' 32 bytes: a std::vector of the AVX type was not
