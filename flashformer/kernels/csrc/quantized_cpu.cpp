@@ -418,28 +418,22 @@ at::Tensor nibble_linear(const at::Tensor& x_in, const at::Tensor& qweight, cons
   };
   const int64_t tile_rows = row_tile(isa, int8_activations);
 #if FF_X86
-  // A prompt's rows: each group unpacked once into a panel that every tile of x rows reads
-  // (nibble_panel_int8act: the row kernels' operations, without their unpacking per tile; the
-  // figures in docs/benchmarks.md, "Q5_0 and K-quant kernels").
-  if (isa != kScalar && int8_activations && rows >= kNibblePanelMinRows) {
+  // AVX2, a prompt's rows: each group unpacked once into a panel that every tile of x rows reads
+  // (nibble_panel_int8act: the row kernels' operations, without their unpacking per tile).
+  // VNNI's two-group 512-bit kernel below was as fast without it (the figures in
+  // docs/benchmarks.md, "Q5_0 and K-quant kernels").
+  if (isa == kAvx2 && int8_activations && rows >= kNibblePanelMinRows) {
     at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
       // aligned by hand to the vectors' 32 bytes: a std::vector of the AVX type was not
       std::vector<uint8_t> scratch((nb + 1) * sizeof(avx2::NibbleBlock));
-      void* panel = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
+      auto* panel = reinterpret_cast<avx2::NibbleBlock*>(
+          (reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
       for (int64_t g = g0; g < g1; ++g) {
-        if (isa == kVnni) {
-          vnni::nibble_unpack_panel(weights.group(g), static_cast<vnni::NibbleBlock*>(panel));
-        } else {
-          avx2::nibble_unpack_panel(weights.group(g), static_cast<avx2::NibbleBlock*>(panel));
-        }
+        avx2::nibble_unpack_panel(weights.group(g), panel);
         for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
           const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-          const Output o = result.part(m0, g * kInt4Rows, kInt4Rows);
-          if (isa == kVnni) {
-            vnni::nibble_panel_int8act_rows<Block::kFiveBit>(tile, static_cast<vnni::NibbleBlock*>(panel), nb, xa, m0, o);
-          } else {
-            avx2::nibble_panel_int8act_rows<Block::kFiveBit>(tile, static_cast<avx2::NibbleBlock*>(panel), nb, xa, m0, o);
-          }
+          avx2::nibble_panel_int8act_rows<Block::kFiveBit>(tile, panel, nb, xa, m0,
+                                                           result.part(m0, g * kInt4Rows, kInt4Rows));
         }
       }
     });
