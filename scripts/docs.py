@@ -158,6 +158,19 @@ MEASURED = {
         "--workloads mixed --kv-blocks 1024 --llama-server build-avx2/bin/llama-server",
         "serve",
     ),
+    **{
+        f"serve-{name}-{isa}{suffix}": (
+            f'{env}flashformer bench serve "${var}" --quantize gguf --threads 2 --clients {clients} '
+            f"--requests {requests} --workloads mixed --kv-blocks 1024 --llama-server build-{build}/bin/llama-server",
+            "serve",
+        )
+        for name, var in (("smollm2", "SMOLLM2"), ("gemma3", "GEMMA3"))
+        for isa, env, build in (
+            ("native", "", "native"),
+            ("avx2-forced", "FLASHFORMER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ", "avx2"),
+        )
+        for suffix, clients, requests in (("-1-client", 1, 6), ("", 16, 48))
+    },
     "serve-smollm2-avx2-json-schema-1-client": (
         'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 1 --requests 6 '
         "--workloads mixed --kv-blocks 1024 --no-llama-cpp --json-schema scripts/schemas/long-summary.json",
