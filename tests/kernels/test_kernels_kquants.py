@@ -152,7 +152,7 @@ def test_every_isa_gives_the_scalar_bits(type_name):
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
     x = torch.randn(11, 512)  # 11 rows: whole tiles and a tail on every ISA
-    prompt = torch.randn(19, 512)  # the int5 panel (16 rows and more): 4 tiles of 4 and 3
+    prompt = torch.randn(19, 512)  # a prompt: AVX2's int5 panel (16 rows and more), 4 tiles of 4 and 3
     # 42 and 50 rows: int5's pairs of groups of 8 with a partial last group, and an odd last group
     for activations, out_features in ((a, n) for a in ("int8", "float32") for n in (42, 50)):
         raw = random_blocks(type_name, out_features, 512, seed=out_features)

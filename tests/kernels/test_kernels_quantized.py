@@ -214,7 +214,7 @@ def test_every_isa_gives_the_scalar_bits(source):
         pytest.skip("this CPU has only the scalar kernels")
     torch.manual_seed(5)
     x = torch.randn(11, 320)  # 11 rows: a full VNNI tile of 8 and a tail of 3; AVX2's 4 + 4 + 3
-    prompt = torch.randn(19, 320)  # the int4 / int5 panel (16 rows and more): 4 tiles of 4 and 3
+    prompt = torch.randn(19, 320)  # a prompt: AVX2's panel (16 rows and more), 4 tiles of 4 and 3
     # 42 output rows: int4's 6 groups of 8, the last partial, make 3 pairs for VNNI's two-group
     # pass; 50: 7 groups, the odd last one alone
     for activations, out_features in itertools.product(("int8", "float32"), (42, 50)):

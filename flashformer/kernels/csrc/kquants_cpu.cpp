@@ -389,8 +389,6 @@ at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const
       kquant_f32act_scalar<Block>(tile, row, nb, xf, m0, o);
     }
   };
-  // one x row: 8 weight rows at a time (kquants_x86.inc, "one x row against 8 weight rows")
-  const bool eights = FF_X86 && int8_activations && isa != kScalar && rows == 1;
   const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
   // 8 32-value blocks per K-quant block, for the grain's count of (x row, weight row, block)
   at::parallel_for(0, chunks, group_grain(8 * nb, rows, kChunkRows), [&](int64_t c0, int64_t c1) {
@@ -398,6 +396,8 @@ at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const
       const int64_t r1 = std::min(n, (c + 1) * kChunkRows);
       int64_t r0 = c * kChunkRows;
 #if FF_X86
+      // one x row: 8 weight rows at a time (kquants_x86.inc, "one x row against 8 weight rows")
+      const bool eights = int8_activations && isa != kScalar && rows == 1;
       for (; eights && r0 + 8 <= r1; r0 += 8) {
         const Block* eight[8];
         for (int i = 0; i < 8; ++i) eight[i] = weights + (r0 + i) * nb;
