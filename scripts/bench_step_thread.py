@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python scripts/bench_step_thread.py FILE [--rounds 2] [--threads 2]
 
-Builds the engine as `flashformer serve FILE --quantize gguf --kv-blocks 1024` does (compiled,
-warmed on this, the main thread), then runs one greedy 128-token request by stepping the
+Builds the engine as `flashformer serve FILE --quantize gguf --kv-blocks 1024` does (the native
+decoder, on this, the main thread), then runs one greedy 128-token request by stepping the
 engine by hand, timing each step, in three ways taken in turns:
-- on the main thread, which loaded and warmed the model (what `flashformer serve` does now);
+- on the main thread, which loaded the model (what `flashformer serve` does);
 - on a thread of its own (what it did before: ModelLoop.start);
 - on the main thread while another live thread holds an OpenMP pool (it ran one parallel
   region and waits), which is what the thread of its own amounts to.
@@ -15,17 +15,14 @@ Prints each way's median and best step (the first 2 steps left out) and the toke
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import threading
 import time
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/flashformer/inductor"))
+import torch
 
-import torch  # noqa: E402
-
-from flashformer.checkpoints.loading import load  # noqa: E402
-from flashformer.serve.engine import Engine, Request, SamplingParams  # noqa: E402
+from flashformer.checkpoints.loading import load
+from flashformer.serve.engine import Engine, Request, SamplingParams
 
 
 def one_request(engine: Engine, ids: list[int]) -> tuple[list[float], str]:
@@ -49,8 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, quantize="gguf")
-    engine = Engine(model, tokenizer, max_batch=16, num_blocks=1024, compile=True)
-    print(f"compiled and warmed in {engine.warm_up():.1f} s")
+    engine = Engine(model, tokenizer, max_batch=16, num_blocks=1024)
     ids = tokenizer.encode("Write a long story about a lighthouse keeper.")
 
     def on_own_thread() -> tuple[list[float], str]:

@@ -76,8 +76,6 @@ def servers(model: str, args) -> dict[str, Server]:
         ours += ["--threads", str(args.threads)]
     if args.quantize:
         ours += ["--quantize", args.quantize]
-    if getattr(args, "no_compile", False):
-        ours += ["--no-compile"]
     for flag in ("prefill_chunk", "prefill_budget", "kv_blocks"):
         if getattr(args, flag, None):
             ours += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -130,7 +128,7 @@ def run(model: str, args) -> dict:
         except RuntimeError as error:
             results[name] = {"error": str(error)}
             continue
-        start_s = time.perf_counter() - started  # launch to ready: loading, and our compile
+        start_s = time.perf_counter() - started  # launch to ready (/health 200): imports, loading
         print(f"{name}: ready after {start_s:.1f} s", flush=True)
         try:
             from openai import OpenAI
@@ -190,7 +188,6 @@ def run(model: str, args) -> dict:
             "kernel_isa": kernel_path(args.quantize),
             "load_average_before": load_before,
             "load_average": list(os.getloadavg()),  # after the run
-            "compile": not getattr(args, "no_compile", False),
         },
         "servers": results,
         "targets": targets(results, args.clients),
@@ -370,9 +367,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-budget", type=int, help="flashformer serve's --prefill-budget (default: its own)"
     )
     parser.add_argument("--kv-blocks", type=int, help="flashformer serve's --kv-blocks (default: its own)")
-    parser.add_argument(
-        "--no-compile", action="store_true", help="flashformer serve's --no-compile (its decode step eager)"
-    )
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),

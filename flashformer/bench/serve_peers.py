@@ -80,10 +80,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# How long a server may take to answer: flashformer serve compiles its decode step before it
-# listens, from a cold inductor cache about 6 minutes a batch size for SmolLM2 on 2 quiet cores
-# (3 batch sizes with --max-batch 16), more on a loaded machine.
-START_TIMEOUT_S = 3600
+# How long a server may take to answer /health: both load the model and listen (seconds; nothing
+# is compiled), much more than that only on a machine loaded by others.
+START_TIMEOUT_S = 600
 
 
 def start(command: list[str], ready_url: str, timeout_s: float = START_TIMEOUT_S) -> subprocess.Popen:

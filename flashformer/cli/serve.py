@@ -11,24 +11,20 @@ sentence-transformers files say.
 The server's root, http://127.0.0.1:8000/, is a chat page (an encoder's: two texts and
 their cosine similarity); `--no-webui` leaves only the API.
 
-A text model's decode step is compiled before the server listens (serve/decode_step.py):
-the seconds it took are printed and reported in /metrics (flashformer_compile_seconds);
-inductor keeps what it compiled in INDUCTOR_CACHE (unless TORCHINDUCTOR_CACHE_DIR says
-otherwise), so the next start with the same model and flags is faster. `--no-compile`
-serves eagerly.
+Nothing is compiled before the server listens: a decoder runs natively (model/native.py)
+from its first request. The seconds from the process's start to listening are printed and
+reported in /metrics (flashformer_start_seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from flashformer.cli.arguments import add_model_arguments
 from flashformer.text.tool_calls import PARSERS
-
-# where inductor's FX graph cache lasts across starts (its default, under /tmp, may not)
-INDUCTOR_CACHE = Path.home() / ".cache" / "flashformer" / "inductor"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,13 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt whole (by default a prompt's beginning shared with earlier "
         "requests is reused from the KV cache)",
     )
-    parser.add_argument(
-        "--no-compile",
-        dest="compile",
-        action="store_false",
-        help="run the decode step eagerly (by default it is compiled with torch.compile before the "
-        "server listens; the next start reuses inductor's on-disk cache)",
-    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
         "--tool-parser",
@@ -83,8 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args) -> None:
-    if args.compile:  # before torch and inductor read it
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
     import torch
     import uvicorn
 
@@ -115,22 +102,36 @@ def main_from_args(args) -> None:
             prefill_budget=args.prefill_budget,
             max_waiting=args.max_waiting,
             prefix_cache=not args.no_prefix_cache,
-            compile=args.compile,
         )
-        what = f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens"
-        if args.compile:
-            buckets = engine.runner.decode_step.buckets
-            print(f"compiling the decode step (batch sizes {', '.join(map(str, buckets))}) ...", flush=True)
-            seconds = engine.warm_up()
-            print(f"compiled the decode step in {seconds:.1f} s", flush=True)
+        runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
+        what = (
+            f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens, run {runs}"
+        )
+        engine.start_seconds = process_seconds()
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     app = create_app(engine, name, api_key=args.api_key, webui=args.webui, tool_parser=args.tool_parser)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({what})", flush=True)
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({what}; started in {process_seconds():.1f} s)",
+        flush=True,
+    )
     if args.webui:
         print(f"the page: http://{args.host}:{args.port}/", flush=True)
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     if not run_beside(engine, http):
         raise SystemExit(f"the HTTP server on {args.host}:{args.port} stopped (see the error above)")
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc), else since this
+    module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
 
 
 def run_beside(engine, http) -> bool:

@@ -50,6 +50,9 @@ class GenerationSettings:
     pad_token_id: int | None = None
     decoder_start_token_id: int | None = None
     prefill_chunk_size: int | None = None
+    # native: a decoder with a native form runs each forward as one C++ call (model/native.py);
+    # False runs its PyTorch modules eagerly. compile: torch.compile the decode step instead.
+    native: bool = True
     compile: bool = False
     # a grammar the text must follow (generate.constraints): one Constraint for every row, or a
     # list with one per prompt (None: a free row); its mask comes before the logits processors
@@ -122,6 +125,8 @@ def check_settings(s: GenerationSettings, model) -> None:
         _check_int("prefill_chunk_size", s.prefill_chunk_size, 1)
     if not isinstance(s.compile, bool):
         raise ValueError(f"compile must be True or False; got {s.compile!r}")
+    if not isinstance(s.native, bool):
+        raise ValueError(f"native must be True or False; got {s.native!r}")
     check_constraint(s.constraint)
     if model.config.arch == "encoder-decoder":
         start = s.decoder_start_token_id

@@ -6,9 +6,11 @@
 
 A session is one prefill over the prompt, then one decode step per token,
 each a forward pass of one new token per row against the cache
-(flashformer.generate.cache). With compile=True the decode step is compiled once with
-torch.compile (as gpt-fast does) and reused by later calls; on the CPU with
-the inductor options of kernels.cpu.cpu_decode_step_options.
+(flashformer.generate.cache). A decoder with a native form (model/native.py: every
+decoder-only model flashformer loads, float32 or quantized, on the CPU) runs each prompt
+chunk and step as one native call (kernels/native_decoder.py), nothing compiled; otherwise
+the model's modules run eagerly. With compile=True the decode step is compiled once with
+torch.compile instead (as gpt-fast does: what pays on a GPU), and reused by later calls.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import torch
 from torch import Tensor
 
 from flashformer.generate.cache import make_caches
-from flashformer.generate.direct_step import DirectStep
 from flashformer.generate.sampling import GenerationSettings
 from flashformer.kernels import extension
 from flashformer.kernels.cpu import cpu_decode_step_options
+from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 
 # ---- sessions ----
 
@@ -71,16 +73,20 @@ class DecoderSession:
             self.key_mask[:, :prompt_len] = real
             self.positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
             self.next_positions = self.positions[:, -1:] + 1  # (B, 1)
+        native = getattr(model, "native_decoder", None)
+        self.native = native() if native is not None and s.native and not s.compile else None
+        self.native_cache = None if self.native is None else NativeCache.of_static(self.caches)
         self.decode = compiled(decode_step, input_ids.device.type) if s.compile else decode_step
-        # compiled: after the first steps, called without dynamo's guards (see direct_step)
-        self.direct = DirectStep(decode_step, self.decode) if s.compile else None
-        self.last_position = prompt_len + s.max_new_tokens - 2  # the cache position of the last step
 
     def prefill(self) -> Tensor:
         """Run the prompt through the model (chunk by chunk); the last token's logits (B, vocab) float32."""
         prompt_len = self.input_ids.shape[1]
         for start in range(self.cached_len, prompt_len, self.chunk_size):
             end = min(start + self.chunk_size, prompt_len)
+            if self.native is not None:
+                positions = None if self.positions is None else self.positions[:, start:end]
+                logits = self._native_forward(self.input_ids[:, start:end], positions, start)[:, None]
+                continue
             logits = self.model(
                 self.input_ids[:, start:end],
                 attention_mask=None if self.key_mask is None else self.key_mask[:, :end],
@@ -94,25 +100,45 @@ class DecoderSession:
 
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (B,) -> the next logits (B, vocab) float32."""
-        args = self._step_args(tokens[:, None], self.length)
-        if self.direct is None:
-            logits = self.decode(*args)
+        if self.native is not None:
+            logits = self._native_forward(tokens[:, None], self.next_positions, self.length)
         else:
-            logits = self.direct(args, lambda: self._step_args(args[1], max(self.last_position, self.length)))
+            mask = None if self.key_mask is None else self.key_mask[:, : self.length + 1]
+            logits = self.decode(
+                self.model, tokens[:, None], mask, self.next_positions, self.caches, self.length
+            )
         self.length += 1
         if self.next_positions is not None:
             self.next_positions = self.next_positions + 1
         return logits
 
-    def _step_args(self, tokens: Tensor, length: int) -> tuple:
-        """decode_step's arguments for new tokens (B, 1) after `length` cached ones."""
-        mask = None if self.key_mask is None else self.key_mask[:, : length + 1]
-        return self.model, tokens, mask, self.next_positions, self.caches, length
+    def _native_forward(self, tokens: Tensor, positions: Tensor | None, start: int) -> Tensor:
+        """tokens (B, L) after `start` cached ones, one native call: every row is a sequence of
+        the static cache (row b: block b of max_len); the logits (B, vocab) of each row's last."""
+        batch, length = tokens.shape
+        end = start + length
+        rows = torch.arange(batch)
+        steps = torch.arange(start, end)
+        if positions is None:
+            positions = steps.expand(batch, length)
+        native_batch = NativeBatch(
+            tokens=tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            q_starts=torch.arange(batch + 1) * length,
+            seq_lens=torch.full((batch,), end),
+            block_tables=rows[:, None],
+            slots=(rows[:, None] * self.caches[0].max_len + steps).reshape(-1),
+            logit_rows=rows * length + length - 1,
+            key_padding=None if self.key_mask is None else self.key_mask[:, :end],
+        )
+        return self.native.forward(native_batch, self.native_cache)
 
     def expand(self, times: int) -> None:
         """Each row becomes `times` consecutive rows (beam search after one prefill per prompt)."""
         for cache in self.caches:
             cache.expand(times)
+        if self.native is not None:  # new tensors
+            self.native_cache = NativeCache.of_static(self.caches)
         if self.key_mask is not None:
             self.key_mask = self.key_mask.repeat_interleave(times, dim=0)
             self.next_positions = self.next_positions.repeat_interleave(times, dim=0)

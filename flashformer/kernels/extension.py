@@ -1,5 +1,6 @@
 """flashformer's C++ CPU kernels: one extension, compiled with torch.utils.cpp_extension at
-first use (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about 55 s cold on 2 cores).
+first use, once per machine (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about
+100 s cold on 2 cores), with a line on stderr before and after the build.
 
 It implements the operators defined here (their schemas are Python's, so torch.compile and
 the fallbacks see them whether or not the build succeeds):
@@ -8,7 +9,9 @@ the fallbacks see them whether or not the build succeeds):
 - q4_k_linear, q5_k_linear, q6_k_linear: GGUF's K-quant blocks (quantized.py, csrc/kquants_cpu.cpp
   and kquants_x86.inc);
 - paged_attention_cpu, attention_cpu: attention of a batch over a paged or a static KV cache,
-  one call for every sequence (attention/cpu_kernel.py, csrc/paged_attention_cpu.cpp).
+  one call for every sequence (attention/cpu_kernel.py, csrc/paged_attention_cpu.cpp);
+- the class NativeDecoder: a decoder-only model's whole forward in one call
+  (native_decoder.py, csrc/decoder_cpu.cpp).
 
 Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and runs
 the fallbacks its users registered with on_fallback: PyTorch code, exact and slower. Once
@@ -21,6 +24,8 @@ import fcntl
 import functools
 import hashlib
 import os
+import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -31,10 +36,19 @@ from flashformer.kernels import machine
 
 NAME = "flashformer_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "quantized_cpu.cpp", _CSRC / "kquants_cpu.cpp", _CSRC / "paged_attention_cpu.cpp"]
+SOURCES = [
+    _CSRC / "quantized_cpu.cpp",
+    _CSRC / "kquants_cpu.cpp",
+    _CSRC / "float_cpu.cpp",
+    _CSRC / "paged_attention_cpu.cpp",
+    _CSRC / "decoder_cpu.cpp",
+]
 # torch hashes only SOURCES to decide a rebuild
 INCLUDES = [
     _CSRC / "quantized_common.h",
+    _CSRC / "products.h",
+    _CSRC / "attention_tasks.h",
+    _CSRC / "row_ops.h",
     _CSRC / "quantized_x86.inc",
     _CSRC / "kquants_x86.inc",
     _CSRC / "kquants_panel_x86.inc",
@@ -128,23 +142,35 @@ def _build_and_load() -> None:
                 f"flashformer: removing {baton}, left by a kernel build that was killed", stacklevel=3
             )
             baton.unlink(missing_ok=True)
+        # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
+        # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
+        # The included files' hash is a flag: torch rebuilds when the flags change.
+        flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"]
+        stamp, built = build / "flashformer.stamp", _build_stamp(flags)
+        fresh = not stamp.exists() or stamp.read_text() != built
+        if fresh:
+            print(
+                "flashformer: building the C++ kernels, once for this machine (about 100 s on 2 cores) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+        started = time.perf_counter()
         cpp_extension.load(
             name=NAME,
             sources=[str(path) for path in SOURCES],
             build_directory=str(build),
-            # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
-            # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
-            # The included files' hash is a flag: torch rebuilds when the flags change.
-            extra_cflags=[
-                "-O3",
-                "-DNDEBUG",
-                "-fopenmp",
-                "-ffp-contract=off",
-                f"-DFF_INCLUDES={_includes_hash()}",
-            ],
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
+        if fresh:
+            seconds = time.perf_counter() - started
+            print(
+                f"flashformer: built the C++ kernels in {seconds:.0f} s ({build})",
+                file=sys.stderr,
+                flush=True,
+            )
+            stamp.write_text(built)
 
 
 def cpp_kernels() -> bool:
@@ -161,6 +187,12 @@ def _fall_back() -> str:
     for register in _FALLBACKS:
         register()
     return _loaded("torch")
+
+
+def _build_stamp(flags: list[str]) -> str:
+    """What a build of the extension depends on: the sources, the flags and torch's version."""
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    return hashlib.sha256(sources + repr((flags, torch.__version__)).encode()).hexdigest()
 
 
 def _includes_hash() -> str:

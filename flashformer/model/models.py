@@ -32,6 +32,7 @@ from flashformer.model.base import ModelOutput, PreTrainedModel, check_arch, cro
 from flashformer.model.config import ModelConfig, preset
 from flashformer.model.heads import MaskedLMHead, Pooler, make_task_head
 from flashformer.model.layers import Softcap, recording_attention
+from flashformer.model.native import native_decoder
 from flashformer.model.recurrent import GRUModel, LSTMModel
 from flashformer.model.ssm import SSMModel
 from flashformer.model.stacks import Decoder, Embeddings, Encoder
@@ -175,6 +176,12 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
     @property
     def output_embedding(self) -> Tensor:
         return self.embeddings.tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def native_decoder(self):
+        """This model's forward as one native call (model/native.py, kernels/native_decoder.py),
+        built on first use; None where it has no native form here (native.native_unsupported says
+        why: another device or dtype, training mode, a layer it does not know)."""
+        return native_decoder(self)
 
 
 class EncoderDecoderModel(GenerationMixin, PreTrainedModel):

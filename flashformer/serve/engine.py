@@ -8,10 +8,9 @@ Each step the engine
 3. runs this step's prompt chunks (scheduler.py: the prefill plan, chunks
    within a budget) and one decode step for every sequence past its prompt
    (scheduler.py: making room, preempting the newest sequence when the pool
-   is full), through runner.py: for a float model a forward per chunk and a
-   padded decode batch; for a quantized one the prompt chunks packed in one
-   forward and a decode batch padded to a bucket, or (compile=False) a single
-   packed forward of both;
+   is full), through runner.py: one packed forward of both through the native
+   decoder (or a quantized model's modules); for a float model run eagerly, a
+   forward per chunk and a padded decode batch;
 4. samples each sequence's next token (generate.sampling: the request's
    logits processor, then choose_tokens with the sequence's generator; a
    constrained sequence's grammar mask first, generate.constraints),
@@ -176,8 +175,10 @@ class Engine(ModelLoop):
     prefill_chunk, prefill_budget: a prompt's chunk and the prompt tokens a step may compute
     while others decode; max_waiting: sequences that may wait before submit() raises Busy;
     prefix_cache: reuse the cached keys and values of prompts' common beginnings
-    (scheduler.py: prefix caching); compile: every decode step runs compiled with fixed shapes
-    (decode_step.py); warm_up() compiles them, before the first request.
+    (scheduler.py: prefix caching); native: run the model's native decoder where it has one
+    (runner.py; False: its PyTorch modules, eagerly). Nothing is compiled: the engine serves its
+    first request as soon as it is built (start_seconds, which `flashformer serve` sets, says
+    when that was).
     """
 
     def __init__(
@@ -193,15 +194,13 @@ class Engine(ModelLoop):
         prefill_budget: int = 128,
         max_waiting: int = 256,
         prefix_cache: bool = True,
-        compile: bool = False,
+        native: bool = True,
     ):
         super().__init__(max_waiting)
         self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
         self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
         self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
-        self.runner = ModelRunner(
-            model, self.pool, max_batch=max_batch, context=self.context, compile=compile
-        )
+        self.runner = ModelRunner(model, self.pool, max_batch=max_batch, context=self.context, native=native)
         self.device = self.runner.device
         rows_alone = not self.runner.pad_decode
         self.scheduler = Scheduler(
@@ -212,15 +211,10 @@ class Engine(ModelLoop):
             on_waiting=self._count_waiting,
             prefix_cache=prefix_cache,
             rows_alone=rows_alone,
-            # a compiled decode token's bits are not an eager prompt token's: only prompt blocks
-            reuse_generated=rows_alone and not compile,
         )
         self.counts = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
-        if self.runner.pad_decode:
-            self._step = self._separate_step
-        else:
-            self._step = self._split_step if compile else self._packed_step
-        self.compile_seconds = 0.0
+        self._step = self._separate_step if self.runner.pad_decode else self._packed_step
+        self.start_seconds = 0.0  # from the process's start to serving (set by `flashformer serve`)
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -240,18 +234,11 @@ class Engine(ModelLoop):
         scheduler = self.scheduler
         return {
             **self.counts,
-            "compile_seconds": self.compile_seconds,
+            "start_seconds": self.start_seconds,
             "preemptions": scheduler.preemptions,
             "prefix_cache_queries": scheduler.cache_queries,
             "prefix_cache_hits": scheduler.cache_hits,
         }
-
-    def warm_up(self) -> float:
-        """Compile the decode steps (every bucket) before serving; the seconds it took (0
-        without compile). Call it before start()."""
-        with torch.no_grad():
-            self.compile_seconds = self.runner.warm_up()
-        return self.compile_seconds
 
     # ---- the other threads' side ----
 
@@ -347,18 +334,6 @@ class Engine(ModelLoop):
             self.counts["prompt_tokens"] += end - start
             if sequence.computed == len(sequence.tokens):  # a fresh prompt's last chunk
                 self._sample(sequence, logits)
-        self._decode()
-
-    def _split_step(self) -> None:
-        """This step's prompt chunks packed in one forward (runner.packed, eager), then one
-        compiled decode step for every decoding sequence (a quantized model, compiled)."""
-        plan = self.scheduler.prefill_plan(self.scheduler.budget())
-        if plan:
-            ready = self.runner.packed(plan)
-            self.scheduler.remember([sequence for sequence, _, _ in plan])
-            self.counts["prompt_tokens"] += sum(end - start for _, start, end in plan)
-            for sequence, row_logits in ready:  # fresh prompts' last chunks
-                self._sample(sequence, row_logits)
         self._decode()
 
     def _decode(self) -> None:

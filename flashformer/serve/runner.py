@@ -2,23 +2,21 @@
 tables and write slots, and the logits of the tokens that are some sequence's newest.
 
 Batch invariance: a request gets the same tokens alone or among others.
-With float matmuls (whose rows may round differently with the batch's size)
-a prompt is always computed alone (a batch of one) in the same chunks, and
-every decode step runs with the batch padded to max_batch rows, so the
-matmuls see the same shapes whoever else is running (the separate steps:
-`prefill`, then `decode`). A quantized model, whose kernels compute each row
-alone, runs one forward per step instead (`packed`): the decoding sequences'
-tokens and the prompt chunks packed in one row (vLLM's chunked prefill),
-which reads the weights once for all of them. Either way attention reads
-each sequence's own blocks only (attention.paged), and sampling draws from
-the sequence's own generator (engine.py).
 
-Compiled (compile=True, the server's default): every decode step goes through
-decode_step.DecodeStep, fixed shapes under torch.compile, padded to max_batch
-rows for a float model and to the smallest bucket that holds the batch for a
-quantized one; prompt chunks stay eager (a quantized model's chunks packed in
-one forward, `packed`). A token then always takes the same path (a decode
-token the compiled one, a prompt token the eager one), whoever else runs.
+- The native decoder (model/native.py: a decoder-only model, float32 or quantized, on the CPU)
+  computes every row alone in every operation, so a step packs the decoding sequences' tokens and
+  this step's prompt chunks in one call (vLLM's chunked prefill), which reads the weights once for
+  all of them (`packed`). A token's bits do not depend on what else ran, nor on whether it was a
+  prompt's or a decode step's.
+- Otherwise the model's modules run eagerly. A quantized model, whose kernels compute each row
+  alone, runs the same packed forward. A float model's matmuls may round a row differently with
+  the batch's size: its prompt is always computed alone (a batch of one) in the same chunks, and
+  every decode step runs with the batch padded to max_batch rows, so the matmuls see the same
+  shapes whoever else is running (the separate steps: `prefill`, then `decode`).
+
+Either way attention reads each sequence's own blocks only (attention.paged, or the native
+decoder's own attention over the same pools), and sampling draws from the sequence's own
+generator (engine.py).
 
 Row r of a forward feeds token `computed` of its sequence: the newest one, or after a
 preemption one it had generated before (a replay); each forward moves `computed` on.
@@ -29,13 +27,14 @@ from __future__ import annotations
 import torch
 
 from flashformer.attention.paged import kv_slots
+from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 from flashformer.kernels.quantized import QuantizedLinear
-from flashformer.serve.decode_step import DecodeStep, buckets_for
+from flashformer.model.native import native_decoder
 from flashformer.serve.paged_cache import BlockPool, make_paged_caches
 
 
 def pads_decode(model) -> bool:
-    """Whether decode steps are padded to max_batch rows. A float GEMM's rows may round
+    """Whether eager decode steps are padded to max_batch rows. A float GEMM's rows may round
     differently with the batch size; a model whose every matmul is a quantized kernel (each
     row computed alone, the same bits at any row count: kernels.quantized) runs only its rows."""
     return any(isinstance(m, torch.nn.Linear) for m in model.modules()) or not any(
@@ -47,33 +46,23 @@ class ModelRunner:
     """The model, its paged caches and the forwards of a step; see the module docstring.
 
     max_batch: the rows of a padded decode step; context: the most tokens a sequence holds
-    (the width of the block tables); compile: decode steps through a compiled DecodeStep (its
-    warm_up compiles them)."""
+    (the width of the block tables); native: run the native decoder where the model has one
+    (False: the model's modules, eagerly)."""
 
-    def __init__(self, model, pool: BlockPool, *, max_batch: int, context: int, compile: bool = False):
+    def __init__(self, model, pool: BlockPool, *, max_batch: int, context: int, native: bool = True):
         self.model, self.pool, self.max_batch = model, pool, max_batch
         self.caches, self.batch = make_paged_caches(model, pool)
-        self.pad_decode = pads_decode(model)
+        self.native = native_decoder(model) if native else None
+        self.native_cache = (
+            None
+            if self.native is None
+            else NativeCache([c.k for c in self.caches], [c.v for c in self.caches])
+        )
+        self.pad_decode = self.native is None and pads_decode(model)
         self.max_blocks = pool.blocks_for(context)
         self.device = next(model.parameters()).device
-        self.compiled = compile
-        # a float model's decode steps always through it (one padded shape); a quantized
-        # model's only when compiled (else `packed`)
-        self.decode_step = DecodeStep(
-            model,
-            self.caches,
-            self.batch,
-            pool,
-            max_blocks=self.max_blocks,
-            buckets=buckets_for(max_batch, rows_alone=not self.pad_decode),
-            compile=compile,
-        )
 
-    def warm_up(self) -> float:
-        """Compile the decode steps now (see decode_step.py); the seconds (0 without compile)."""
-        return self.decode_step.warm_up() if self.compiled else 0.0
-
-    # ---- the separate steps (float matmuls) ----
+    # ---- the separate steps (float matmuls, eagerly) ----
 
     def prefill(self, sequence, start: int, end: int) -> torch.Tensor:
         """Compute prompt tokens start .. end - 1 alone (a batch of one); the logits (V,) of
@@ -87,17 +76,46 @@ class ModelRunner:
 
     def decode(self, sequences: list) -> torch.Tensor:
         """One decode step for the sequences, row r feeding token `computed` of sequence r,
-        padded (decode_step.DecodeStep: to max_batch rows for a float model). The logits
-        (len(sequences), V)."""
-        return self.decode_step(sequences)
+        padded to max_batch rows: the rows past them read and write scratch slots of their own
+        (paged_cache.BlockPool.scratch_slot). The logits (len(sequences), V)."""
+        if len(sequences) > self.max_batch:
+            raise ValueError(
+                f"a decode step of {len(sequences)} sequences exceeds max_batch={self.max_batch}"
+            )
+        size, rows = self.pool.block_size, self.max_batch
+        tokens, positions, lengths, slots = [0] * rows, [0] * rows, [1] * rows, [0] * rows
+        tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32)
+        for r, sequence in enumerate(sequences):
+            at = sequence.computed
+            tokens[r], positions[r], lengths[r] = sequence.tokens[at], at, at + 1
+            slots[r] = sequence.blocks[at // size] * size + at % size
+            tables[r, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+        for r in range(len(sequences), rows):
+            block, slots[r] = self.pool.scratch_slot(r)
+            tables[r, 0] = block
+        device = self.device
+        self.batch.set(
+            tables.to(device),
+            torch.tensor(lengths, dtype=torch.int32, device=device),
+            torch.tensor(slots, device=device)[:, None],
+        )
+        out = self.model(
+            torch.tensor(tokens, device=device)[:, None],
+            position_ids=torch.tensor(positions, device=device)[:, None],
+            kv_caches=self.caches,
+            logits_to_keep=1,
+        )
+        for sequence in sequences:
+            sequence.computed += 1
+        return out.logits[: len(sequences), -1].float()
 
-    # ---- the packed step (quantized matmuls) ----
+    # ---- the packed step (the native decoder, or quantized matmuls) ----
 
     def packed(self, work: list[tuple[object, int, int]]) -> list[tuple[object, torch.Tensor]]:
         """One forward over every (sequence, start, end) of `work` (decode tokens and prompt
-        chunks) packed in one row (attention sees each sequence's own tokens: PagedBatch), so
-        the weights are read once for all of them. Returns (sequence, logits (V,)) for the
-        sequences whose newest token was fed (the others are in a prompt or a replay)."""
+        chunks) packed in one row (attention sees each sequence's own tokens), so the weights
+        are read once for all of them. Returns (sequence, logits (V,)) for the sequences whose
+        newest token was fed (the others are in a prompt or a replay)."""
         tokens, positions, owners, starts = [], [], [], [0]  # owners: each token's row of work
         for i, (sequence, start, end) in enumerate(work):
             tokens += sequence.tokens[start:end]
@@ -107,6 +125,24 @@ class ModelRunner:
         tables = self._block_tables([sequence for sequence, _, _ in work], len(work))
         slots = kv_slots(tables[owners], torch.tensor(positions)[:, None], self.pool.block_size)  # (T, 1)
         lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
+        ready = []  # sequences whose last token of this step is their newest: they get a new one
+        for i, (sequence, _, end) in enumerate(work):
+            sequence.computed = end
+            if end == len(sequence.tokens):
+                ready.append((sequence, starts[i + 1] - 1))
+        rows = torch.tensor([row for _, row in ready], dtype=torch.long)
+        if self.native is not None:
+            batch = NativeBatch(
+                tokens=torch.tensor(tokens),
+                positions=torch.tensor(positions),
+                q_starts=torch.tensor(starts),
+                seq_lens=lengths,
+                block_tables=tables,
+                slots=slots.view(-1),
+                logit_rows=rows,
+            )
+            logits = self.native.forward(batch, self.native_cache)  # (N, vocab)
+            return [(sequence, row_logits) for (sequence, _), row_logits in zip(ready, logits)]
         device = self.device
         self.batch.set(
             tables.to(device),
@@ -120,15 +156,9 @@ class ModelRunner:
             kv_caches=self.caches,
             logits_to_keep=1,
         )
-        ready = []  # sequences whose last token of this step is their newest: they get a new one
-        for i, (sequence, _, end) in enumerate(work):
-            sequence.computed = end
-            if end == len(sequence.tokens):
-                ready.append((sequence, starts[i + 1] - 1))
         if not ready:
             return []
-        rows = torch.tensor([row for _, row in ready], device=device)
-        logits = self.model.project(out.last_hidden_state[0, rows][None])[0]  # (N, vocab)
+        logits = self.model.project(out.last_hidden_state[0, rows.to(device)][None])[0]  # (N, vocab)
         return [(sequence, row_logits) for (sequence, _), row_logits in zip(ready, logits)]
 
     # ---- block tables and slots ----

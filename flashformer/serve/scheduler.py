@@ -23,9 +23,8 @@ them; at least its newest token is always computed, so that it has logits. Reuse
 (the same bits as computing everything) because a block is registered and reused only where
 its keys and values are what this sequence would compute itself:
 - rows_alone (a model whose every row is computed alone, the same bits in any chunk or decode
-  step: runner.pads_decode is False): every full computed block is registered, prompt or
-  generated (with reuse_generated; without it, a compiled decode step's tokens having other
-  bits than a prompt's, only the blocks inside the prompt), and reused at block granularity.
+  step: runner.pad_decode is False): every full computed block is registered, prompt or
+  generated, and reused at block granularity.
 - otherwise (float matmuls, whose rows may round differently with the rows of the call): a
   prompt's chunks are its shapes, so only blocks inside the prompt's full prefill chunks are
   registered, and reuse stops at a multiple of prefill_chunk (and of block_size): the chunks
@@ -70,13 +69,11 @@ class Scheduler:
         on_waiting: Callable[[int], None] = lambda change: None,
         prefix_cache: bool = True,
         rows_alone: bool = False,
-        reuse_generated: bool | None = None,
     ):
         self.pool, self.max_batch = pool, max_batch
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.on_waiting = on_waiting
         self.prefix_cache, self.rows_alone = prefix_cache, rows_alone
-        self.reuse_generated = rows_alone if reuse_generated is None else reuse_generated
         # reuse stops at a multiple of this many tokens (see the module docstring)
         self.reuse_step = pool.block_size if rows_alone else math.lcm(pool.block_size, prefill_chunk)
         self.waiting: deque = deque()
@@ -132,9 +129,7 @@ class Scheduler:
 
     def _registrable(self, sequence) -> int:
         """The tokens whose blocks may be registered once computed (see the module docstring)."""
-        if self.reuse_generated:
-            return len(sequence.tokens)
-        return sequence.prompt_len if self.rows_alone else self._full_chunks(sequence)
+        return len(sequence.tokens) if self.rows_alone else self._full_chunks(sequence)
 
     def remember(self, sequences: list) -> None:
         """Register the sequences' full blocks computed since (see the module docstring); called

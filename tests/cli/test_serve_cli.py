@@ -80,7 +80,7 @@ def test_serve_on_a_taken_port_exits_with_an_error(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        command = [sys.executable, "-m", "flashformer.cli", "serve", str(folder), "--no-compile"]
+        command = [sys.executable, "-m", "flashformer.cli", "serve", str(folder)]
         done = subprocess.run([*command, "--port", str(port)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert f"the HTTP server on 127.0.0.1:{port} stopped" in done.stderr
@@ -89,7 +89,7 @@ def test_serve_on_a_taken_port_exits_with_an_error(tmp_path):
 def test_serve_ends_cleanly_on_sigterm(tmp_path):
     folder = tiny_chat_folder(tmp_path / "tiny", max_positions=64)
     port = free_port()
-    command = [sys.executable, "-m", "flashformer.cli", "serve", str(folder), "--no-compile"]
+    command = [sys.executable, "-m", "flashformer.cli", "serve", str(folder)]
     process = subprocess.Popen(
         [*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

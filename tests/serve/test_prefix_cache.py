@@ -112,24 +112,34 @@ SMALL = {"max_batch": 16, "block_size": 8, "prefill_chunk": 32, "prefill_budget"
 
 
 @pytest.mark.parametrize(
-    "quantize, params",
+    "quantize, native, params",
     [
-        (None, GREEDY),
-        ("int8", GREEDY),
-        ("int8", SEEDED),
-        pytest.param(None, SEEDED, marks=pytest.mark.slow),
+        (None, True, GREEDY),
+        (None, False, GREEDY),
+        ("int8", True, GREEDY),
+        ("int8", False, SEEDED),
+        pytest.param("int8", True, SEEDED, marks=pytest.mark.slow),
+        pytest.param(None, False, SEEDED, marks=pytest.mark.slow),
     ],
-    ids=["float32-greedy", "int8-greedy", "int8-seeded", "float32-seeded"],
+    ids=[
+        "float32-greedy",
+        "float32-eager-greedy",
+        "int8-greedy",
+        "int8-eager-seeded",
+        "int8-seeded",
+        "float32-eager-seeded",
+    ],
 )
-def test_reused_prefixes_give_the_same_tokens_and_logits(tiny_folder, quantize, params):
+def test_reused_prefixes_give_the_same_tokens_and_logits(tiny_folder, quantize, native, params):
     """Alone, after a request that cached the system prompt, among 15 others, and (greedy)
     after the cache was evicted: the same tokens and log-probabilities as the whole prompt
-    computed."""
+    computed. Natively, and through the modules (eager: a float model's padded steps)."""
     model, tokenizer = flashformer.load(tiny_folder, quantize=quantize)
     batch = prompts(16)
-    reference = alone(model, tokenizer, batch, params, num_blocks=64, **SMALL)
-    engine = Engine(model, tokenizer, num_blocks=64, **SMALL)
-    assert engine.pad_decode == (quantize is None)
+    small_engine = dict(SMALL, native=native)
+    reference = alone(model, tokenizer, batch, params, num_blocks=64, **small_engine)
+    engine = Engine(model, tokenizer, num_blocks=64, **small_engine)
+    assert engine.pad_decode == (quantize is None and not native)
     first = run(engine, batch[:1], params)  # caches the system prompt
     assert first[0][2]["prompt_tokens_details"]["cached_tokens"] == 0
     second = run(engine, batch[1:2], params)
@@ -142,7 +152,7 @@ def test_reused_prefixes_give_the_same_tokens_and_logits(tiny_folder, quantize, 
     if params is SEEDED:
         return
     # a pool of 20 blocks (2 more are scratch): prompts of 14 blocks and more, preempted
-    small = Engine(model, tokenizer, num_blocks=20 + 2, **SMALL)
+    small = Engine(model, tokenizer, num_blocks=20 + 2, **small_engine)
     assert same(run(small, batch, params), reference)
     assert small.stats["preemptions"] > 0
     other = run(small, [list(range(5000, 5148))], params)[0]  # 148 + 8 tokens: all 20 blocks
@@ -155,19 +165,22 @@ def test_reused_prefixes_give_the_same_tokens_and_logits(tiny_folder, quantize, 
 
 def test_a_chat_turn_reuses_the_history_and_its_generated_tokens(tiny_folder):
     """Turn 2 (turn 1's prompt, its answer, a new question) finds turn 1's prompt and answer
-    cached: with rows computed alone (int8) the generated tokens' blocks too, with float
-    matmuls only the prompt's full chunks. Its tokens are the same as with the cache off."""
-    for quantize, cached in ((None, 64), ("int8", 96)):
+    cached: with rows computed alone (natively, or int8 kernels) the generated tokens' blocks
+    too, with float matmuls run eagerly only the prompt's full chunks. Its tokens are the same
+    as with the cache off."""
+    for quantize, native, cached in ((None, True, 96), (None, False, 64), ("int8", False, 96)):
         model, tokenizer = flashformer.load(tiny_folder, quantize=quantize)
-        engine = Engine(model, tokenizer, num_blocks=64, **SMALL)
+        engine = Engine(model, tokenizer, num_blocks=64, native=native, **SMALL)
         turn_1 = SYSTEM[:90]
         answer = run(engine, [turn_1], GREEDY)[0][0]
-        # 90 + 8 + 10 tokens; cached: float32 turn 1's two full chunks, int8 its 12 computed
-        # blocks (its last token was sampled, never computed)
+        # 90 + 8 + 10 tokens; cached: eager float32 turn 1's two full chunks, rows alone its 12
+        # computed blocks (its last token was sampled, never computed)
         turn_2 = turn_1 + answer + [3000 + j for j in range(10)]
         result = run(engine, [turn_2], GREEDY)[0]
         assert result[2]["prompt_tokens_details"]["cached_tokens"] == cached
-        assert same([result], alone(model, tokenizer, [turn_2], GREEDY, num_blocks=64, **SMALL))
+        assert same(
+            [result], alone(model, tokenizer, [turn_2], GREEDY, num_blocks=64, native=native, **SMALL)
+        )
 
 
 def test_at_least_the_newest_token_is_computed(tiny_folder):

@@ -64,7 +64,6 @@ def long_chat_model(tiny_chat_model, tmp_path_factory):  # noqa: F811
 @pytest.fixture(scope="module")
 def server(long_chat_model):
     extra = (
-        "--no-compile",  # the page's tests: no need to compile the engine's step
         "--served-model-name",
         "tiny-chat-long",
         "--api-key",

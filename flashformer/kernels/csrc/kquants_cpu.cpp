@@ -35,13 +35,12 @@
 #include <type_traits>
 #include <utility>
 
-#include "quantized_common.h"
+#include "products.h"
 
 namespace {
 
 using namespace flashformer_cpu;
 
-constexpr int64_t kSuper = 256;    // values per K-quant block (GGUF's QK_K)
 constexpr int64_t kChunkRows = 16;  // weight rows a task's x tiles pass over (in L2, the tile in L1)
 constexpr int kScalarTile = 4;      // x rows per scalar kernel call (any tile gives the same bits)
 constexpr int64_t kPanelMinRows = 8;  // x rows from which the panel kernels run (the same bits)
@@ -92,16 +91,6 @@ FF_INLINE ScalesMins unpack_scales(const uint8_t* bytes) {
 }
 
 // ---- what a kernel reads ----
-
-// x (M, K) quantized per block of 256: x[m, 256 b + v] ~ d[m, b] * q[m, b, v], q in [-127, 127].
-struct SuperRows {
-  int64_t blocks = 0;
-  std::vector<int8_t> q;      // (M, blocks, 256)
-  std::vector<float> d;       // (M, blocks)
-  std::vector<int16_t> sums;  // (M, blocks, 16): each 16 quants' sum
-  const int8_t* quants(int64_t block) const { return q.data() + block * kSuper; }
-  const int16_t* sums16(int64_t block) const { return sums.data() + block * 16; }
-};
 
 // x (M, K) float32 as it is.
 struct FloatX {
@@ -290,76 +279,45 @@ namespace vnni {
 
 // ---- drivers ----
 
-SuperRows quantize_super_rows(const float* x, int64_t rows, int64_t k, int isa) {
-  SuperRows xa;
-  xa.blocks = k / kSuper;
-  const int64_t n = rows * xa.blocks;
-  xa.q.resize(n * kSuper);
-  xa.d.resize(n);
-  xa.sums.resize(n * 16);
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
 #if FF_X86
-      if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
-        avx2::quantize_super(x + i * kSuper, xa.q.data() + i * kSuper, &xa.d[i], xa.sums.data() + i * 16);
-        continue;
-      }
-#endif
-      quantize_super_scalar(x + i * kSuper, xa.q.data() + i * kSuper, &xa.d[i], xa.sums.data() + i * 16);
-    }
-  });
-  (void)isa;
-  return xa;
-}
-
-#if FF_X86
-// The panel kernels over every chunk of panel_rows weight rows, chunks in parallel, each task
-// with its own panel's scratch memory.
+// The panel kernels' chunk of weight rows, and its scratch memory's type.
 template <class Block, class PanelBlockT>
-void panel_product(void (*chunk)(const Block*, int64_t, int64_t, int64_t, const SuperRows&, int64_t,
-                                 const OutputMatrix&, PanelBlockT*),
-                   int64_t panel_rows, const Block* weights, int64_t nb, int64_t n, int64_t rows, const SuperRows& xa,
-                   const OutputMatrix& result) {
-  const int64_t chunks = (n + panel_rows - 1) / panel_rows;
-  at::parallel_for(0, chunks, group_grain(8 * nb, rows, panel_rows), [&](int64_t c0, int64_t c1) {
-    std::vector<PanelBlockT> panel(nb);
-    for (int64_t c = c0; c < c1; ++c) {
-      chunk(weights, nb, c * panel_rows, std::min(panel_rows, n - c * panel_rows), xa, rows, result, panel.data());
-    }
-  });
+void panel_units(void (*chunk)(const Block*, int64_t, int64_t, int64_t, const SuperRows&, int64_t, const OutputMatrix&,
+                               PanelBlockT*),
+                 int64_t panel_rows, const Block* weights, int64_t nb, int64_t n, int64_t rows, const SuperRows& xa,
+                 const OutputMatrix& result, int64_t first, int64_t last) {
+  std::vector<PanelBlockT> panel(nb);
+  for (int64_t c = first; c < last; ++c) {
+    chunk(weights, nb, c * panel_rows, std::min(panel_rows, n - c * panel_rows), xa, rows, result, panel.data());
+  }
 }
 #endif
+
+// Units: with int8 activations and x rows in the hundreds (a prompt), a panel of kPanelRows weight
+// rows; otherwise a chunk of kChunkRows weight rows, whose x tiles stay in L1 while it passes.
+int64_t kquant_unit_rows(int64_t rows, bool int8_activations, int isa) {
+#if FF_X86
+  if (int8_activations && isa != kScalar && rows >= kPanelMinRows) return isa == kVnni ? vnni::kPanelRows : avx2::kPanelRows;
+#endif
+  (void)rows, (void)int8_activations, (void)isa;
+  return kChunkRows;
+}
 
 template <class Block>
-at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                         int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == static_cast<int64_t>(sizeof(Block)) &&
-                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", sizeof(Block), "), got ",
-              blocks.sizes(), " ", blocks.scalar_type());
-  const int64_t nb = blocks.size(1), k = nb * kSuper;
-  TORCH_CHECK(blocks.size(0) == out_features, "out_features: ", out_features, " does not match blocks of ",
-              blocks.size(0), " rows");
-  check_common(x_in, blocks, bias, out_features, k, 1);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = out_features;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const Block* weights = reinterpret_cast<const Block*>(blocks.data_ptr<uint8_t>());
-  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
-  const int isa = use_isa().load();
-  SuperRows xa;
-  if (int8_activations) xa = quantize_super_rows(xp, rows, k, isa);
-  const FloatX xf{xp, k};
+void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const OutputMatrix& result, bool int8_activations,
+                      int isa, int64_t first, int64_t last) {
+  const Block* weights = static_cast<const Block*>(packed.data);
+  const int64_t nb = packed.nb, n = packed.n, rows = x.rows;
+  const SuperRows& xa = x.blocks256;
+  const FloatX xf{x.x, x.k};
 #if FF_X86
   if (int8_activations && isa != kScalar && rows >= kPanelMinRows) {
     if (isa == kVnni) {
-      panel_product(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result);
+      panel_units(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result, first, last);
     } else {
-      panel_product(avx2::panel_chunk<Block>, avx2::kPanelRows, weights, nb, n, rows, xa, result);
+      panel_units(avx2::panel_chunk<Block>, avx2::kPanelRows, weights, nb, n, rows, xa, result, first, last);
     }
-    return out;
+    return;
   }
 #endif
   int64_t tile_rows = kScalarTile;
@@ -389,30 +347,57 @@ at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const
       kquant_f32act_scalar<Block>(tile, row, nb, xf, m0, o);
     }
   };
-  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
-  // 8 32-value blocks per K-quant block, for the grain's count of (x row, weight row, block)
-  at::parallel_for(0, chunks, group_grain(8 * nb, rows, kChunkRows), [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t r1 = std::min(n, (c + 1) * kChunkRows);
-      int64_t r0 = c * kChunkRows;
+  for (int64_t c = first; c < last; ++c) {
+    const int64_t r1 = std::min(n, (c + 1) * kChunkRows);
+    int64_t r0 = c * kChunkRows;
 #if FF_X86
-      // one x row: 8 weight rows at a time (kquants_x86.inc, "one x row against 8 weight rows")
-      const bool eights = int8_activations && isa != kScalar && rows == 1;
-      for (; eights && r0 + 8 <= r1; r0 += 8) {
-        const Block* eight[8];
-        for (int i = 0; i < 8; ++i) eight[i] = weights + (r0 + i) * nb;
-        if (isa == kVnni) {
-          vnni::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
-        } else {
-          avx2::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
-        }
-      }
-#endif
-      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-        const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-        for (int64_t r = r0; r < r1; ++r) row_tile(r, m0, tile);
+    // one x row: 8 weight rows at a time (kquants_x86.inc, "one x row against 8 weight rows")
+    const bool eights = int8_activations && isa != kScalar && rows == 1;
+    for (; eights && r0 + 8 <= r1; r0 += 8) {
+      const Block* eight[8];
+      for (int i = 0; i < 8; ++i) eight[i] = weights + (r0 + i) * nb;
+      if (isa == kVnni) {
+        vnni::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
+      } else {
+        avx2::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
       }
     }
+#endif
+    for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+      const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+      for (int64_t r = r0; r < r1; ++r) row_tile(r, m0, tile);
+    }
+  }
+}
+
+template <class Block>
+constexpr Packing packing_of() {
+  return std::is_same_v<Block, Q4KBlock> ? kQ4K : std::is_same_v<Block, Q5KBlock> ? kQ5K : kQ6K;
+}
+
+template <class Block>
+at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                         int64_t out_features, bool int8_activations) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == static_cast<int64_t>(sizeof(Block)) &&
+                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", sizeof(Block), "), got ",
+              blocks.sizes(), " ", blocks.scalar_type());
+  const int64_t nb = blocks.size(1), k = nb * kSuper;
+  TORCH_CHECK(blocks.size(0) == out_features, "out_features: ", out_features, " does not match blocks of ",
+              blocks.size(0), " rows");
+  check_common(x_in, blocks, bias, out_features, k, 1);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = out_features;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const PackedMatrix w{packing_of<Block>(), blocks.data_ptr(), nullptr, n, k, n, nb};
+  const int isa = use_isa().load();
+  ProductXStorage storage;
+  const ProductX xp = storage.prepare(x.data_ptr<float>(), rows, k, x_form(w.packing, int8_activations));
+  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr, n};
+  const int64_t units = kquant_units(w, rows, int8_activations, isa);
+  at::parallel_for(0, units, unit_grain(w, rows, units), [&](int64_t first, int64_t last) {
+    kquant_run_block<Block>(w, xp, result, int8_activations, isa, first, last);
   });
   return out;
 }
@@ -434,11 +419,62 @@ at::Tensor kquant_autograd(const at::Tensor& x, const at::Tensor& blocks, const 
   return out;
 }
 
-constexpr char kQ4K[] = "flashformer::q4_k_linear";
-constexpr char kQ5K[] = "flashformer::q5_k_linear";
-constexpr char kQ6K[] = "flashformer::q6_k_linear";
+constexpr char kQ4KName[] = "flashformer::q4_k_linear";
+constexpr char kQ5KName[] = "flashformer::q5_k_linear";
+constexpr char kQ6KName[] = "flashformer::q6_k_linear";
 
 }  // namespace
+
+namespace flashformer_cpu {
+
+void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& out) {
+  const int isa = use_isa().load();
+  for (int64_t i = first; i < last; ++i) {
+#if FF_X86
+    if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
+      avx2::quantize_super(x + i * kSuper, out.q + i * kSuper, &out.d[i], out.sums + i * 16);
+      continue;
+    }
+#endif
+    quantize_super_scalar(x + i * kSuper, out.q + i * kSuper, &out.d[i], out.sums + i * 16);
+  }
+  (void)isa;
+}
+
+int64_t kquant_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
+  const int64_t unit_rows = kquant_unit_rows(rows, int8_activations, isa);
+  return (w.n + unit_rows - 1) / unit_rows;
+}
+
+void kquant_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+                int64_t first, int64_t last) {
+  switch (w.packing) {
+    case kQ4K:
+      return kquant_run_block<Q4KBlock>(w, x, out, int8_activations, isa, first, last);
+    case kQ5K:
+      return kquant_run_block<Q5KBlock>(w, x, out, int8_activations, isa, first, last);
+    default:
+      return kquant_run_block<Q6KBlock>(w, x, out, int8_activations, isa, first, last);
+  }
+}
+
+void kquant_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
+  for (int64_t b = 0; b < w.nb; ++b) {
+    float* values = out + b * kSuper;
+    switch (w.packing) {
+      case kQ4K:
+        KQuant<Q4KBlock>::dequantize(static_cast<const Q4KBlock*>(w.data)[row * w.nb + b], values);
+        break;
+      case kQ5K:
+        KQuant<Q5KBlock>::dequantize(static_cast<const Q5KBlock*>(w.data)[row * w.nb + b], values);
+        break;
+      default:
+        KQuant<Q6KBlock>::dequantize(static_cast<const Q6KBlock*>(w.data)[row * w.nb + b], values);
+    }
+  }
+}
+
+}  // namespace flashformer_cpu
 
 TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("q4_k_linear", &kquant_linear<Q4KBlock>);
@@ -447,7 +483,7 @@ TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
-  m.impl("q4_k_linear", &kquant_autograd<kQ4K>);
-  m.impl("q5_k_linear", &kquant_autograd<kQ5K>);
-  m.impl("q6_k_linear", &kquant_autograd<kQ6K>);
+  m.impl("q4_k_linear", &kquant_autograd<kQ4KName>);
+  m.impl("q5_k_linear", &kquant_autograd<kQ5KName>);
+  m.impl("q6_k_linear", &kquant_autograd<kQ6KName>);
 }

@@ -30,6 +30,8 @@
 //   block-by-block online softmax) depends on its own sequence only, and one thread computes
 //   it. A sequence alone and in any batch gives the same bits.
 
+#include "attention_tasks.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -45,6 +47,7 @@
 #include <limits>
 #include <vector>
 
+namespace flashformer_cpu {
 namespace {
 
 // Eight floats in a vector register (GCC's vector extension: one AVX register in the x86-64-v3 and
@@ -209,39 +212,6 @@ constexpr int64_t kQuerySlice = 16;
 // cache's 16-key blocks would pay a row's max, rescale and sums every 16 keys).
 constexpr int64_t kSpan = 64;
 
-struct Problem {
-  const float* q;
-  const void* k;  // float, or float16 bits when half_kv
-  const void* v;
-  bool half_kv;
-  float* out;
-  float* lse;
-  int64_t q_heads, kv_heads, dim, dim_v, block_size;
-  int64_t k_head_stride, k_block_stride, k_pos_stride;  // elements; the last dim is contiguous
-  int64_t v_head_stride, v_block_stride, v_pos_stride;
-  float scale, softcap;
-  bool causal;
-  const float* slopes;  // (B|1, Hq) or nullptr
-  int64_t slope_rows;
-  const bool* key_padding;  // (B, padding_len) or nullptr
-  int64_t padding_len;
-  int64_t window_left, window_right;  // -1: unbounded
-};
-
-// One task (see attend): sequence b's KV head h, its n queries at packed rows q0 .. q0 + n - 1
-// and key positions first_query .. first_query + n - 1, against its first `visible` keys.
-struct Task {
-  int64_t b, h, first_query, visible, q0, n;
-};
-
-// A thread's working memory, reused by its tasks. Row r of a task is query head h * G + r / n's
-// query r % n (rows = G x n): (rows,) running max, sum and rescale, (rows, Dv) accumulators,
-// (rows, kSpan) scores, then weights, of the span; a float16 cache's span of keys (kSpan, D) and
-// values (kSpan, Dv) widened to float32.
-struct Scratch {
-  std::vector<float> m, l, rescale, acc, s, wide_k, wide_v;
-};
-
 // Where one span of a task's keys (positions key0 .. key0 + keys - 1) is read from, as float32 rows.
 struct Span {
   const float* key_rows[kSpan];
@@ -329,7 +299,7 @@ __attribute__((always_inline)) inline void score_span(const Problem& p, const Ta
       float* out[kRowsPerPass];
       const int64_t pass = std::min(kRowsPerPass, rows - r0);
       for (int64_t r = 0; r < pass; ++r) {  // the queries: row r0 + r's
-        qr[r] = p.q + ((task.q0 + (r0 + r) % task.n) * p.q_heads + task.h * group + (r0 + r) / task.n) * p.dim;
+        qr[r] = p.q + (task.q0 + (r0 + r) % task.n) * p.q_row_stride + (task.h * group + (r0 + r) / task.n) * p.dim;
         out[r] = s + (r0 + r) * kSpan + t0;
       }
       if (pass == 3) {
@@ -475,6 +445,8 @@ __attribute__((always_inline)) inline void write_out(const Problem& p, const Tas
 // plain function would run the default one). The task (by value) and key0, keys are the clone's
 // own values, which no call inside (widen_rows, expf) can change: they stay in registers, and
 // the compiler knows keys <= kSpan.
+}  // namespace
+
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
 #endif
@@ -504,6 +476,27 @@ void attend_task(const Problem& p, const Task task, const int64_t* table, Scratc
   }
   write_out(p, task, rows, scratch);
 }
+
+std::vector<Task> attention_tasks(int64_t sequences, const int64_t* starts, const int64_t* lengths,
+                                  int64_t kv_heads, bool causal) {
+  // Tasks: (sequence, KV head, slice of up to kQuerySlice of its queries). A prompt chunk's
+  // queries are split so that its work spreads over the threads, and under causal masking a
+  // slice visits only the keys up to its last query (the keys past it are masked for all of its
+  // rows, so a row's result is the same in any slice). The slices depend on the sequence alone.
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < sequences; ++b) {
+    const int64_t n = starts[b + 1] - starts[b];
+    for (int64_t i0 = 0; i0 < n; i0 += kQuerySlice) {
+      const int64_t count = std::min(kQuerySlice, n - i0), first_query = lengths[b] - n + i0;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        tasks.push_back({b, h, first_query, causal ? first_query + count : lengths[b], starts[b] + i0, count});
+      }
+    }
+  }
+  return tasks;
+}
+
+namespace {
 
 // Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
 // with a contiguous last dim, and each of the S sequences' block table (max_blocks entries), key
@@ -542,7 +535,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     p.key_padding = padding.data_ptr<bool>();
     p.padding_len = padding.size(1);
   }
-  p.q = q.data_ptr<float>(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.half_kv = half_kv;
+  p.q = q.data_ptr<float>(), p.q_row_stride = p.q_heads * p.dim, p.k = k.data_ptr(), p.v = v.data_ptr(), p.half_kv = half_kv;
   p.out = out.data_ptr<float>(), p.lse = lse.data_ptr<float>();
   p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap), p.causal = causal;
   p.window_left = window_left, p.window_right = window_right;
@@ -553,20 +546,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
                 " positions for a sequence of ", lengths[b], " keys");
   }
   TORCH_CHECK(starts[0] == 0 && starts[sequences] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
-  // Tasks: (sequence, KV head, slice of up to kQuerySlice of its queries). A prompt chunk's
-  // queries are split so that its work spreads over the threads, and under causal masking a
-  // slice visits only the keys up to its last query (the keys past it are masked for all of its
-  // rows, so a row's result is the same in any slice). The slices depend on the sequence alone.
-  std::vector<Task> tasks;
-  for (int64_t b = 0; b < sequences; ++b) {
-    const int64_t n = starts[b + 1] - starts[b];
-    for (int64_t i0 = 0; i0 < n; i0 += kQuerySlice) {
-      const int64_t count = std::min(kQuerySlice, n - i0), first_query = lengths[b] - n + i0;
-      for (int64_t h = 0; h < p.kv_heads; ++h) {
-        tasks.push_back({b, h, first_query, causal ? first_query + count : lengths[b], starts[b] + i0, count});
-      }
-    }
-  }
+  const std::vector<Task> tasks = attention_tasks(sequences, starts, lengths, p.kv_heads, causal);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
@@ -652,8 +632,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 }
 
 }  // namespace
+}  // namespace flashformer_cpu
 
 TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
-  m.impl("paged_attention_cpu", &paged_attention_cpu);
-  m.impl("attention_cpu", &attention_cpu);
+  m.impl("paged_attention_cpu", &flashformer_cpu::paged_attention_cpu);
+  m.impl("attention_cpu", &flashformer_cpu::attention_cpu);
 }

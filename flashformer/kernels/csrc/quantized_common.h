@@ -102,13 +102,15 @@ inline void check_common(const at::Tensor& x, const at::Tensor& qweight, const s
 }
 
 // The product's output (M, N) and bias (N,), and the part of them a kernel writes.
+// out's rows are ld floats apart (ld >= n: a product may fill some columns of a wider matrix).
 struct OutputMatrix {
   float* out;
   int64_t n;
   const float* bias;  // or nullptr
+  int64_t ld;
   // x rows from m0, output rows row0 .. row0 + rows - 1 (fewer at the end of the matrix)
   Output part(int64_t m0, int64_t row0, int64_t rows) const {
-    return {out + m0 * n + row0, n, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
+    return {out + m0 * ld + row0, ld, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
   }
 };
 

@@ -45,7 +45,7 @@
 //   (torch.library.register_autograd) adds a fixed cost to every call, even under no_grad, as
 //   large as a small product's whole time (docs/benchmarks.md, "Packed layouts and call costs").
 
-#include "quantized_common.h"
+#include "products.h"
 
 namespace {
 
@@ -120,16 +120,6 @@ struct FloatRows {
   const float* x;
   int64_t ld;         // K
   const float* sums;  // (M, nb) or nullptr
-};
-
-// x (M, K) quantized per block of 32: x[m, 32 b + j] ~ d[m, b] * q[m, b, j], q in [-127, 127].
-struct Int8Rows {
-  int64_t blocks = 0;
-  std::vector<int8_t> q;  // (M, blocks, 32)
-  std::vector<float> d;   // (M, blocks)
-  std::vector<float> s;   // (M, blocks): d * sum_j q[j], what an int4 block's minimum multiplies
-  std::vector<int32_t> offset;  // (M, blocks): -128 * sum_j q[j], VNNI's int8 kernel's starting sum
-  const int8_t* quants(int64_t block) const { return q.data() + block * kBlock; }  // (32,)
 };
 
 // ---- scalar kernels (any CPU; the reference order of operations) ----
@@ -296,32 +286,7 @@ namespace vnni {
 #pragma GCC pop_options
 #endif  // FF_X86
 
-// ---- drivers ----
-
-// x (M, K) float32 -> int8 blocks; rows in parallel when there are many (prefill).
-Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
-  Int8Rows xa;
-  xa.blocks = k / kBlock;
-  const int64_t n = rows * xa.blocks;
-  xa.q.resize(n * kBlock);
-  xa.d.resize(n);
-  xa.s.resize(n);
-  xa.offset.resize(n);
-  const int isa = use_isa().load();
-  at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-#if FF_X86
-      if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
-        avx2::quantize_block(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i], &xa.offset[i]);
-        continue;
-      }
-#endif
-      quantize_block_scalar(x + i * kBlock, xa.q.data() + i * kBlock, &xa.d[i], &xa.s[i], &xa.offset[i]);
-    }
-  });
-  (void)isa;
-  return xa;
-}
+// ---- drivers: a product's units (products.h) ----
 
 // x rows per kernel call: what the ISA's kernels keep in registers.
 int64_t row_tile(int isa, bool int8_activations) {
@@ -333,24 +298,15 @@ int64_t row_tile(int isa, bool int8_activations) {
   return kScalarTile;
 }
 
-// The float sum of each block of x, added in index order (the same on every ISA).
-std::vector<float> block_sums(const float* x, int64_t rows, int64_t k) {
-  const int64_t nb = k / kBlock;
-  std::vector<float> sums(rows * nb);
-  for (int64_t i = 0; i < rows * nb; ++i) {
-    float s = 0.f;
-    for (int j = 0; j < kBlock; ++j) s += x[i * kBlock + j];
-    sums[i] = s;
-  }
-  return sums;
-}
-
 // The packed matrices, and the part of one a kernel reads.
 template <class Block>
 struct NibbleMatrix {
   const Block* blocks;       // (groups, nb)
   const Int4Scales* scales;  // (groups, nb)
   int64_t groups, nb;
+  explicit NibbleMatrix(const PackedMatrix& w)
+      : blocks(static_cast<const Block*>(w.data)), scales(static_cast<const Int4Scales*>(w.scales)),
+        groups(w.groups), nb(w.nb) {}
   NibbleWeights<Block> group(int64_t g, int64_t first_row = 0) const {
     return {blocks + g * nb, scales + g * nb, nb, first_row};
   }
@@ -361,37 +317,39 @@ struct Int8Matrix {
   const Int8BlockScales* block_scales;  // (groups, nb), or nullptr
   const Int8RowScales* row_scales;      // (groups,), or nullptr
   int64_t groups, nb;
+  explicit Int8Matrix(const PackedMatrix& w)
+      : blocks(static_cast<const Int8Block*>(w.data)),
+        block_scales(w.packing == kInt8PerBlock ? static_cast<const Int8BlockScales*>(w.scales) : nullptr),
+        row_scales(w.packing == kInt8PerRow ? static_cast<const Int8RowScales*>(w.scales) : nullptr),
+        groups(w.groups), nb(w.nb) {}
   Int8Weights group(int64_t g) const {
     return {blocks + g * nb, block_scales ? block_scales + g * nb : nullptr, row_scales ? row_scales + g : nullptr, nb};
   }
 };
 
-// int4 and int5: the same driver, their blocks' own kernels.
+// int4 and int5 (one driver, their blocks' own kernels). Units: with int8 activations on AVX2 and
+// a prompt's rows, a group unpacked into a panel once for every tile of x rows; on VNNI two
+// groups a unit on 512-bit vectors (an odd last group alone); otherwise a group a unit. VNNI's
+// two-group kernel was as fast as a panel (the figures in docs/benchmarks.md, "Q5_0 and K-quant
+// kernels"). Each gives the scalar kernels' bits.
+enum class NibblePlan { kGroups, kPanels, kPairs };
+
+NibblePlan nibble_plan(int64_t rows, bool int8_activations, int isa) {
+#if FF_X86
+  if (isa == kAvx2 && int8_activations && rows >= kNibblePanelMinRows) return NibblePlan::kPanels;
+  if (isa == kVnni && int8_activations) return NibblePlan::kPairs;
+#endif
+  (void)rows, (void)int8_activations, (void)isa;
+  return NibblePlan::kGroups;
+}
+
 template <class Block>
-at::Tensor nibble_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  const int64_t groups = qweight.size(0), nb = qweight.size(1);
-  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == 2 &&
-                  scales.size(3) == kInt4Rows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              "scales: expected contiguous float16 (", groups, ", ", nb, ", 2, 8), got ", scales.sizes());
-  check_common(x_in, qweight, bias, out_features, nb * kBlock, kInt4Rows);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = out_features, k = nb * kBlock;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const NibbleMatrix<Block> weights{reinterpret_cast<const Block*>(qweight.data_ptr<uint8_t>()),
-                           reinterpret_cast<const Int4Scales*>(scales.data_ptr<at::Half>()), groups, nb};
-  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
-  const int isa = use_isa().load();
-  Int8Rows xa;
-  std::vector<float> xsum;
-  if (int8_activations) {
-    xa = quantize_rows(xp, rows, k);
-  } else {
-    xsum = block_sums(xp, rows, k);
-  }
-  const FloatRows xf{xp, k, xsum.data()};
+void nibble_run_block(const PackedMatrix& packed, const ProductX& x, const OutputMatrix& result, bool int8_activations,
+                      int isa, int64_t first, int64_t last) {
+  const NibbleMatrix<Block> weights(packed);
+  const int64_t rows = x.rows, n = result.n, nb = weights.nb, groups = weights.groups;
+  const Int8Rows& xa = x.blocks32;
+  const FloatRows xf{x.x, x.k, x.sums32};
   // With float activations: x rows [m0, m0 + tile) against half h (rows 4h..4h+3) of group g.
   auto half_group = [&](int64_t g, int h, int64_t m0, int tile) {
     const NibbleWeights<Block> w = weights.group(g, h * kGroupRows);
@@ -417,65 +375,137 @@ at::Tensor nibble_linear(const at::Tensor& x_in, const at::Tensor& qweight, cons
     nibble_int8act_scalar(tile, w, xa, m0, o);
   };
   const int64_t tile_rows = row_tile(isa, int8_activations);
+  const NibblePlan plan = nibble_plan(rows, int8_activations, isa);
 #if FF_X86
-  // AVX2, a prompt's rows: each group unpacked once into a panel that every tile of x rows reads
-  // (nibble_panel_int8act: the row kernels' operations, without their unpacking per tile).
-  // VNNI's two-group 512-bit kernel below was as fast without it (the figures in
-  // docs/benchmarks.md, "Q5_0 and K-quant kernels").
-  if (isa == kAvx2 && int8_activations && rows >= kNibblePanelMinRows) {
-    at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
-      // aligned by hand to the vectors' 32 bytes: a std::vector of the AVX type was not
-      std::vector<uint8_t> scratch((nb + 1) * sizeof(avx2::NibbleBlock));
-      auto* panel = reinterpret_cast<avx2::NibbleBlock*>(
-          (reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
-      for (int64_t g = g0; g < g1; ++g) {
-        avx2::nibble_unpack_panel(weights.group(g), panel);
-        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-          const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-          avx2::nibble_panel_int8act_rows<Block::kFiveBit>(tile, panel, nb, xa, m0,
-                                                           result.part(m0, g * kInt4Rows, kInt4Rows));
-        }
-      }
-    });
-    return out;
-  }
-  // VNNI: two groups a pass on 512-bit vectors (the same bits as one at a time); an odd last
-  // group goes alone.
-  if (isa == kVnni && int8_activations) {
-    const int64_t pairs = (groups + 1) / 2;
-    at::parallel_for(0, pairs, group_grain(nb, rows, 2 * kInt4Rows), [&](int64_t p0, int64_t p1) {
-      for (int64_t pair = p0; pair < p1; ++pair) {
-        const int64_t g = 2 * pair;
-        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-          const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-          if (g + 1 == groups) {
-            whole_group(g, m0, tile);
-            continue;
-          }
-          vnni::nibble_int8act_pair_rows<Block>(tile, weights.group(g), weights.group(g + 1), xa, m0,
-                                       result.part(m0, g * kInt4Rows, 2 * kInt4Rows));
-        }
-      }
-    });
-    return out;
-  }
-#endif
-  at::parallel_for(0, groups, group_grain(nb, rows, kInt4Rows), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (int8_activations) {
-        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-          whole_group(g, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
-        }
-        continue;
-      }
-      for (int h = 0; h < 2 && g * kInt4Rows + h * kGroupRows < n; ++h) {
-        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-          half_group(g, h, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
-        }
+  if (plan == NibblePlan::kPanels) {
+    // aligned by hand to the vectors' 32 bytes: a std::vector of the AVX type was not
+    std::vector<uint8_t> scratch((nb + 1) * sizeof(avx2::NibbleBlock));
+    auto* panel =
+        reinterpret_cast<avx2::NibbleBlock*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
+    for (int64_t g = first; g < last; ++g) {
+      avx2::nibble_unpack_panel(weights.group(g), panel);
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+        const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+        avx2::nibble_panel_int8act_rows<Block::kFiveBit>(tile, panel, nb, xa, m0,
+                                                         result.part(m0, g * kInt4Rows, kInt4Rows));
       }
     }
+    return;
+  }
+  if (plan == NibblePlan::kPairs) {
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t g = 2 * pair;
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+        const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+        if (g + 1 == groups) {
+          whole_group(g, m0, tile);
+          continue;
+        }
+        vnni::nibble_int8act_pair_rows<Block>(tile, weights.group(g), weights.group(g + 1), xa, m0,
+                                              result.part(m0, g * kInt4Rows, 2 * kInt4Rows));
+      }
+    }
+    return;
+  }
+#endif
+  (void)groups;
+  for (int64_t g = first; g < last; ++g) {
+    if (int8_activations) {
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+        whole_group(g, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
+      }
+      continue;
+    }
+    for (int h = 0; h < 2 && g * kInt4Rows + h * kGroupRows < n; ++h) {
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+        half_group(g, h, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
+      }
+    }
+  }
+}
+
+// int8: on VNNI with int8 activations four groups a unit (a last partial four repeats its last
+// group), otherwise a group a unit.
+bool int8_quads(bool int8_activations, int isa) { return int8_activations && isa == kVnni; }
+
+template <bool kPerBlock>
+void int8_run_scales(const PackedMatrix& packed, const ProductX& x, const OutputMatrix& result, bool int8_activations,
+                     int isa, int64_t first, int64_t last) {
+  const Int8Matrix weights(packed);
+  const int64_t rows = x.rows, groups = weights.groups;
+  const int64_t tile_rows = row_tile(isa, int8_activations);
+  const Int8Rows& xa = x.blocks32;
+#if FF_X86
+  if (int8_quads(int8_activations, isa)) {
+    for (int64_t quad = first; quad < last; ++quad) {
+      const int64_t g = 4 * quad;
+      Int8Weights four[4];
+      for (int i = 0; i < 4; ++i) four[i] = weights.group(std::min(g + i, groups - 1));
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+        vnni::int8_int8act_quad_rows<kPerBlock>(static_cast<int>(std::min(tile_rows, rows - m0)), four, xa, m0,
+                                                result.part(m0, g * kGroupRows, 4 * kGroupRows));
+      }
+    }
+    return;
+  }
+#endif
+  (void)groups;
+  const FloatRows xf{x.x, x.k, nullptr};
+  for (int64_t g = first; g < last; ++g) {
+    const Int8Weights w = weights.group(g);
+    for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
+      const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
+      const Output o = result.part(m0, g * kGroupRows, kGroupRows);
+      if (int8_activations) {
+#if FF_X86
+        if (isa == kAvx2) {
+          avx2::int8_int8act_rows<kPerBlock>(tile, w, xa, m0, o);
+          continue;
+        }
+#endif
+        int8_int8act_scalar<kPerBlock>(tile, w, xa, m0, o);
+        continue;
+      }
+#if FF_X86
+      if (isa != kScalar) {
+        (isa == kVnni ? vnni::int8_f32act_rows<kPerBlock> : avx2::int8_f32act_rows<kPerBlock>)(tile, w, xf, m0, o);
+        continue;
+      }
+#endif
+      int8_f32act_scalar<kPerBlock>(tile, w, xf, m0, o);
+    }
+  }
+}
+
+// The operators: check, prepare x, and run every unit with at::parallel_for.
+at::Tensor run_operator(const PackedMatrix& w, const at::Tensor& x_in, const std::optional<at::Tensor>& bias,
+                        bool int8_activations) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = w.n;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const int isa = use_isa().load();
+  ProductXStorage storage;
+  const ProductX xp = storage.prepare(x.data_ptr<float>(), rows, w.k, x_form(w.packing, int8_activations));
+  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr, n};
+  const int64_t units = product_units(w, rows, int8_activations, isa);
+  at::parallel_for(0, units, unit_grain(w, rows, units), [&](int64_t first, int64_t last) {
+    product_run(w, xp, result, int8_activations, isa, first, last);
   });
   return out;
+}
+
+template <class Block>
+at::Tensor nibble_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
+  const int64_t groups = qweight.size(0), nb = qweight.size(1);
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == 2 &&
+                  scales.size(3) == kInt4Rows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "scales: expected contiguous float16 (", groups, ", ", nb, ", 2, 8), got ", scales.sizes());
+  check_common(x, qweight, bias, out_features, nb * kBlock, kInt4Rows);
+  const PackedMatrix w{Block::kFiveBit ? kInt5 : kInt4, qweight.data_ptr(), scales.data_ptr(), out_features,
+                       nb * kBlock, groups, nb};
+  return run_operator(w, x, bias, int8_activations);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -494,68 +524,7 @@ at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return nibble_linear<Int5Block>(x, qweight, scales, bias, out_features, int8_activations);
 }
 
-template <bool kPerBlock>
-void int8_linear_impl(const float* xp, int64_t rows, const Int8Matrix& weights, const OutputMatrix& result,
-                      bool int8_activations) {
-  const int isa = use_isa().load();
-  const int64_t tile_rows = row_tile(isa, int8_activations);
-  const int64_t groups = weights.groups, nb = weights.nb;
-  if (int8_activations) {
-    const Int8Rows xa = quantize_rows(xp, rows, nb * kBlock);
-#if FF_X86
-    if (isa == kVnni) {  // four groups a pass (a last partial four repeats its last group)
-      at::parallel_for(0, (groups + 3) / 4, group_grain(nb, rows, 4 * kGroupRows), [&](int64_t q0, int64_t q1) {
-        for (int64_t quad = q0; quad < q1; ++quad) {
-          const int64_t g = 4 * quad;
-          Int8Weights four[4];
-          for (int i = 0; i < 4; ++i) four[i] = weights.group(std::min(g + i, groups - 1));
-          for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-            vnni::int8_int8act_quad_rows<kPerBlock>(static_cast<int>(std::min(tile_rows, rows - m0)), four, xa, m0,
-                                                    result.part(m0, g * kGroupRows, 4 * kGroupRows));
-          }
-        }
-      });
-      return;
-    }
-#endif
-    at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const Int8Weights w = weights.group(g);
-        for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-          const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-          const Output o = result.part(m0, g * kGroupRows, kGroupRows);
-#if FF_X86
-          if (isa == kAvx2) {
-            avx2::int8_int8act_rows<kPerBlock>(tile, w, xa, m0, o);
-            continue;
-          }
-#endif
-          int8_int8act_scalar<kPerBlock>(tile, w, xa, m0, o);
-        }
-      }
-    });
-    return;
-  }
-  const FloatRows xf{xp, nb * kBlock, nullptr};
-  at::parallel_for(0, groups, group_grain(nb, rows, kGroupRows), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const Int8Weights w = weights.group(g);
-      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) {
-        const int tile = static_cast<int>(std::min(tile_rows, rows - m0));
-        const Output o = result.part(m0, g * kGroupRows, kGroupRows);
-#if FF_X86
-        if (isa != kScalar) {
-          (isa == kVnni ? vnni::int8_f32act_rows<kPerBlock> : avx2::int8_f32act_rows<kPerBlock>)(tile, w, xf, m0, o);
-          continue;
-        }
-#endif
-        int8_f32act_scalar<kPerBlock>(tile, w, xf, m0, o);
-      }
-    }
-  });
-}
-
-at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
   TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kGroupRows && qweight.size(3) == kBlock &&
                   qweight.scalar_type() == at::kChar,
@@ -571,21 +540,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
                 "scales: expected float32 (", groups * kGroupRows, ",) per row, got ", scales.sizes(), " ",
                 scales.scalar_type());
   }
-  check_common(x_in, qweight, bias, out_features, nb * kBlock, kGroupRows);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = out_features;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr};
-  Int8Matrix weights{reinterpret_cast<const Int8Block*>(qweight.data_ptr<int8_t>()), nullptr, nullptr, groups, nb};
-  if (per_block) {
-    weights.block_scales = reinterpret_cast<const Int8BlockScales*>(scales.data_ptr<at::Half>());
-    int8_linear_impl<true>(x.data_ptr<float>(), rows, weights, result, int8_activations);
-  } else {
-    weights.row_scales = reinterpret_cast<const Int8RowScales*>(scales.data_ptr<float>());
-    int8_linear_impl<false>(x.data_ptr<float>(), rows, weights, result, int8_activations);
-  }
-  return out;
+  check_common(x, qweight, bias, out_features, nb * kBlock, kGroupRows);
+  const PackedMatrix w{per_block ? kInt8PerBlock : kInt8PerRow, qweight.data_ptr(), scales.data_ptr(), out_features,
+                       nb * kBlock, groups, nb};
+  return run_operator(w, x, bias, int8_activations);
 }
 
 int64_t quantized_kernel_isa(int64_t request) {
@@ -598,6 +556,83 @@ constexpr char kInt5Linear[] = "flashformer::int5_linear";
 constexpr char kInt8Linear[] = "flashformer::int8_linear";
 
 }  // namespace
+
+namespace flashformer_cpu {
+
+void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& out) {
+  const int isa = use_isa().load();
+  for (int64_t i = first; i < last; ++i) {
+#if FF_X86
+    if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
+      avx2::quantize_block(x + i * kBlock, out.q + i * kBlock, &out.d[i], &out.s[i], &out.offset[i]);
+      continue;
+    }
+#endif
+    quantize_block_scalar(x + i * kBlock, out.q + i * kBlock, &out.d[i], &out.s[i], &out.offset[i]);
+  }
+  (void)isa;
+}
+
+// The float sum of each block of x, added in index order (the same on every ISA).
+void sum_blocks32(const float* x, int64_t first, int64_t last, float* sums) {
+  for (int64_t i = first; i < last; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < kBlock; ++j) s += x[i * kBlock + j];
+    sums[i] = s;
+  }
+}
+
+int64_t nibble_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
+  return nibble_plan(rows, int8_activations, isa) == NibblePlan::kPairs ? (w.groups + 1) / 2 : w.groups;
+}
+
+void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+                int64_t first, int64_t last) {
+  if (w.packing == kInt5) return nibble_run_block<Int5Block>(w, x, out, int8_activations, isa, first, last);
+  nibble_run_block<Int4Block>(w, x, out, int8_activations, isa, first, last);
+}
+
+int64_t int8_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
+  (void)rows;
+  return int8_quads(int8_activations, isa) ? (w.groups + 3) / 4 : w.groups;
+}
+
+void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+              int64_t first, int64_t last) {
+  if (w.packing == kInt8PerBlock) return int8_run_scales<true>(w, x, out, int8_activations, isa, first, last);
+  int8_run_scales<false>(w, x, out, int8_activations, isa, first, last);
+}
+
+// Row `row` of the matrix as float32 (k values): d * q + m (int4, int5), q * d (int8), as the
+// Python dequantizers compute them (an embedding's rows).
+void nibble_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
+  const int64_t g = row / kInt4Rows;
+  const int r = static_cast<int>(row % kInt4Rows);
+  const auto* scales = static_cast<const Int4Scales*>(w.scales) + g * w.nb;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    int q[kBlock];
+    if (w.packing == kInt5) {
+      block_quants(static_cast<const Int5Block*>(w.data)[g * w.nb + b], r, q);
+    } else {
+      block_quants(static_cast<const Int4Block*>(w.data)[g * w.nb + b], r, q);
+    }
+    const float d = half_to_float(scales[b].d[r]), m = half_to_float(scales[b].m[r]);
+    for (int j = 0; j < kBlock; ++j) out[b * kBlock + j] = d * static_cast<float>(q[j]) + m;
+  }
+}
+
+void int8_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
+  const int64_t g = row / kGroupRows;
+  const int r = static_cast<int>(row % kGroupRows);
+  const Int8Block* blocks = static_cast<const Int8Block*>(w.data) + g * w.nb;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const float d = w.packing == kInt8PerRow ? static_cast<const float*>(w.scales)[row]
+                                             : half_to_float(static_cast<const Int8BlockScales*>(w.scales)[g * w.nb + b].d[r]);
+    for (int j = 0; j < kBlock; ++j) out[b * kBlock + j] = static_cast<float>(blocks[b].qs[r][j]) * d;
+  }
+}
+
+}  // namespace flashformer_cpu
 
 TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("int4_linear", &int4_linear);

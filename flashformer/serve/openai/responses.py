@@ -206,7 +206,7 @@ def prometheus(metrics: dict) -> str:
         "generated_tokens": ("counter", "tokens generated"),
         "prompt_tokens": ("counter", "prompt tokens computed"),
         "preemptions": ("counter", "sequences preempted for lack of KV blocks"),
-        "compile_seconds": ("gauge", "seconds the decode step took to compile at the start (0: eager)"),
+        "start_seconds": ("gauge", "seconds from the server process's start to serving its first request"),
         "inputs_waiting": ("gauge", "embedding inputs waiting to be encoded"),
         "inputs_per_second": ("gauge", "embedding inputs encoded per second over the last 10 s"),
         "embedded_inputs": ("counter", "embedding inputs encoded"),

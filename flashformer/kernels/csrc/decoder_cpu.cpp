@@ -1,0 +1,791 @@
+// The native decoder: a decoder-only Transformer's forward pass over new tokens against a KV cache,
+// in one call, on the CPU, with nothing compiled at run time. It is the decode step of `generate`,
+// `chat` and the server, their prompt chunks and their batches (kernels/native_decoder.py builds it
+// from a model at load; model/native.py says what it reads of each layer).
+//
+//   tokens, positions (T,)       the new tokens of S sequences, packed one after another
+//   q_starts (S + 1,)            sequence s's tokens are rows q_starts[s] .. q_starts[s + 1] - 1
+//   seq_lens (S,)                the keys sequence s holds after this call (its new ones the last)
+//   block_tables (S, max_blocks) its blocks of the cache, in order; slots (T,) where each new key goes
+//   key_padding (S, >= seq_len)  optional: False drops a key (a left-padded batch)
+//   logit_rows (R,)              the rows whose logits are returned: (R, vocab) float32
+//
+// The cache is one pool per layer (Hk, blocks, block_size, D), float32 or float16, bound once
+// (bind_cache): the server's paged pools, or a static cache (B, Hk, max_len, D) seen as B blocks of
+// max_len (its transpose(0, 1)).
+//
+// Why this shape (llama.cpp's hot loop, its graph prebuilt, here written out): eagerly, a decode
+// step of a small model is mostly the cost of its Python and its operator calls, each with its own
+// fork and join of the threads (SmolLM2-135M: 30 layers, ~15 operators each); torch.compile
+// removes that only after minutes of compilation per model, shape and process. Here the layers
+// are a fixed program over the model's weights, decided at load: one parallel region per call,
+// the threads meeting at a barrier of our own between the steps of a layer (norm, the q/k/v
+// product, RoPE and the cache write, attention, ...), each step's work split in units
+// (products.h, attention_tasks.h) that threads claim as they come free.
+//
+// Bits: every unit, row operation (row_ops.h) and attention task computes what it computes
+// whatever the thread, the other rows or the batch: a sequence's tokens are the same alone or among
+// others, and the matrix products give the operators' bits (the tests compare both).
+
+#include <omp.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+
+#include "attention_tasks.h"
+#include "products.h"
+#include "row_ops.h"
+
+namespace flashformer_cpu {
+namespace {
+
+// ---- the threads of a call ----
+
+inline void cpu_relax() {
+#if FF_X86
+  _mm_pause();
+#endif
+}
+
+// Threads wait for each other spinning, then (past kSpin) asleep on a futex. Spinning is what makes
+// a barrier cost well under a microsecond between the steps of a layer; sleeping is what keeps a
+// thread whose partner was descheduled (a loaded machine) from burning the core it needs.
+// OpenMP's own barrier follows OMP_WAIT_POLICY: under "passive" (set for llama.cpp's benefit in our
+// benchmarks) every barrier would be a sleep and a wake-up.
+class Barrier {
+ public:
+  void reset(int threads) { threads_ = threads, arrived_.store(0), sleepers_.store(0); }
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+        syscall(SYS_futex, reinterpret_cast<int*>(&generation_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+      }
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t spin = 1;; ++spin) {
+      if (generation_.load(std::memory_order_acquire) != generation) return;
+      cpu_relax();
+      if (spin % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) break;
+    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (generation_.load(std::memory_order_seq_cst) == generation) {
+      syscall(SYS_futex, reinterpret_cast<int*>(&generation_), FUTEX_WAIT_PRIVATE, generation, nullptr, nullptr, 0);
+    }
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+  }
+
+ private:
+  static constexpr std::chrono::microseconds kSpin{200};
+  int threads_ = 1;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> generation_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+};
+
+struct alignas(64) Counter {
+  std::atomic<int64_t> next{0};
+};
+
+// One thread's view of a call: its steps in the program's order, each step's units claimed from
+// that step's counter a few at a time, then the barrier.
+struct Worker {
+  int thread, threads;
+  Barrier* barrier;
+  Counter* counters;
+  int64_t step = 0;
+
+  template <class F>
+  void run(int64_t units, F&& f) {
+    std::atomic<int64_t>& next = counters[step++].next;
+    const int64_t chunk = std::max<int64_t>(1, units / (4 * threads));
+    for (;;) {
+      const int64_t first = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (first >= units) break;
+      f(first, std::min(units, first + chunk));
+    }
+    barrier->wait();
+  }
+};
+
+// ---- the model, as load decided it ----
+
+enum NormKind : int { kNoNorm = 0, kRmsNorm = 1, kLayerNorm = 2 };
+
+struct Norm {
+  int kind = kNoNorm;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  float eps = 0.f;
+  int64_t dim = 0;
+
+  void apply(const float* x, float* out) const {
+    if (kind == kRmsNorm) return rows::rms_norm(x, weight, eps, dim, out);
+    if (kind == kLayerNorm) return rows::layer_norm(x, weight, bias, eps, dim, out);
+    if (out != x) std::copy(x, x + dim, out);
+  }
+};
+
+// One weight of a projection, writing output columns column .. column + w.n - 1.
+struct Part {
+  PackedMatrix w;
+  const float* bias;
+  int64_t column;
+  bool int8_activations;
+};
+
+// x @ W^T (+ bias) for weights stacked along the output (q, k, v; gate and up), each part its own
+// packing (a Q4_K_M file's Q6_K v beside Q4_K q and k).
+struct Projection {
+  std::vector<Part> parts;
+  int64_t in = 0, out = 0;
+
+  bool reads(XForm form) const {
+    for (const Part& p : parts) {
+      if (x_form(p.w.packing, p.int8_activations) == form) return true;
+    }
+    return false;
+  }
+};
+
+enum FeedForward : int { kPlain = 0, kGated = 1 };  // down(act(up x)); down(act(gate x) * up x)
+
+struct Layer {
+  Norm attn_norm, attn_out_norm, ffn_norm, ffn_out_norm, q_norm, k_norm;
+  Projection qkv, out, up, down;  // gated: up's output is gate | up (d_ff columns each)
+  int rope = -1;                  // the rotary table of this layer, or none
+  float scale = 1.f, softcap = 0.f;
+  int64_t window_left = -1;
+  int feed_forward = kPlain, activation = rows::kSilu;
+};
+
+struct Embedding {
+  PackedMatrix table{};
+  float scale = 1.f;  // 1: none
+  const float* positions = nullptr;  // learned absolute positions (max_positions, d), or none
+  int64_t max_positions = 0;
+};
+
+// One layer's share of the KV cache, as the pool (Hk, blocks, block_size, D).
+struct CacheView {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  bool half = false;
+  int64_t blocks = 0, block_size = 0;
+  int64_t k_strides[3] = {0, 0, 0}, v_strides[3] = {0, 0, 0};  // head, block, position
+};
+
+// The call's buffers, grown as the largest call asks (never shrunk).
+struct Arena {
+  std::vector<float> x, h, qkv, attn, o, ff, act, lse, head_in, rope;
+  std::vector<int8_t> q32, q256;
+  std::vector<float> d32, s32, d256, sums32;
+  std::vector<int32_t> offset32;
+  std::vector<int16_t> sums256;
+};
+
+template <class T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
+  const at::Tensor c = t.contiguous();
+  TORCH_CHECK(c.scalar_type() == at::kInt || c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ",
+              c.scalar_type());
+  const at::Tensor l = c.scalar_type() == at::kLong ? c : c.to(at::kLong);
+  return std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+}
+
+class NativeDecoder : public torch::CustomClassHolder {
+ public:
+  NativeDecoder(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t vocab_size,
+                int64_t n_layers)
+      : d_model_(d_model), n_heads_(n_heads), n_kv_heads_(n_kv_heads), head_dim_(head_dim), vocab_(vocab_size),
+        layers_(n_layers) {
+    TORCH_CHECK(d_model > 0 && n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0 &&
+                    vocab_size > 0 && n_layers > 0,
+                "NativeDecoder: expected positive sizes with n_heads a multiple of n_kv_heads, got d_model=", d_model,
+                " n_heads=", n_heads, " n_kv_heads=", n_kv_heads, " head_dim=", head_dim, " vocab_size=", vocab_size,
+                " n_layers=", n_layers);
+    caches_.resize(n_layers);
+  }
+
+  // ---- building (model/native.py calls these once, at load) ----
+
+  void set_embedding(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t packing, int64_t rows,
+                     int64_t dim, int64_t groups, int64_t nb, double scale) {
+    embedding_.table = packed(data, scales, packing, rows, dim, groups, nb);
+    TORCH_CHECK(rows == vocab_ && dim == d_model_, "set_embedding: expected a (", vocab_, ", ", d_model_,
+                ") table, got (", rows, ", ", dim, ")");
+    embedding_.scale = static_cast<float>(scale);
+  }
+
+  void set_positions(const at::Tensor& table) {
+    check_floats(table, "positions", -1, d_model_);
+    embedding_.positions = hold(table).data_ptr<float>();
+    embedding_.max_positions = table.size(0);
+  }
+
+  // Rotary table `index` (0: every RoPE layer's, 1: the sliding-window layers' own): its inverse
+  // frequencies (rotary_dim / 2,), the same for every layer that reads it.
+  void set_rotary(int64_t index, const at::Tensor& inv_freq) {
+    TORCH_CHECK(index == 0 || index == 1, "set_rotary: index 0 or 1, got ", index);
+    check_floats(inv_freq, "inv_freq", -1, -1);
+    TORCH_CHECK(inv_freq.dim() == 1 && 2 * inv_freq.size(0) <= head_dim_, "inv_freq: expected (rotary_dim / 2,) with ",
+                "rotary_dim <= head_dim ", head_dim_, ", got ", inv_freq.sizes());
+    TORCH_CHECK(rotary_half_ == 0 || rotary_half_ == inv_freq.size(0), "inv_freq: every table has the same length");
+    rotary_half_ = inv_freq.size(0);
+    inv_freq_[index].assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + rotary_half_);
+  }
+
+  // which: "attn", "attn_out", "ffn", "ffn_out", "q", "k" of a layer, or "final" (layer -1).
+  void set_norm(int64_t layer, const std::string& which, int64_t kind, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, double eps) {
+    Norm* norm = norm_slot(layer, which);
+    const int64_t dim = which == "q" || which == "k" ? head_dim_ : d_model_;
+    TORCH_CHECK(kind == kRmsNorm || kind == kLayerNorm, "set_norm: kind 1 (RMSNorm) or 2 (LayerNorm), got ", kind);
+    check_floats(weight, "weight", dim, -1);
+    norm->kind = static_cast<int>(kind), norm->weight = hold(weight).data_ptr<float>(), norm->dim = dim;
+    norm->eps = static_cast<float>(eps);
+    if (kind == kLayerNorm) {
+      TORCH_CHECK(bias.has_value(), "set_norm: a LayerNorm needs its bias");
+      check_floats(*bias, "bias", dim, -1);
+      norm->bias = hold(*bias).data_ptr<float>();
+    }
+  }
+
+  // which: "qkv", "out", "up", "down" of a layer, or "head" (layer -1). A part's rows follow the
+  // ones added before it.
+  void add_part(int64_t layer, const std::string& which, int64_t packing, const at::Tensor& data,
+                const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& bias, int64_t n, int64_t k,
+                int64_t groups, int64_t nb, bool int8_activations) {
+    Projection* projection = projection_slot(layer, which);
+    const PackedMatrix w = packed(data, scales, packing, n, k, groups, nb);
+    TORCH_CHECK(projection->parts.empty() || projection->in == k, "add_part: ", which, " of layer ", layer,
+                " reads ", projection->in, " inputs; this part reads ", k);
+    const float* b = nullptr;
+    if (bias) {
+      check_floats(*bias, "bias", n, -1);
+      b = hold(*bias).data_ptr<float>();
+    }
+    projection->parts.push_back({w, b, projection->out, int8_activations});
+    projection->in = k;
+    projection->out += n;
+  }
+
+  void set_attention(int64_t layer, int64_t rope, double scale, double softcap, int64_t window_left) {
+    Layer& l = at_layer(layer);
+    TORCH_CHECK(rope >= -1 && rope <= 1, "set_attention: rope -1, 0 or 1, got ", rope);
+    l.rope = static_cast<int>(rope), l.scale = static_cast<float>(scale), l.softcap = static_cast<float>(softcap);
+    l.window_left = window_left;
+  }
+
+  void set_feed_forward(int64_t layer, int64_t kind, int64_t activation) {
+    Layer& l = at_layer(layer);
+    TORCH_CHECK(kind == kPlain || kind == kGated, "set_feed_forward: kind 0 (plain) or 1 (gated), got ", kind);
+    TORCH_CHECK(activation >= rows::kRelu && activation <= rows::kSilu, "set_feed_forward: activation 0..3, got ",
+                activation);
+    l.feed_forward = static_cast<int>(kind), l.activation = static_cast<int>(activation);
+  }
+
+  void set_logit_softcap(double cap) { logit_softcap_ = static_cast<float>(cap); }
+
+  // Checks that every layer is whole; after it, the decoder runs.
+  void finish() {
+    TORCH_CHECK(embedding_.table.data != nullptr, "NativeDecoder: no embedding");
+    TORCH_CHECK(head_.out == vocab_ && head_.in == d_model_, "NativeDecoder: the head must map ", d_model_, " to ",
+                vocab_, ", got ", head_.in, " to ", head_.out);
+    const int64_t q_width = n_heads_ * head_dim_, kv_width = n_kv_heads_ * head_dim_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      TORCH_CHECK(l.attn_norm.kind != kNoNorm && l.ffn_norm.kind != kNoNorm, "layer ", i, ": no pre-norm");
+      TORCH_CHECK(l.qkv.in == d_model_ && l.qkv.out == q_width + 2 * kv_width, "layer ", i, ": qkv maps ", l.qkv.in,
+                  " to ", l.qkv.out, ", expected ", d_model_, " to ", q_width + 2 * kv_width);
+      TORCH_CHECK(l.out.in == q_width && l.out.out == d_model_, "layer ", i, ": out maps ", l.out.in, " to ",
+                  l.out.out);
+      const int64_t d_ff = l.down.in;
+      TORCH_CHECK(l.up.in == d_model_ && l.up.out == (l.feed_forward == kGated ? 2 : 1) * d_ff &&
+                      l.down.out == d_model_,
+                  "layer ", i, ": the feed-forward's shapes do not fit (up ", l.up.in, " -> ", l.up.out, ", down ",
+                  l.down.in, " -> ", l.down.out, ")");
+      TORCH_CHECK(l.rope < 0 || !inv_freq_[l.rope].empty(), "layer ", i, ": rotary table ", l.rope, " is not set");
+      max_width_ = std::max({max_width_, l.up.out, d_ff});
+    }
+    TORCH_CHECK(final_norm_.kind != kNoNorm, "NativeDecoder: no final norm");
+    ready_ = true;
+  }
+
+  // The KV cache: one (Hk, blocks, block_size, D) pool per layer, float32 or float16, any strides
+  // but a contiguous last dim. The decoder reads and writes them in place.
+  void bind_cache(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "bind_cache: expected ", layers_.size(),
+                " key and value pools, got ", k.size(), " and ", v.size());
+    held_cache_.clear();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const at::Tensor &kp = k[i], &vp = v[i];
+      TORCH_CHECK(kp.dim() == 4 && vp.sizes() == kp.sizes() && kp.size(0) == n_kv_heads_ && kp.size(3) == head_dim_ &&
+                      kp.stride(3) == 1 && vp.stride(3) == 1 && kp.scalar_type() == vp.scalar_type() &&
+                      (kp.scalar_type() == at::kFloat || kp.scalar_type() == at::kHalf) && kp.device().is_cpu(),
+                  "bind_cache: layer ", i, ": expected float32 or float16 pools (", n_kv_heads_, ", blocks, block_size, ",
+                  head_dim_, ") with a contiguous last dim, got ", kp.sizes(), " ", kp.scalar_type(), " and ",
+                  vp.sizes(), " ", vp.scalar_type());
+      CacheView& c = caches_[i];
+      c.k = kp.data_ptr(), c.v = vp.data_ptr(), c.half = kp.scalar_type() == at::kHalf;
+      c.blocks = kp.size(1), c.block_size = kp.size(2);
+      for (int j = 0; j < 3; ++j) c.k_strides[j] = kp.stride(j), c.v_strides[j] = vp.stride(j);
+      held_cache_.push_back(kp), held_cache_.push_back(vp);
+    }
+    cache_bound_ = true;
+  }
+
+  // ---- running ----
+
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_starts,
+                     const at::Tensor& seq_lens, const at::Tensor& block_tables, const at::Tensor& slots,
+                     const std::optional<at::Tensor>& key_padding, const at::Tensor& logit_rows) {
+    TORCH_CHECK(ready_, "NativeDecoder: finish() was not called");
+    TORCH_CHECK(cache_bound_, "NativeDecoder: no KV cache bound (bind_cache)");
+    Call call = check_call(tokens, positions, q_starts, seq_lens, block_tables, slots, key_padding, logit_rows);
+    at::Tensor logits = at::empty({static_cast<int64_t>(call.logit_rows.size()), vocab_}, at::kFloat);
+    call.logits = logits.data_ptr<float>();
+    run(call);
+    return logits;
+  }
+
+  int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  // One call's inputs, checked and read into plain memory.
+  struct Call {
+    int64_t T = 0, S = 0, max_blocks = 0;
+    std::vector<int64_t> tokens, positions, starts, lengths, tables, slots, logit_rows;
+    const bool* padding = nullptr;
+    int64_t padding_len = 0;
+    at::Tensor padding_tensor;
+    std::vector<Task> tasks;
+    float* logits = nullptr;
+  };
+
+  Call check_call(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_starts,
+                  const at::Tensor& seq_lens, const at::Tensor& block_tables, const at::Tensor& slots,
+                  const std::optional<at::Tensor>& key_padding, const at::Tensor& logit_rows) {
+    Call c;
+    TORCH_CHECK(tokens.dim() == 1 && tokens.numel() > 0, "tokens: expected (T,) with T >= 1, got ", tokens.sizes());
+    c.T = tokens.size(0);
+    c.tokens = index_values(tokens, "tokens");
+    c.positions = index_values(positions, "positions");
+    c.slots = index_values(slots, "slots");
+    TORCH_CHECK(static_cast<int64_t>(c.positions.size()) == c.T && static_cast<int64_t>(c.slots.size()) == c.T,
+                "positions, slots: expected (", c.T, ",) like tokens, got ", positions.sizes(), " and ", slots.sizes());
+    TORCH_CHECK(block_tables.dim() == 2, "block_tables: expected (S, max_blocks), got ", block_tables.sizes());
+    c.S = block_tables.size(0), c.max_blocks = block_tables.size(1);
+    c.tables = index_values(block_tables, "block_tables");
+    c.lengths = index_values(seq_lens, "seq_lens");
+    c.starts = index_values(q_starts, "q_starts");
+    c.logit_rows = index_values(logit_rows, "logit_rows");
+    TORCH_CHECK(static_cast<int64_t>(c.lengths.size()) == c.S && static_cast<int64_t>(c.starts.size()) == c.S + 1,
+                "seq_lens (S,) and q_starts (S + 1,) must match block_tables' S = ", c.S, ", got ", seq_lens.sizes(),
+                " and ", q_starts.sizes());
+    TORCH_CHECK(c.starts[0] == 0 && c.starts[c.S] == c.T, "q_starts: expected to run from 0 to T = ", c.T);
+    const CacheView& cache = caches_[0];
+    for (int64_t s = 0; s < c.S; ++s) {
+      const int64_t n = c.starts[s + 1] - c.starts[s];
+      TORCH_CHECK(n >= 0 && c.lengths[s] >= n, "q_starts, seq_lens: sequence ", s, " has ", n, " new tokens and ",
+                  c.lengths[s], " keys");
+      const int64_t used = (c.lengths[s] + cache.block_size - 1) / cache.block_size;
+      TORCH_CHECK(used <= c.max_blocks, "block_tables: sequence ", s, " holds ", c.lengths[s], " keys, more than ",
+                  c.max_blocks, " blocks of ", cache.block_size);
+      for (int64_t j = 0; j < used; ++j) {
+        const int64_t block = c.tables[s * c.max_blocks + j];
+        TORCH_CHECK(block >= 0 && block < cache.blocks, "block_tables: block ", block, " of sequence ", s,
+                    " is outside the cache's ", cache.blocks);
+      }
+    }
+    for (int64_t t = 0; t < c.T; ++t) {
+      TORCH_CHECK(c.tokens[t] >= 0 && c.tokens[t] < vocab_, "tokens: id ", c.tokens[t], " is outside the vocabulary of ",
+                  vocab_);
+      TORCH_CHECK(c.positions[t] >= 0, "positions: expected >= 0, got ", c.positions[t]);
+      TORCH_CHECK(!embedding_.positions || c.positions[t] < embedding_.max_positions, "positions: ", c.positions[t],
+                  " is past the ", embedding_.max_positions, " learned positions");
+      TORCH_CHECK(c.slots[t] >= 0 && c.slots[t] < cache.blocks * cache.block_size, "slots: ", c.slots[t],
+                  " is outside the cache's ", cache.blocks * cache.block_size, " slots");
+    }
+    for (int64_t r : c.logit_rows) {
+      TORCH_CHECK(r >= 0 && r < c.T, "logit_rows: row ", r, " is not one of the ", c.T, " tokens");
+    }
+    if (key_padding) {
+      TORCH_CHECK(key_padding->dim() == 2 && key_padding->size(0) == c.S && key_padding->scalar_type() == at::kBool,
+                  "key_padding: expected (S, L) bool for S = ", c.S, ", got ", key_padding->sizes(), " ",
+                  key_padding->scalar_type());
+      c.padding_tensor = key_padding->contiguous();
+      c.padding = c.padding_tensor.data_ptr<bool>();
+      c.padding_len = key_padding->size(1);
+      for (int64_t s = 0; s < c.S; ++s) {
+        TORCH_CHECK(c.lengths[s] <= c.padding_len, "key_padding: ", c.padding_len, " keys for a sequence of ",
+                    c.lengths[s]);
+      }
+    }
+    c.tasks = attention_tasks(c.S, c.starts.data(), c.lengths.data(), n_kv_heads_, true);
+    return c;
+  }
+
+  void run(Call& c) {
+    const int64_t T = c.T, R = static_cast<int64_t>(c.logit_rows.size());
+    const int64_t q_width = n_heads_ * head_dim_, qkv_width = q_width + 2 * n_kv_heads_ * head_dim_;
+    const int64_t width = std::max({d_model_, q_width, max_width_});
+    const int64_t padded = (width + kSuper - 1) / kSuper * kSuper;
+    Arena& a = arena_;
+    grow(a.x, T * d_model_), grow(a.h, T * d_model_), grow(a.qkv, T * qkv_width), grow(a.attn, T * q_width);
+    grow(a.o, T * d_model_), grow(a.ff, T * max_width_), grow(a.act, T * max_width_), grow(a.lse, T * n_heads_);
+    grow(a.head_in, std::max<int64_t>(1, R) * d_model_), grow(a.rope, 2 * T * 2 * std::max<int64_t>(1, rotary_half_));
+    grow(a.q32, T * padded), grow(a.d32, T * padded / kBlock), grow(a.s32, T * padded / kBlock);
+    grow(a.offset32, T * padded / kBlock), grow(a.sums32, T * padded / kBlock);
+    grow(a.q256, T * padded), grow(a.d256, T * padded / kSuper), grow(a.sums256, T * padded / 16);
+
+    const int threads = std::max(1, at::get_num_threads());
+    const int64_t steps = 8 + static_cast<int64_t>(layers_.size()) * 12;  // (11 a layer)
+    counters_ = std::vector<Counter>(steps);
+    grow(scratch_, threads);
+    barrier_.reset(threads);
+    const int isa = use_isa().load();
+#pragma omp parallel num_threads(threads)
+    {
+      const int team = omp_get_num_threads();
+      if (team != threads) {  // (every thread sees the same team)
+        if (omp_get_thread_num() == 0) barrier_.reset(team);
+#pragma omp barrier
+      }
+      Worker w{omp_get_thread_num(), team, &barrier_, counters_.data()};
+      program(w, c, isa);
+    }
+  }
+
+  // The program every thread runs: the same steps in the same order.
+  void program(Worker& w, const Call& c, int isa) {
+    const int64_t T = c.T, d = d_model_;
+    Arena& a = arena_;
+    Scratch& scratch = scratch_[w.thread];
+    // the embeddings and the RoPE tables of this call's positions
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        float* x = a.x.data() + t * d;
+        dequantize_row(embedding_.table, c.tokens[t], x);
+        if (embedding_.scale != 1.f) rows::scale(x, embedding_.scale, d);
+        if (embedding_.positions) rows::add(x, embedding_.positions + c.positions[t] * d, d);
+        for (int table = 0; table < 2; ++table) {
+          if (inv_freq_[table].empty()) continue;
+          float* cs = rope_row(table, t, T);
+          for (int64_t i = 0; i < rotary_half_; ++i) {
+            const float angle = static_cast<float>(c.positions[t]) * inv_freq_[table][i];
+            cs[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+            cs[rotary_half_ + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+          }
+        }
+      }
+    });
+    for (size_t i = 0; i < layers_.size(); ++i) layer(w, c, layers_[i], caches_[i], isa, scratch);
+    // the rows whose logits are asked: the final norm, the head, the softcap
+    const int64_t R = static_cast<int64_t>(c.logit_rows.size());
+    ProductX head_x = product_x(a.head_in.data(), R, d);
+    w.run(R, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        final_norm_.apply(a.x.data() + c.logit_rows[r] * d, a.head_in.data() + r * d);
+        prepare_row(head_, head_x, r);
+      }
+    });
+    project(w, head_, head_x, c.logits, vocab_, isa);
+    if (logit_softcap_ > 0.f) {
+      w.run(R, [&](int64_t first, int64_t last) {
+        for (int64_t r = first; r < last; ++r) rows::softcap(c.logits + r * vocab_, logit_softcap_, vocab_);
+      });
+    }
+  }
+
+  void layer(Worker& w, const Call& c, const Layer& l, const CacheView& cache, int isa, Scratch& scratch) {
+    const int64_t T = c.T, d = d_model_, D = head_dim_;
+    const int64_t q_width = n_heads_ * D, kv_width = n_kv_heads_ * D, qkv_width = q_width + 2 * kv_width;
+    Arena& a = arena_;
+    // 1. h = attn_norm(x), made ready for the q/k/v product
+    ProductX hx = product_x(a.h.data(), T, d);
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        l.attn_norm.apply(a.x.data() + t * d, a.h.data() + t * d);
+        prepare_row(l.qkv, hx, t);
+      }
+    });
+    // 2. q, k, v
+    project(w, l.qkv, hx, a.qkv.data(), qkv_width, isa);
+    // 3. the head norms and RoPE on q and k; k and v into the cache
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        float* row = a.qkv.data() + t * qkv_width;
+        const float* cs = l.rope >= 0 ? rope_row(l.rope, t, T) : nullptr;
+        for (int64_t h = 0; h < n_heads_ + n_kv_heads_; ++h) {
+          float* head = row + h * D;
+          const Norm& norm = h < n_heads_ ? l.q_norm : l.k_norm;
+          if (norm.kind != kNoNorm) norm.apply(head, head);
+          if (cs) rows::rotate(head, cs, cs + rotary_half_, rotary_half_);
+        }
+        const int64_t slot = c.slots[t];
+        const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
+        for (int64_t h = 0; h < n_kv_heads_; ++h) {
+          write_cache(cache.k, cache.half, cache.k_strides, h, block, offset, row + q_width + h * D, D);
+          write_cache(cache.v, cache.half, cache.v_strides, h, block, offset, row + q_width + kv_width + h * D, D);
+        }
+      }
+    });
+    // 4. attention, a task per (sequence, KV head, slice of queries)
+    Problem p{};
+    p.q = a.qkv.data(), p.q_row_stride = qkv_width;
+    p.k = cache.k, p.v = cache.v, p.half_kv = cache.half;
+    p.out = a.attn.data(), p.lse = a.lse.data();
+    p.q_heads = n_heads_, p.kv_heads = n_kv_heads_, p.dim = D, p.dim_v = D, p.block_size = cache.block_size;
+    p.k_head_stride = cache.k_strides[0], p.k_block_stride = cache.k_strides[1], p.k_pos_stride = cache.k_strides[2];
+    p.v_head_stride = cache.v_strides[0], p.v_block_stride = cache.v_strides[1], p.v_pos_stride = cache.v_strides[2];
+    p.scale = l.scale, p.softcap = l.softcap, p.causal = true;
+    p.key_padding = c.padding, p.padding_len = c.padding_len;
+    p.window_left = l.window_left, p.window_right = -1;
+    const int64_t n_tasks = static_cast<int64_t>(c.tasks.size());
+    w.run(n_tasks, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const Task& task = c.tasks[i];
+        attend_task(p, task, c.tables.data() + task.b * c.max_blocks, scratch);
+      }
+    });
+    // 5. the output projection
+    ProductX attn_x = product_x(a.attn.data(), T, q_width);
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) prepare_row(l.out, attn_x, t);
+    });
+    project(w, l.out, attn_x, a.o.data(), d, isa);
+    // 6. x += attn_out_norm(o); h = ffn_norm(x)
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        float* x = a.x.data() + t * d;
+        float* o = a.o.data() + t * d;
+        l.attn_out_norm.apply(o, o);
+        rows::add(x, o, d);
+        l.ffn_norm.apply(x, a.h.data() + t * d);
+        prepare_row(l.up, hx, t);
+      }
+    });
+    // 7. the feed-forward: up (gate | up), act, down
+    project(w, l.up, hx, a.ff.data(), l.up.out, isa);
+    const int64_t d_ff = l.down.in;
+    ProductX act_x = product_x(a.act.data(), T, d_ff);
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        const float* ff = a.ff.data() + t * l.up.out;
+        rows::activate(ff, l.feed_forward == kGated ? ff + d_ff : nullptr, l.activation, d_ff,
+                       a.act.data() + t * d_ff);
+        prepare_row(l.down, act_x, t);
+      }
+    });
+    project(w, l.down, act_x, a.o.data(), d, isa);
+    // 8. x += ffn_out_norm(down)
+    w.run(T, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        float* o = a.o.data() + t * d;
+        l.ffn_out_norm.apply(o, o);
+        rows::add(a.x.data() + t * d, o, d);
+      }
+    });
+  }
+
+  // x (rows, k) at `data`, with the arena's memory for its prepared forms.
+  ProductX product_x(const float* data, int64_t rows, int64_t k) {
+    ProductX x;
+    Arena& a = arena_;
+    x.x = data, x.rows = rows, x.k = k;
+    x.blocks32 = {k / kBlock, a.q32.data(), a.d32.data(), a.s32.data(), a.offset32.data()};
+    x.blocks256 = {k / kSuper, a.q256.data(), a.d256.data(), a.sums256.data()};
+    x.sums32 = a.sums32.data();
+    return x;
+  }
+
+  // Row t of x in every form the projection's parts read.
+  static void prepare_row(const Projection& projection, ProductX& x, int64_t t) {
+    for (XForm form : {kXBlocks32, kXBlocks256, kXSums32}) {
+      if (!projection.reads(form)) continue;
+      const int64_t per_row = x.k / form_block(form);
+      prepare_x(form, x, t * per_row, (t + 1) * per_row);
+    }
+  }
+
+  // out (rows, ld) = x @ W^T (+ bias): every part's units, claimed by the threads as one list.
+  void project(Worker& w, const Projection& projection, const ProductX& x, float* out, int64_t ld, int isa) {
+    int64_t offsets[8];
+    const size_t parts = projection.parts.size();
+    int64_t units = 0;
+    for (size_t i = 0; i < parts; ++i) {
+      offsets[i] = units;
+      const Part& p = projection.parts[i];
+      units += product_units(p.w, x.rows, p.int8_activations, isa);
+    }
+    w.run(units, [&](int64_t first, int64_t last) {
+      for (size_t i = 0; i < parts; ++i) {
+        const int64_t end = i + 1 < parts ? offsets[i + 1] : units;
+        const int64_t lo = std::max(first, offsets[i]), hi = std::min(last, end);
+        if (lo >= hi) continue;
+        const Part& p = projection.parts[i];
+        const OutputMatrix result{out + p.column, p.w.n, p.bias, ld};
+        product_run(p.w, x, result, p.int8_activations, isa, lo - offsets[i], hi - offsets[i]);
+      }
+    });
+  }
+
+  float* rope_row(int table, int64_t t, int64_t T) {
+    return arena_.rope.data() + (static_cast<int64_t>(table) * T + t) * 2 * rotary_half_;
+  }
+
+  // One head's D values at (head h, block, offset) of a pool, rounded to float16 (to nearest even,
+  // as torch's .half()) for a half cache.
+  static void write_cache(const void* pool, bool half, const int64_t* strides, int64_t h, int64_t block,
+                          int64_t offset, const float* values, int64_t dim) {
+    const int64_t at = h * strides[0] + block * strides[1] + offset * strides[2];
+    if (half) {
+      uint16_t* dst = static_cast<uint16_t*>(const_cast<void*>(pool)) + at;
+      for (int64_t j = 0; j < dim; ++j) dst[j] = c10::detail::fp16_ieee_from_fp32_value(values[j]);
+      return;
+    }
+    float* dst = static_cast<float*>(const_cast<void*>(pool)) + at;
+    std::copy(values, values + dim, dst);
+  }
+
+  // ---- building's helpers ----
+
+  const at::Tensor& hold(const at::Tensor& t) {
+    held_.push_back(t);
+    return held_.back();
+  }
+
+  static void check_floats(const at::Tensor& t, const char* name, int64_t first, int64_t second) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
+                ": expected a contiguous float32 CPU tensor, got ", t.sizes(), " ", t.scalar_type());
+    TORCH_CHECK(first < 0 || t.size(0) == first, name, ": expected ", first, " rows, got ", t.sizes());
+    TORCH_CHECK(second < 0 || (t.dim() == 2 && t.size(1) == second), name, ": expected ", second,
+                " columns, got ", t.sizes());
+  }
+
+  PackedMatrix packed(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t packing, int64_t n,
+                      int64_t k, int64_t groups, int64_t nb) {
+    TORCH_CHECK(packing >= kFloat32 && packing <= kQ6K, "packing: expected 0..7, got ", packing);
+    TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "data: expected a contiguous CPU tensor");
+    const Packing kind = static_cast<Packing>(packing);
+    int64_t bytes = 0;  // the data's size for this packing and shape
+    switch (kind) {
+      case kFloat32:
+        TORCH_CHECK(data.scalar_type() == at::kFloat && groups == n && nb == k, "float32 data: (n, k) float32");
+        bytes = n * k * 4;
+        break;
+      case kInt4:
+        bytes = groups * nb * 128;
+        break;
+      case kInt5:
+        bytes = groups * nb * 160;
+        break;
+      case kInt8PerBlock:
+      case kInt8PerRow:
+        bytes = groups * nb * 128;
+        break;
+      case kQ4K:
+        bytes = n * nb * 144;
+        break;
+      case kQ5K:
+        bytes = n * nb * 176;
+        break;
+      case kQ6K:
+        bytes = n * nb * 210;
+        break;
+    }
+    TORCH_CHECK(data.nbytes() == static_cast<size_t>(bytes), "data: expected ", bytes, " bytes for packing ", packing,
+                " of (", n, ", ", k, ") in ", groups, " groups of ", nb, " blocks, got ", data.nbytes());
+    const bool needs_scales = kind >= kInt4 && kind <= kInt8PerRow;
+    TORCH_CHECK(needs_scales == scales.has_value(), "scales: packing ", packing,
+                needs_scales ? " needs its scales" : " has none");
+    const void* scale_data = nullptr;
+    if (scales) {
+      TORCH_CHECK(scales->is_contiguous(), "scales: expected a contiguous tensor");
+      scale_data = hold(*scales).data_ptr();
+    }
+    return {kind, hold(data).data_ptr(), scale_data, n, k, groups, nb};
+  }
+
+  Layer& at_layer(int64_t layer) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "layer: expected 0..",
+                layers_.size() - 1, ", got ", layer);
+    return layers_[layer];
+  }
+
+  Norm* norm_slot(int64_t layer, const std::string& which) {
+    if (layer == -1 && which == "final") return &final_norm_;
+    Layer& l = at_layer(layer);
+    if (which == "attn") return &l.attn_norm;
+    if (which == "attn_out") return &l.attn_out_norm;
+    if (which == "ffn") return &l.ffn_norm;
+    if (which == "ffn_out") return &l.ffn_out_norm;
+    if (which == "q") return &l.q_norm;
+    if (which == "k") return &l.k_norm;
+    TORCH_CHECK(false, "set_norm: which is one of attn, attn_out, ffn, ffn_out, q, k (or final), got ", which);
+  }
+
+  Projection* projection_slot(int64_t layer, const std::string& which) {
+    if (layer == -1 && which == "head") return &head_;
+    Layer& l = at_layer(layer);
+    if (which == "qkv") return &l.qkv;
+    if (which == "out") return &l.out;
+    if (which == "up") return &l.up;
+    if (which == "down") return &l.down;
+    TORCH_CHECK(false, "add_part: which is one of qkv, out, up, down (or head), got ", which);
+  }
+
+  int64_t d_model_, n_heads_, n_kv_heads_, head_dim_, vocab_;
+  std::vector<Layer> layers_;
+  Embedding embedding_;
+  Norm final_norm_;
+  Projection head_;
+  float logit_softcap_ = 0.f;
+  std::vector<float> inv_freq_[2];
+  int64_t rotary_half_ = 0;
+  int64_t max_width_ = 0;
+  bool ready_ = false, cache_bound_ = false;
+  std::vector<CacheView> caches_;
+  std::vector<at::Tensor> held_, held_cache_;
+  // the call's working memory
+  Arena arena_;
+  std::vector<Counter> counters_;
+  std::vector<Scratch> scratch_;
+  Barrier barrier_;
+};
+
+}  // namespace
+}  // namespace flashformer_cpu
+
+TORCH_LIBRARY_FRAGMENT(flashformer, m) {
+  using flashformer_cpu::NativeDecoder;
+  m.class_<NativeDecoder>("NativeDecoder")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>())
+      .def("set_embedding", &NativeDecoder::set_embedding)
+      .def("set_positions", &NativeDecoder::set_positions)
+      .def("set_rotary", &NativeDecoder::set_rotary)
+      .def("set_norm", &NativeDecoder::set_norm)
+      .def("add_part", &NativeDecoder::add_part)
+      .def("set_attention", &NativeDecoder::set_attention)
+      .def("set_feed_forward", &NativeDecoder::set_feed_forward)
+      .def("set_logit_softcap", &NativeDecoder::set_logit_softcap)
+      .def("finish", &NativeDecoder::finish)
+      .def("bind_cache", &NativeDecoder::bind_cache)
+      .def("forward", &NativeDecoder::forward)
+      .def("n_layers", &NativeDecoder::n_layers);
+}

@@ -1,0 +1,213 @@
+// One matrix product out = x @ W^T (+ bias) as units of work that any thread may take, in any order.
+//
+// The operators of quantized_cpu.cpp and kquants_cpu.cpp hand a product's units to at::parallel_for;
+// the native decoder (decoder_cpu.cpp) hands them to the threads of its step. A unit writes its own
+// output rows for every x row, and what it computes depends on the packing, the number of x rows and
+// the ISA only, never on the thread, the other units or the rows' batch: so the operators and the
+// decoder give the same bits, and a row's result is the same alone or among others.
+//
+// Each packing reads x in one form, prepared before its units run (prepare_x, in ranges too):
+//   int4, int5, int8 with int8 activations   x quantized per block of 32 (Int8Rows)
+//   Q4_K, Q5_K, Q6_K with int8 activations   x quantized per block of 256 (SuperRows, llama.cpp's Q8_K)
+//   int4, int5 with float activations        x and each block of 32's float sum
+//   the rest                                 x as it is
+
+#pragma once
+
+#include "quantized_common.h"
+
+namespace flashformer_cpu {
+
+constexpr int64_t kSuper = 256;  // values per K-quant block (GGUF's QK_K)
+
+// x (M, K) quantized per block of 32: x[m, 32 b + j] ~ d[m, b] * q[m, b, j], q in [-127, 127].
+// A view: the caller owns the memory (Int8RowsStorage, or the decoder's arena).
+struct Int8Rows {
+  int64_t blocks = 0;  // per row
+  int8_t* q = nullptr;            // (M, blocks, 32)
+  float* d = nullptr;             // (M, blocks)
+  float* s = nullptr;             // (M, blocks): d * sum_j q[j], what an int4 block's minimum multiplies
+  int32_t* offset = nullptr;      // (M, blocks): -128 * sum_j q[j], VNNI's int8 kernel's starting sum
+  const int8_t* quants(int64_t block) const { return q + block * kBlock; }  // (32,)
+};
+
+// x (M, K) quantized per block of 256: x[m, 256 b + v] ~ d[m, b] * q[m, b, v], q in [-127, 127].
+struct SuperRows {
+  int64_t blocks = 0;
+  int8_t* q = nullptr;       // (M, blocks, 256)
+  float* d = nullptr;        // (M, blocks)
+  int16_t* sums = nullptr;   // (M, blocks, 16): each 16 quants' sum
+  const int8_t* quants(int64_t block) const { return q + block * kSuper; }
+  const int16_t* sums16(int64_t block) const { return sums + block * 16; }
+};
+
+// How a layer holds its weight (the layouts: kernels/quantized.py and gguf_blocks.py).
+enum Packing : int {
+  kFloat32 = 0,      // data float32 (n, k), row-major
+  kInt4 = 1,         // data uint8 (groups, nb, 8, 16), scales float16 (groups, nb, 2, 8)
+  kInt5 = 2,         // data uint8 (groups, nb, 160), scales as int4's
+  kInt8PerBlock = 3, // data int8 (groups, nb, 4, 32), scales float16 (groups, nb, 4)
+  kInt8PerRow = 4,   // data int8 (groups, nb, 4, 32), scales float32 (groups * 4,)
+  kQ4K = 5,          // data uint8 (n, nb, 144): the file's blocks; no scales
+  kQ5K = 6,          // (n, nb, 176)
+  kQ6K = 7,          // (n, nb, 210)
+};
+
+// One (n, k) weight: n output rows in `groups` groups (rows interleaved by the packing; float32
+// and the K-quants: one row a group), k inputs in nb blocks (float32: k "blocks" of one).
+struct PackedMatrix {
+  Packing packing;
+  const void* data;
+  const void* scales;  // or nullptr
+  int64_t n, k, groups, nb;
+};
+
+// The form of x a packing's kernels read (see the top of the file).
+enum XForm : int { kXFloat = 0, kXBlocks32 = 1, kXBlocks256 = 2, kXSums32 = 3 };
+
+inline XForm x_form(Packing packing, bool int8_activations) {
+  switch (packing) {
+    case kFloat32:
+      return kXFloat;
+    case kInt4:
+    case kInt5:
+      return int8_activations ? kXBlocks32 : kXSums32;
+    case kInt8PerBlock:
+    case kInt8PerRow:
+      return int8_activations ? kXBlocks32 : kXFloat;
+    default:
+      return int8_activations ? kXBlocks256 : kXFloat;
+  }
+}
+
+// What a product reads of x (M, K): the floats, and the prepared form its packing wants.
+struct ProductX {
+  const float* x = nullptr;
+  int64_t rows = 0, k = 0;
+  Int8Rows blocks32;
+  SuperRows blocks256;
+  float* sums32 = nullptr;  // (M, K / 32): each block of 32's float sum, added in index order
+};
+
+// Preparing x: items first .. last - 1 of the form's (rows * K / block) blocks, on any thread.
+void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& out);
+void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& out);
+void sum_blocks32(const float* x, int64_t first, int64_t last, float* sums);
+
+inline int64_t form_block(XForm form) { return form == kXBlocks256 ? kSuper : kBlock; }
+
+// Every x block of `form` in one call (x.rows * x.k / block of them).
+inline void prepare_x(XForm form, ProductX& x, int64_t first, int64_t last) {
+  if (form == kXBlocks32) quantize_blocks32(x.x, first, last, x.blocks32);
+  if (form == kXBlocks256) quantize_blocks256(x.x, first, last, x.blocks256);
+  if (form == kXSums32) sum_blocks32(x.x, first, last, x.sums32);
+}
+
+// The units of each family's products, and one range of them (quantized_cpu.cpp: int4, int5,
+// int8; kquants_cpu.cpp: the K-quants; float_cpu.cpp: float32). rows: x's rows; isa: use_isa().
+int64_t nibble_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+                int64_t first, int64_t last);
+int64_t int8_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+              int64_t first, int64_t last);
+int64_t kquant_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+void kquant_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+                int64_t first, int64_t last);
+int64_t float_units(const PackedMatrix& w, int64_t rows, int isa);
+void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, int isa, int64_t first,
+               int64_t last);
+
+inline int64_t product_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
+  switch (w.packing) {
+    case kFloat32:
+      return float_units(w, rows, isa);
+    case kInt4:
+    case kInt5:
+      return nibble_units(w, rows, int8_activations, isa);
+    case kInt8PerBlock:
+    case kInt8PerRow:
+      return int8_units(w, rows, int8_activations, isa);
+    default:
+      return kquant_units(w, rows, int8_activations, isa);
+  }
+}
+
+inline void product_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations,
+                        int isa, int64_t first, int64_t last) {
+  switch (w.packing) {
+    case kFloat32:
+      return float_run(w, x, out, isa, first, last);
+    case kInt4:
+    case kInt5:
+      return nibble_run(w, x, out, int8_activations, isa, first, last);
+    case kInt8PerBlock:
+    case kInt8PerRow:
+      return int8_run(w, x, out, int8_activations, isa, first, last);
+    default:
+      return kquant_run(w, x, out, int8_activations, isa, first, last);
+  }
+}
+
+// Row `row` of a weight as float32 (k values), as the Python dequantizers compute it (the rows of
+// an embedding table).
+void nibble_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
+void int8_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
+void kquant_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
+
+inline void dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
+  switch (w.packing) {
+    case kFloat32: {
+      const float* source = static_cast<const float*>(w.data) + row * w.k;
+      std::copy(source, source + w.k, out);
+      return;
+    }
+    case kInt4:
+    case kInt5:
+      return nibble_dequantize_row(w, row, out);
+    case kInt8PerBlock:
+    case kInt8PerRow:
+      return int8_dequantize_row(w, row, out);
+    default:
+      return kquant_dequantize_row(w, row, out);
+  }
+}
+
+// Units per at::parallel_for task in the operators: at least kTaskBlocks (x row, weight row,
+// block of 32) triples of work.
+inline int64_t unit_grain(const PackedMatrix& w, int64_t rows, int64_t units) {
+  const int64_t blocks32 = std::max<int64_t>(1, w.k / kBlock);
+  const int64_t per_unit = std::max<int64_t>(1, rows * blocks32 * ((w.n + units - 1) / std::max<int64_t>(1, units)));
+  return std::max<int64_t>(1, kTaskBlocks / per_unit);
+}
+
+// Memory for x's prepared forms, owned by an operator's call.
+struct ProductXStorage {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, sums;
+  std::vector<int32_t> offset;
+  std::vector<int16_t> sums16;
+
+  // x (rows, k) float32, its form made ready (in parallel) for `form`.
+  ProductX prepare(const float* xp, int64_t rows, int64_t k, XForm form) {
+    ProductX x;
+    x.x = xp, x.rows = rows, x.k = k;
+    if (form == kXFloat) return x;
+    const int64_t items = rows * (k / form_block(form));
+    if (form == kXBlocks32) {
+      q.resize(items * kBlock), d.resize(items), s.resize(items), offset.resize(items);
+      x.blocks32 = {k / kBlock, q.data(), d.data(), s.data(), offset.data()};
+    } else if (form == kXBlocks256) {
+      q.resize(items * kSuper), d.resize(items), sums16.resize(items * 16);
+      x.blocks256 = {k / kSuper, q.data(), d.data(), sums16.data()};
+    } else {
+      sums.resize(items);
+      x.sums32 = sums.data();
+    }
+    at::parallel_for(0, items, form == kXBlocks256 ? 256 : 2048,
+                     [&](int64_t first, int64_t last) { prepare_x(form, x, first, last); });
+    return x;
+  }
+};
+
+}  // namespace flashformer_cpu
