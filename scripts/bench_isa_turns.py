@@ -3,12 +3,15 @@ issue 27's table asks: batch-1 decode tokens/s (128 tokens after a short prompt)
 tokens/s (512 tokens), 2 threads; the best of --repeats fresh processes per contender.
 
     PYTHONPATH=. python scripts/bench_isa_turns.py FILE [--isa avx2] [--llama-bench PATH]
-                                                   [--repeats 3] [--threads 2]
+                                                   [--repeats 5] [--threads 2] [--out FILE.json]
 
-Contenders: flashformer (quantize="gguf", decode step compiled, the prompt eager as `bench
-generate` runs it; --isa sets FLASHFORMER_CPU_ISA and ATEN_CPU_CAPABILITY in its processes),
+Contenders: flashformer (quantize="gguf", its default path: the native decoder, nothing
+compiled, as `bench generate` runs it; --isa sets FLASHFORMER_CPU_ISA and ATEN_CPU_CAPABILITY
+in its processes),
 llama.cpp's `llama-bench -p 512 -n 128 -r 3` when --llama-bench is given, else
-llama-cpp-python (native only). Prints one line per process with the load average, then the best.
+llama-cpp-python (native only). Prints one line per process with the load average, then each
+contender's best, median and range (and --out writes them, every process's rates and the
+machine as JSON).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 NEW, PROMPT = 128, 512
 
@@ -34,15 +39,15 @@ def flashformer_worker(path: str, threads: int) -> dict:
     ids = torch.tensor([tokenizer.encode("Once upon a time, in a lighthouse by the sea,")])
     long_ids = torch.tensor([(ids[0].tolist() * PROMPT)[:PROMPT]])
 
-    def run(batch, n, compile):
+    def run(batch, n):
         started = time.perf_counter()
-        model.generate(batch, max_new_tokens=n, eos_token_id=[], compile=compile)
+        model.generate(batch, max_new_tokens=n, eos_token_id=[])
         return time.perf_counter() - started
 
-    run(ids, 4, True)  # compile
-    run(long_ids, 1, False)
-    decode = min(run(ids, NEW + 1, True) - run(ids, 1, True) for _ in range(2))
-    prompt = min(run(long_ids, 1, False) for _ in range(2))
+    run(ids, 4)
+    run(long_ids, 1)
+    decode = min(run(ids, NEW + 1) - run(ids, 1) for _ in range(2))
+    prompt = min(run(long_ids, 1) for _ in range(2))
     return {"isa": kernel_isa(), "decode": NEW / decode, "prompt": PROMPT / prompt}
 
 
@@ -91,7 +96,8 @@ def main() -> None:
         "--isa", default=None, help="FLASHFORMER_CPU_ISA for flashformer (and ATEN_CPU_CAPABILITY)"
     )
     parser.add_argument("--llama-bench", default=None)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default=None, help="flashformer or llama.cpp")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -101,7 +107,7 @@ def main() -> None:
         print(json.dumps(worker(args.file, args.threads)))
         return
     names = [n for n in ("flashformer", "llama.cpp") if args.only in (None, n)]
-    best: dict[str, dict] = {}
+    runs: dict[str, list] = {name: [] for name in names}
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else names[::-1]:
             load = os.getloadavg()[0]
@@ -116,9 +122,35 @@ def main() -> None:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                 rates = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"{name:12s} {json.dumps(rates)} load {load:.2f}", flush=True)
-            for key in ("decode", "prompt"):
-                best.setdefault(name, {})[key] = max(best.get(name, {}).get(key, 0.0), rates[key])
-    print("best", json.dumps(best))
+            runs[name].append({**rates, "load_average": load})
+    summary = {
+        name: {
+            key: {
+                "best": max(r[key] for r in found),
+                "median": statistics.median(r[key] for r in found),
+                "worst": min(r[key] for r in found),
+            }
+            for key in ("decode", "prompt")
+        }
+        for name, found in runs.items()
+    }
+    for name, rates in summary.items():
+        for key, r in rates.items():
+            print(
+                f"{name:12s} {key:6s} best {r['best']:.1f}, median {r['median']:.1f} "
+                f"({r['median'] / r['best']:.2f} of the best), range {r['worst']:.1f}-{r['best']:.1f}"
+            )
+    if args.out:
+        from flashformer.files import write_json
+        from flashformer.kernels.machine import machine_info
+
+        config = {
+            "file": args.file,
+            "isa": args.isa,
+            "llama_bench": args.llama_bench,
+            "threads": args.threads,
+        }
+        write_json(args.out, {"machine": machine_info(), "config": config, "runs": runs, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -230,6 +230,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "llama.cpp built for AVX2 only)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --model: also time flashformer with its decode step under torch.compile (after the "
+        "compile, which is reported)",
+    )
+    parser.add_argument(
         "--no-transformers",
         dest="transformers",
         action="store_false",
@@ -258,6 +264,7 @@ def main_from_args(args: argparse.Namespace) -> dict:
             "transformers": args.transformers,
             "llama_cpp_dirs": args.llama_cpp_dir or [],
             "isa": args.isa,
+            "compile": args.compile,
         }
         print(
             f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message "

@@ -6,7 +6,8 @@ one chat message, rendered through its own chat template: greedy, batch 1,
 Contenders, timed in turns in one fresh process with the same thread count:
 
 - transformers on the same weights in float32 (its GGUF loader for a GGUF file);
-- flashformer (float32, or quantized by --quantize), eager and with the decode step compiled;
+- flashformer (float32, or quantized by --quantize) as a user runs it: the default path (the
+  native decoder, nothing compiled), and with --compile also its decode step under torch.compile;
 - llama.cpp through llama-cpp-python on the same GGUF file (when installed);
 - llama.cpp's own `llama-bench` of each --llama-cpp-dir build, run before and after the
   worker (its pp512 and tg128 on an empty context, 3 repetitions: llama_cpp_binaries.py),
@@ -24,6 +25,9 @@ the GB/s that makes, against the memory bandwidth measured in the same run
 (a large float32 sum). With --batches, flashformer's aggregate decode
 tokens/s at each batch size (the same prompt in every row) too, every size
 (batch 1 included) timed in the same turns: their ratios are the batch gains.
+The cold start is flashformer's first answer in the fresh process: the seconds from the
+process's start (imports included) to the end of the load, and to its first token (the chat
+prompt's prefill, the decoder's first call), before anything else ran.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from flashformer.bench.common import peak_memory, rss_bytes, time_in_turns
 from flashformer.bench.llama_cpp_binaries import llama_bench_binary, run_llama_bench
+from flashformer.kernels.machine import process_seconds
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 PROMPT_PROCESSING_TOKENS = 512
@@ -135,6 +140,7 @@ def timing_worker(point: dict) -> dict:
     started = time.perf_counter()
     ours, tokenizer = flashformer.load(path, quantize=quantize, activations=point.get("activations", "int8"))
     result["load_s"] = {"flashformer": time.perf_counter() - started}
+    result["cold_start_s"] = {"loaded": process_seconds()}
     result["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if quantize:  # the code the quantized kernels run: the best this CPU has, or --isa's
         from flashformer.kernels.quantized import kernel_isa
@@ -159,9 +165,13 @@ def timing_worker(point: dict) -> dict:
     rounds = point["rounds"]
 
     def flashformer_generate(n: int = new, compile: bool = False, batch_ids: torch.Tensor = ids) -> list[int]:
-        """flashformer's greedy tokens of row 0."""
+        """flashformer's greedy tokens of row 0 (the default path, or compiled)."""
         out = ours.generate(batch_ids, max_new_tokens=n, eos_token_id=[], compile=compile)
         return out[0, batch_ids.shape[1] :].tolist()
+
+    flashformer_generate(1)  # the first token, cold: nothing ran before it
+    result["cold_start_s"]["first_token"] = process_seconds()
+    result["native"] = ours.native_decoder() is not None
 
     # flashformer's batch sizes first, before the other contenders share the process
     # (llama.cpp's runtime brings threads of its own)
@@ -172,15 +182,15 @@ def timing_worker(point: dict) -> dict:
         batch_works = {}
         for batch in sizes:
             batch_ids = ids.expand(batch, -1).contiguous()
-            batch_works[f"{batch} one"] = lambda b=batch_ids: flashformer_generate(1, True, b)
-            batch_works[f"{batch} full"] = lambda b=batch_ids: flashformer_generate(new, True, b)
+            batch_works[f"{batch} one"] = lambda b=batch_ids: flashformer_generate(1, False, b)
+            batch_works[f"{batch} full"] = lambda b=batch_ids: flashformer_generate(new, False, b)
         batch_times = time_in_turns(batch_works, rounds=rounds)
         result["batch_decode_tokens_per_s"] = {
             str(batch): batch * (new - 1) / (batch_times[f"{batch} full"] - batch_times[f"{batch} one"])
             for batch in sizes
         }
         tokens_by_batch = [
-            flashformer_generate(24, True, ids.expand(b, -1).contiguous()) for b in point["batches"]
+            flashformer_generate(24, False, ids.expand(b, -1).contiguous()) for b in point["batches"]
         ]
         result["same_tokens_every_batch"] = all(t == tokens_by_batch[0] for t in tokens_by_batch)
 
@@ -205,18 +215,16 @@ def timing_worker(point: dict) -> dict:
             )
         return out[0, batch_ids.shape[1] :].tolist()
 
-    works = {
-        "transformers": transformers_generate,
-        "flashformer": flashformer_generate,
-        "flashformer+compile": lambda n=new, batch_ids=ids: flashformer_generate(n, True, batch_ids),
-    }
+    works = {"transformers": transformers_generate, "flashformer": flashformer_generate}
+    if point.get("compile"):
+        works["flashformer+compile"] = lambda n=new, batch_ids=ids: flashformer_generate(n, True, batch_ids)
+        started = time.perf_counter()
+        flashformer_generate(3, compile=True)  # the compile it waits for, once per process
+        result["compile_s"] = time.perf_counter() - started
     if theirs is None:
         del works["transformers"]
     if llama is not None:
         works["llama.cpp"] = lambda n=new, batch_ids=ids: llama[0](batch_ids[0].tolist(), n)
-    started = time.perf_counter()
-    flashformer_generate(3, compile=True)  # compiles the specialized and the dynamic graph
-    result["compile_s"] = time.perf_counter() - started
     for work in works.values():  # warm: allocator, caches, lazy initialization
         work(3)
     outputs = {name: work() for name, work in works.items()}
@@ -278,6 +286,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "batches": config.get("batches", [1]),
         "transformers": config.get("transformers", True),
         "isa": config.get("isa") or "best",
+        "compile": config.get("compile", False),
     }
     folders = config.get("llama_cpp_dirs") or []
     for folder in folders:  # refused before any work when missing
@@ -319,13 +328,13 @@ def best_run(*runs: dict) -> dict:
 
 
 def llama_bench_ratios(point: dict) -> dict:
-    """name of the build -> flashformer's decode (compiled) and 512-token prompt tokens/s over
-    that build's tg128 and pp512."""
+    """name of the build -> flashformer's decode (its default path) and 512-token prompt tokens/s
+    over that build's tg128 and pp512."""
     found = {}
     for name, bench in point.get("llama_bench", {}).items():
         if "error" in bench or "error" in point:
             continue
-        decode = point["decode_tokens_per_s"].get("flashformer+compile")
+        decode = point["decode_tokens_per_s"].get("flashformer")
         prompt = point["prompt_tokens_per_s"].get("flashformer")
         found[name] = {
             "decode / tg128": None if decode is None else decode / bench["tg128"]["tokens_per_s"],
@@ -397,12 +406,21 @@ def table(payload: dict) -> str:
     ratios = llama_bench_ratios(p)
     if ratios:
         text += (
-            "\n\nflashformer (decode compiled, 512-token prompt) / llama-bench (tg128, pp512): "
+            "\n\nflashformer (its default path: decode, 512-token prompt) / llama-bench (tg128, pp512): "
             + "; ".join(
                 f"{name}: decode {r['decode / tg128']:.2f}x, prompt {r['prompt / pp512']:.2f}x"
                 for name, r in ratios.items()
             )
         )
+    cold = p.get("cold_start_s")
+    if cold:
+        runs = "natively, nothing compiled" if p.get("native") else "through its PyTorch modules"
+        text += (
+            f"\n\nflashformer's cold start ({runs}): the model loaded {cold['loaded']:.1f} s after the process "
+            f"started, its first token at {cold['first_token']:.1f} s"
+        )
+        if "compile_s" in p:
+            text += f"; --compile then waited {p['compile_s']:.0f} s for torch.compile"
     memory = p.get("memory")
     if memory and memory.get("file_bytes"):
         held = memory["rss_after_load"] - memory["rss_before_load"]
@@ -413,7 +431,7 @@ def table(payload: dict) -> str:
         )
     if "batch_decode_tokens_per_s" in p:
         rates = p["batch_decode_tokens_per_s"]
-        text += "\n\nflashformer compiled, aggregate decode tokens/s by batch: " + ", ".join(
+        text += "\n\nflashformer, aggregate decode tokens/s by batch: " + ", ".join(
             f"{b}: {r:.1f}" for b, r in sorted(rates.items(), key=lambda kv: int(kv[0]))
         )
         text += f"; the same tokens at every batch size: {p['same_tokens_every_batch']}"

@@ -19,8 +19,6 @@ reported in /metrics (flashformer_start_seconds).
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from pathlib import Path
 
 from flashformer.cli.arguments import add_model_arguments
@@ -77,6 +75,7 @@ def main_from_args(args) -> None:
 
     from flashformer.checkpoints.loading import load
     from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
+    from flashformer.kernels.machine import process_seconds
     from flashformer.model.models import EncoderModel
     from flashformer.serve.embeddings import EmbeddingEngine
     from flashformer.serve.engine import Engine
@@ -121,24 +120,10 @@ def main_from_args(args) -> None:
         raise SystemExit(f"the HTTP server on {args.host}:{args.port} stopped (see the error above)")
 
 
-def process_seconds() -> float:
-    """Seconds since this process started (Linux: its start time in /proc), else since this
-    module was imported."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return time.monotonic() - _IMPORTED
-
-
-_IMPORTED = time.monotonic()
-
-
 def run_beside(engine, http) -> bool:
-    """The engine's loop on this thread, the one that loaded and warmed the model, with the
-    HTTP server in another (serve/loop.py says why the step must stay on this thread), until
-    Ctrl-C or SIGTERM (True) or the HTTP server ends on its own, as when its port is taken
-    (False)."""
+    """The engine's loop on this thread, the one that loaded the model, with the HTTP server in
+    another (serve/loop.py says why the step must stay on this thread), until Ctrl-C or SIGTERM
+    (True) or the HTTP server ends on its own, as when its port is taken (False)."""
     import signal
     import threading
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,20 @@ VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "av
 
 ISA_VARIABLE = "FLASHFORMER_CPU_ISA"
 KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat, in clock
+    ticks after boot), else since this module was imported: a command's cold start, imports and
+    loading included."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
 
 
 def requested_isa() -> str:

@@ -185,6 +185,16 @@ class NativeDecoder:
                 batch.logit_rows,
             )
 
+    def set_profiling(self, on: bool) -> None:
+        """Start (or stop) adding up each kind of step's time over the calls (profile())."""
+        self._decoder.set_profiling(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds per kind of step (embed, norm, qkv, rope_cache, attention, prepare, out,
+        residual_norm, up, act, down, residual, head) since set_profiling(True): each step's
+        time from the barrier before it to the barrier after it, as the calling thread saw it."""
+        return dict(self._decoder.profile())
+
 
 class NativeCache:
     """The KV cache a native call reads and writes: each layer's keys and values as a pool (Hk,

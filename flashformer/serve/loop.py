@@ -10,13 +10,14 @@ without bound. A step that raises fails every request it holds, with the
 error, rather than leaving clients waiting forever.
 
 `start` runs the loop in a thread of its own; `run` runs it in the calling thread
-until `stop`. `flashformer serve` uses `run` on the thread that loaded and warmed
-the model, with the HTTP server in another thread: GNU OpenMP (torch's) keeps a
+until `stop`. `flashformer serve` uses `run` on the thread that loaded the
+model, with the HTTP server in another thread: GNU OpenMP (torch's) keeps a
 pool of workers for every thread that ever ran a parallel region, and once the
 pools' threads outnumber the cores its idle workers spin 1,000 times instead of
-300,000 before they sleep. A decode step is a few hundred short parallel
-regions, so on 2 cores a loop thread of its own made SmolLM2's compiled step
-19-25 ms instead of 6 ms (docs/benchmarks.md, "The thread that runs the step").
+300,000 before they sleep. The decode step, when it was compiled, was a few
+hundred short parallel regions, and on 2 cores a loop thread of its own made
+SmolLM2's step 19-25 ms instead of 6 ms (docs/benchmarks.md, "The thread that
+runs the step").
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ class PagedBatch:
     def set(
         self, block_tables: Tensor, seq_lens: Tensor, slots: Tensor, q_starts: Tensor | None = None
     ) -> None:
-        """Every row attends, padding rows included (over scratch slots of their own: a batch of
-        fixed shape, serve/decode_step.py)."""
+        """Every row attends, padding rows included (over scratch slots of their own: the padded
+        decode batch of a float model run eagerly, runner.py)."""
         self.block_tables, self.seq_lens, self.slots = block_tables, seq_lens, slots
         self.q_starts = q_starts
 

@@ -335,7 +335,7 @@ def test_the_decode_step_traces_as_one_graph(pair):
 
     def first_step(traced: bool) -> torch.Tensor:
         session = make_session(
-            ours, ids, mask, GenerationSettings(max_new_tokens=4, decoder_start_token_id=0)
+            ours, ids, mask, GenerationSettings(max_new_tokens=4, decoder_start_token_id=0, native=False)
         )
         if traced:
             session.decode = torch.compile(session.decode, backend="eager", fullgraph=True)

@@ -53,3 +53,19 @@ def test_two_processes_loading_at_once_both_get_the_kernels(tmp_path):
     answers = [child.communicate(timeout=240)[0].strip() for child in children]
     assert answers == ["cpp", "cpp"]
     assert [child.returncode for child in children] == [0, 0]
+
+
+def test_a_build_is_announced_before_and_timed_after(tmp_path, monkeypatch, capsys):
+    """A build (a new machine, new sources) says so on stderr before it starts and reports its
+    seconds after; a load that finds the build up to date says nothing."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(extension, "build_directory", lambda: tmp_path)
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built.append(kwargs["name"]))
+    extension._build_and_load()
+    err = capsys.readouterr().err
+    assert "building the C++ kernels, once for this machine" in err
+    assert "built the C++ kernels in" in err and built == [extension.NAME]
+    extension._build_and_load()
+    assert capsys.readouterr().err == "" and len(built) == 2

