@@ -52,6 +52,7 @@ INCLUDES = [
     _CSRC / "quantized_x86.inc",
     _CSRC / "kquants_x86.inc",
     _CSRC / "kquants_panel_x86.inc",
+    _CSRC / "kquants_amx.inc",
 ]
 
 LIBRARY = torch.library.Library("flashformer", "FRAGMENT")

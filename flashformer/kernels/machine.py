@@ -3,7 +3,7 @@ instructions (the flags the kernel reports, and the level PyTorch chose: kernels
 from the same flags), the threads, torch's version and the GPU if any; and which code path the
 quantized kernels were asked to take.
 
-FLASHFORMER_CPU_ISA (scalar, avx2, avx512-vnni or best; unset: best) picks the quantized C++
+FLASHFORMER_CPU_ISA (scalar, avx2, avx512-vnni, amx-int8 or best; unset: best) picks the quantized C++
 kernels' path when they load (kernels/extension.py): `FLASHFORMER_CPU_ISA=avx2` on an AVX-512
 machine runs the 256-bit AVX2 kernels, what a CPU without AVX-512 runs, to compare with a
 llama.cpp built for AVX2 alone. A path the CPU lacks falls to the best below it. PyTorch's own
@@ -33,7 +33,9 @@ VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "av
                 "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
 
 ISA_VARIABLE = "FLASHFORMER_CPU_ISA"
-KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni")  # the C++ kernels' code paths, by request number
+# the C++ kernels' code paths, by request number ("amx-int8": AMX's tiles for the K-quants' many-row
+# products, VNNI's kernels for the rest)
+KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni", "amx-int8")
 
 
 def process_seconds() -> float:

@@ -1,5 +1,5 @@
 """The quantized kernels' code paths in tests: each vector path this CPU runs (AVX2, and AVX-512
-VNNI where it has it), so that a reference test checks every path in the same run."""
+VNNI and AMX where it has them), so that a reference test checks every path in the same run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 
 from flashformer.kernels.quantized import kernel_isa, load_kernels
 
-VECTOR_ISAS = ("avx2", "avx512-vnni")
+VECTOR_ISAS = ("avx2", "avx512-vnni", "amx-int8")
 
 
 def kernel_paths() -> list[str]:

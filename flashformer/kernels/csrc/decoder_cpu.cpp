@@ -169,9 +169,9 @@ struct Projection {
   std::vector<Part> parts;
   int64_t in = 0, out = 0;
 
-  bool reads(XForm form) const {
+  bool reads(XForm form, int64_t rows, int isa) const {
     for (const Part& p : parts) {
-      if (x_form(p.w.packing, p.int8_activations) == form) return true;
+      if (x_form(p.w.packing, p.int8_activations, rows, isa) == form) return true;
     }
     return false;
   }
@@ -211,6 +211,7 @@ struct Arena {
   std::vector<float> d32, s32, d256, sums32;
   std::vector<int32_t> offset32;
   std::vector<int16_t> sums256;
+  std::vector<AmxXBlock> amx;
 };
 
 template <class T>
@@ -484,6 +485,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     grow(a.q32, T * padded), grow(a.d32, T * padded / kBlock), grow(a.s32, T * padded / kBlock);
     grow(a.offset32, T * padded / kBlock), grow(a.sums32, T * padded / kBlock);
     grow(a.q256, T * padded), grow(a.d256, T * padded / kSuper), grow(a.sums256, T * padded / 16);
+    grow(a.amx, (std::max(T, R) + 15) / 16 * (padded / kSuper));
 
     const int threads = std::max(1, at::get_num_threads());
     const int64_t steps = 8 + static_cast<int64_t>(layers_.size()) * 12;  // (11 a layer)
@@ -533,7 +535,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     w.run(kNorm, R, [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) {
         final_norm_.apply(a.x.data() + c.logit_rows[r] * d, a.head_in.data() + r * d);
-        prepare_row(head_, head_x, r);
+        prepare_row(head_, head_x, r, isa);
       }
     });
     project(w, kHead, head_, head_x, c.logits, vocab_, isa);
@@ -553,7 +555,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     w.run(kNorm, T, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
         l.attn_norm.apply(a.x.data() + t * d, a.h.data() + t * d);
-        prepare_row(l.qkv, hx, t);
+        prepare_row(l.qkv, hx, t, isa);
       }
     });
     // 2. q, k, v
@@ -598,7 +600,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     // 5. the output projection
     ProductX attn_x = product_x(a.attn.data(), T, q_width);
     w.run(kPrepare, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) prepare_row(l.out, attn_x, t);
+      for (int64_t t = first; t < last; ++t) prepare_row(l.out, attn_x, t, isa);
     });
     project(w, kOut, l.out, attn_x, a.o.data(), d, isa);
     // 6. x += attn_out_norm(o); h = ffn_norm(x)
@@ -609,7 +611,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         l.attn_out_norm.apply(o, o);
         rows::add(x, o, d);
         l.ffn_norm.apply(x, a.h.data() + t * d);
-        prepare_row(l.up, hx, t);
+        prepare_row(l.up, hx, t, isa);
       }
     });
     // 7. the feed-forward: up (gate | up), act, down
@@ -621,7 +623,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         const float* ff = a.ff.data() + t * l.up.out;
         rows::activate(ff, l.feed_forward == kGated ? ff + d_ff : nullptr, l.activation, d_ff,
                        a.act.data() + t * d_ff);
-        prepare_row(l.down, act_x, t);
+        prepare_row(l.down, act_x, t, isa);
       }
     });
     project(w, kDown, l.down, act_x, a.o.data(), d, isa);
@@ -642,14 +644,15 @@ class NativeDecoder : public torch::CustomClassHolder {
     x.x = data, x.rows = rows, x.k = k;
     x.blocks32 = {k / kBlock, a.q32.data(), a.d32.data(), a.s32.data(), a.offset32.data()};
     x.blocks256 = {k / kSuper, a.q256.data(), a.d256.data(), a.sums256.data()};
+    x.amx256 = {k / kSuper, a.amx.data()};
     x.sums32 = a.sums32.data();
     return x;
   }
 
   // Row t of x in every form the projection's parts read.
-  static void prepare_row(const Projection& projection, ProductX& x, int64_t t) {
-    for (XForm form : {kXBlocks32, kXBlocks256, kXSums32}) {
-      if (!projection.reads(form)) continue;
+  static void prepare_row(const Projection& projection, ProductX& x, int64_t t, int isa) {
+    for (XForm form : {kXBlocks32, kXBlocks256, kXSums32, kXAmx256}) {
+      if (!projection.reads(form, x.rows, isa)) continue;
       const int64_t per_row = x.k / form_block(form);
       prepare_x(form, x, t * per_row, (t + 1) * per_row);
     }

@@ -26,6 +26,8 @@
 // - float activations: each block is dequantized to 256 floats exactly as gguf does, and x . w is
 //   formed in 8 float lanes (lane l: values l, l + 8, ...) added at the end; exact with respect to
 //   the dequantized weights, and the same bits on every ISA.
+// - On AMX (kquants_amx.inc) the panel's integers come from int8 tile multiplications: the same
+//   integers, the same float steps, so the same bits.
 // - Batch invariance: a (x row, weight row) pair's operations do not depend on M or the tile.
 // - Threads: at::parallel_for over chunks of weight rows; x is read in tiles of rows that stay in
 //   L1 while a chunk of weight rows (in L2) passes over them.
@@ -43,7 +45,6 @@ using namespace flashformer_cpu;
 
 constexpr int64_t kChunkRows = 16;  // weight rows a task's x tiles pass over (in L2, the tile in L1)
 constexpr int kScalarTile = 4;      // x rows per scalar kernel call (any tile gives the same bits)
-constexpr int64_t kPanelMinRows = 8;  // x rows from which the panel kernels run (the same bits)
 
 // ---- the blocks, as in the file ----
 
@@ -275,6 +276,13 @@ namespace vnni {
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+#include "kquants_amx.inc"
+}  // namespace amx
+#pragma GCC pop_options
 #endif  // FF_X86
 
 // ---- drivers ----
@@ -297,7 +305,9 @@ void panel_units(void (*chunk)(const Block*, int64_t, int64_t, int64_t, const Su
 // rows; otherwise a chunk of kChunkRows weight rows, whose x tiles stay in L1 while it passes.
 int64_t kquant_unit_rows(int64_t rows, bool int8_activations, int isa) {
 #if FF_X86
-  if (int8_activations && isa != kScalar && rows >= kPanelMinRows) return isa == kVnni ? vnni::kPanelRows : avx2::kPanelRows;
+  if (int8_activations && isa != kScalar && rows >= kKquantPanelMinRows) {
+    return isa == kAmx ? amx::kAmxRows : isa == kVnni ? vnni::kPanelRows : avx2::kPanelRows;
+  }
 #endif
   (void)rows, (void)int8_activations, (void)isa;
   return kChunkRows;
@@ -311,7 +321,12 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
   const SuperRows& xa = x.blocks256;
   const FloatX xf{x.x, x.k};
 #if FF_X86
-  if (int8_activations && isa != kScalar && rows >= kPanelMinRows) {
+  if (int8_activations && isa == kAmx && rows >= kKquantPanelMinRows) {
+    amx::amx_units(weights, nb, n, x.amx256, rows, result, first, last);
+    return;
+  }
+  isa = vector_isa(isa);
+  if (int8_activations && isa != kScalar && rows >= kKquantPanelMinRows) {
     if (isa == kVnni) {
       panel_units(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result, first, last);
     } else {
@@ -393,7 +408,8 @@ at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const
   const PackedMatrix w{packing_of<Block>(), blocks.data_ptr(), nullptr, n, k, n, nb};
   const int isa = use_isa().load();
   ProductXStorage storage;
-  const ProductX xp = storage.prepare(x.data_ptr<float>(), rows, k, x_form(w.packing, int8_activations));
+  const ProductX xp =
+      storage.prepare(x.data_ptr<float>(), rows, k, x_form(w.packing, int8_activations, rows, isa));
   const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr, n};
   const int64_t units = kquant_units(w, rows, int8_activations, isa);
   at::parallel_for(0, units, unit_grain(w, rows, units), [&](int64_t first, int64_t last) {
@@ -439,6 +455,15 @@ void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& 
     quantize_super_scalar(x + i * kSuper, out.q + i * kSuper, &out.d[i], out.sums + i * 16);
   }
   (void)isa;
+}
+
+void quantize_blocks256_amx(const float* x, int64_t first, int64_t last, AmxRows& out) {
+#if FF_X86
+  amx::quantize_amx(x, first, last, out);
+#else
+  (void)x, (void)first, (void)last, (void)out;
+  TORCH_CHECK(false, "AMX tiles on a CPU that is not x86");
+#endif
 }
 
 int64_t kquant_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {

@@ -8,7 +8,8 @@
 //
 // Each packing reads x in one form, prepared before its units run (prepare_x, in ranges too):
 //   int4, int5, int8 with int8 activations   x quantized per block of 32 (Int8Rows)
-//   Q4_K, Q5_K, Q6_K with int8 activations   x quantized per block of 256 (SuperRows, llama.cpp's Q8_K)
+//   Q4_K, Q5_K, Q6_K with int8 activations   x quantized per block of 256 (SuperRows, llama.cpp's Q8_K);
+//                                            many rows on AMX: the same, laid out for its tiles (AmxRows)
 //   int4, int5 with float activations        x and each block of 32's float sum
 //   the rest                                 x as it is
 
@@ -41,6 +42,24 @@ struct SuperRows {
   const int16_t* sums16(int64_t block) const { return sums + block * 16; }
 };
 
+// x quantized per block of 256 as SuperRows quantizes it, laid out for AMX's tiles (kquants_amx.inc):
+// per tile of 16 x rows and block, the tile's quants as a tile multiplication's second operand (the
+// 4 quants of word w of row n at q[w][4 n .. 4 n + 3]), and lane n of the rows' scales and of their
+// 16-value sums, two to a 32-bit lane.
+struct AmxXBlock {
+  int8_t q[64][64];
+  float d[16];
+  int32_t sums[8][16];
+};
+
+struct AmxRows {
+  int64_t blocks = 0;  // per row
+  AmxXBlock* tiles = nullptr;  // (ceil(M / 16), blocks)
+  AmxXBlock& at(int64_t tile, int64_t block) const { return tiles[tile * blocks + block]; }
+};
+
+constexpr int64_t kKquantPanelMinRows = 8;  // x rows from which the K-quants' panel kernels run
+
 // How a layer holds its weight (the layouts: kernels/quantized.py and gguf_blocks.py).
 enum Packing : int {
   kFloat32 = 0,      // data float32 (n, k), row-major
@@ -63,9 +82,10 @@ struct PackedMatrix {
 };
 
 // The form of x a packing's kernels read (see the top of the file).
-enum XForm : int { kXFloat = 0, kXBlocks32 = 1, kXBlocks256 = 2, kXSums32 = 3 };
+enum XForm : int { kXFloat = 0, kXBlocks32 = 1, kXBlocks256 = 2, kXSums32 = 3, kXAmx256 = 4 };
 
-inline XForm x_form(Packing packing, bool int8_activations) {
+// The form a product of `rows` x rows on `isa` reads.
+inline XForm x_form(Packing packing, bool int8_activations, int64_t rows, int isa) {
   switch (packing) {
     case kFloat32:
       return kXFloat;
@@ -76,7 +96,8 @@ inline XForm x_form(Packing packing, bool int8_activations) {
     case kInt8PerRow:
       return int8_activations ? kXBlocks32 : kXFloat;
     default:
-      return int8_activations ? kXBlocks256 : kXFloat;
+      if (!int8_activations) return kXFloat;
+      return isa >= kAmx && rows >= kKquantPanelMinRows ? kXAmx256 : kXBlocks256;
   }
 }
 
@@ -86,20 +107,23 @@ struct ProductX {
   int64_t rows = 0, k = 0;
   Int8Rows blocks32;
   SuperRows blocks256;
+  AmxRows amx256;
   float* sums32 = nullptr;  // (M, K / 32): each block of 32's float sum, added in index order
 };
 
 // Preparing x: items first .. last - 1 of the form's (rows * K / block) blocks, on any thread.
 void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& out);
 void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& out);
+void quantize_blocks256_amx(const float* x, int64_t first, int64_t last, AmxRows& out);
 void sum_blocks32(const float* x, int64_t first, int64_t last, float* sums);
 
-inline int64_t form_block(XForm form) { return form == kXBlocks256 ? kSuper : kBlock; }
+inline int64_t form_block(XForm form) { return form == kXBlocks256 || form == kXAmx256 ? kSuper : kBlock; }
 
 // Every x block of `form` in one call (x.rows * x.k / block of them).
 inline void prepare_x(XForm form, ProductX& x, int64_t first, int64_t last) {
   if (form == kXBlocks32) quantize_blocks32(x.x, first, last, x.blocks32);
   if (form == kXBlocks256) quantize_blocks256(x.x, first, last, x.blocks256);
+  if (form == kXAmx256) quantize_blocks256_amx(x.x, first, last, x.amx256);
   if (form == kXSums32) sum_blocks32(x.x, first, last, x.sums32);
 }
 
@@ -187,6 +211,7 @@ struct ProductXStorage {
   std::vector<float> d, s, sums;
   std::vector<int32_t> offset;
   std::vector<int16_t> sums16;
+  std::vector<AmxXBlock> amx;
 
   // x (rows, k) float32, its form made ready (in parallel) for `form`.
   ProductX prepare(const float* xp, int64_t rows, int64_t k, XForm form) {
@@ -200,11 +225,14 @@ struct ProductXStorage {
     } else if (form == kXBlocks256) {
       q.resize(items * kSuper), d.resize(items), sums16.resize(items * 16);
       x.blocks256 = {k / kSuper, q.data(), d.data(), sums16.data()};
+    } else if (form == kXAmx256) {
+      amx.resize((rows + 15) / 16 * (k / kSuper));
+      x.amx256 = {k / kSuper, amx.data()};
     } else {
       sums.resize(items);
       x.sums32 = sums.data();
     }
-    at::parallel_for(0, items, form == kXBlocks256 ? 256 : 2048,
+    at::parallel_for(0, items, form_block(form) == kSuper ? 256 : 2048,
                      [&](int64_t first, int64_t last) { prepare_x(form, x, first, last); });
     return x;
   }

@@ -18,7 +18,10 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define FF_X86 1
 #else
 #define FF_X86 0
@@ -41,7 +44,23 @@ struct Output {
 };
 
 // Which kernels run: the best this CPU has, or one chosen by quantized_kernel_isa (tests compare them).
-enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+// kAmx: AMX's int8 tiles (Sapphire Rapids and later) for the K-quants' many-row products, and the
+// VNNI kernels for the rest.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2, kAmx = 3 };
+
+// Whether this CPU has AMX's int8 tiles and the kernel lets this process use them (Linux asks a
+// process to request the tiles' state before its first tile instruction: arch_prctl).
+inline bool amx_usable() {
+#if FF_X86 && defined(__linux__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tile = (edx >> 24) & 1, int8 = (edx >> 25) & 1;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // asm/prctl.h, the tile data's state component
+  return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 inline int best_isa() {
 #if FF_X86
@@ -50,11 +69,17 @@ inline int best_isa() {
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-  return avx2 ? (vnni ? kVnni : kAvx2) : kScalar;
+  if (!avx2) return kScalar;
+  if (!vnni) return kAvx2;
+  static const bool amx = amx_usable();
+  return amx ? kAmx : kVnni;
 #else
   return kScalar;
 #endif
 }
+
+// The vector kernels an ISA runs where it has no kernel of its own (AMX: VNNI's).
+inline int vector_isa(int isa) { return isa < kVnni ? isa : kVnni; }
 
 inline std::atomic<int>& use_isa() {
   static std::atomic<int> isa{best_isa()};

@@ -17,8 +17,8 @@
 //       qweight int8 (G, nb, 4, 32); scales float16 (G, nb, 4) per block (GGUF Q8_0: weight = d * q)
 //       or float32 (G * 4,) per output row.
 //   flashformer::quantized_kernel_isa(request) -> int: the kernels in use, 0 = scalar, 1 = AVX2,
-//       2 = AVX-512 VNNI; request 0..2 switches to that one or the best below it this CPU has (tests
-//       compare them), -1 only asks.
+//       2 = AVX-512 VNNI, 3 = AMX (kquants_amx.inc); request 0..3 switches to that one or the best
+//       below it this CPU has (tests compare them), -1 only asks.
 //
 // Why this shape of kernel (the design of llama.cpp's ggml-cpu AVX2 path, written anew):
 // - A decode step reads every weight once per token, so its time is the time to stream the
@@ -486,7 +486,7 @@ at::Tensor run_operator(const PackedMatrix& w, const at::Tensor& x_in, const std
   if (rows == 0) return out;
   const int isa = use_isa().load();
   ProductXStorage storage;
-  const ProductX xp = storage.prepare(x.data_ptr<float>(), rows, w.k, x_form(w.packing, int8_activations));
+  const ProductX xp = storage.prepare(x.data_ptr<float>(), rows, w.k, x_form(w.packing, int8_activations, rows, isa));
   const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr, n};
   const int64_t units = product_units(w, rows, int8_activations, isa);
   at::parallel_for(0, units, unit_grain(w, rows, units), [&](int64_t first, int64_t last) {
@@ -583,22 +583,24 @@ void sum_blocks32(const float* x, int64_t first, int64_t last, float* sums) {
 }
 
 int64_t nibble_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
-  return nibble_plan(rows, int8_activations, isa) == NibblePlan::kPairs ? (w.groups + 1) / 2 : w.groups;
+  return nibble_plan(rows, int8_activations, vector_isa(isa)) == NibblePlan::kPairs ? (w.groups + 1) / 2 : w.groups;
 }
 
 void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                 int64_t first, int64_t last) {
+  isa = vector_isa(isa);
   if (w.packing == kInt5) return nibble_run_block<Int5Block>(w, x, out, int8_activations, isa, first, last);
   nibble_run_block<Int4Block>(w, x, out, int8_activations, isa, first, last);
 }
 
 int64_t int8_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
   (void)rows;
-  return int8_quads(int8_activations, isa) ? (w.groups + 3) / 4 : w.groups;
+  return int8_quads(int8_activations, vector_isa(isa)) ? (w.groups + 3) / 4 : w.groups;
 }
 
 void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
               int64_t first, int64_t last) {
+  isa = vector_isa(isa);
   if (w.packing == kInt8PerBlock) return int8_run_scales<true>(w, x, out, int8_activations, isa, first, last);
   int8_run_scales<false>(w, x, out, int8_activations, isa, first, last);
 }
