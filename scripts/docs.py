@@ -120,7 +120,7 @@ MEASURED = {
     ),
     "generate-smollm2-gguf-native": (
         'flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
-        "--new-tokens 128 --no-transformers --llama-cpp-dir build-native",
+        "--new-tokens 128 --no-transformers --llama-cpp-dir build-native --compile",
         "generate_model",
     ),
     "generate-gemma3-gguf-native": (
@@ -182,6 +182,19 @@ MEASURED = {
         "serve",
     ),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
+    **{
+        f"turns-{name}-{isa}": (
+            f"PYTHONPATH=. python scripts/bench_isa_turns.py {path}{flag} --llama-bench build-{build}/bin/llama-bench "
+            "--repeats 5",
+            "turns",
+        )
+        for name, path in (
+            ("smollm2", '"$SMOLLM2"'),
+            ("gemma3", '"$GEMMA3"'),
+            ("llama1b-shape", "llama-1b-shape-q4_k_m.gguf"),
+        )
+        for isa, flag, build in (("native", "", "native"), ("avx2", " --isa avx2", "avx2"))
+    },
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
     "quality-gemma3": ('flashformer bench quality "$GEMMA3" --files 3 --threads 2', "quality"),
 }

@@ -403,10 +403,15 @@ def table(payload: dict) -> str:
                      _ratio(tg["tokens_per_s"], p["decode_tokens_per_s"].get("llama.cpp")),
                      f"{pp['tokens_per_s']:.0f} ± {pp['stddev']:.0f}", "-", "-", "-"])  # fmt: skip
     text = head + markdown_table(header, rows)
+    # runs from before the native decoder (no "native" key): their default was the modules, eagerly,
+    # and their batches were timed compiled
+    path = "its default path, native" if p.get("native") else "its default path then: the modules, eagerly"
+    if "native" in p and not p["native"]:
+        path = "its default path here: the modules, eagerly"
     ratios = llama_bench_ratios(p)
     if ratios:
         text += (
-            "\n\nflashformer (its default path: decode, 512-token prompt) / llama-bench (tg128, pp512): "
+            f"\n\nflashformer ({path}: decode, 512-token prompt) / llama-bench (tg128, pp512): "
             + "; ".join(
                 f"{name}: decode {r['decode / tg128']:.2f}x, prompt {r['prompt / pp512']:.2f}x"
                 for name, r in ratios.items()
@@ -431,7 +436,8 @@ def table(payload: dict) -> str:
         )
     if "batch_decode_tokens_per_s" in p:
         rates = p["batch_decode_tokens_per_s"]
-        text += "\n\nflashformer, aggregate decode tokens/s by batch: " + ", ".join(
+        batches = "flashformer" if "native" in p else "flashformer compiled"
+        text += f"\n\n{batches}, aggregate decode tokens/s by batch: " + ", ".join(
             f"{b}: {r:.1f}" for b, r in sorted(rates.items(), key=lambda kv: int(kv[0]))
         )
         text += f"; the same tokens at every batch size: {p['same_tokens_every_batch']}"

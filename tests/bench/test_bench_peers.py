@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flashformer.bench import generate_model, serve, serve_load
+from flashformer.bench import generate_model, serve, serve_load, turns
 from flashformer.bench.llama_cpp_binaries import llama_bench_command, parse_llama_bench, run_llama_bench
 from flashformer.bench.serve_peers import free_port, start
 
@@ -159,7 +159,7 @@ def test_llama_bench_runs_the_issue_s_tests():
 def test_our_rates_are_given_as_ratios_of_llama_bench_s():
     bench = {"pp512": {"tokens_per_s": 400.0, "stddev": 4.0}, "tg128": {"tokens_per_s": 80.0, "stddev": 1.0}}
     point = {
-        "decode_tokens_per_s": {"flashformer": 50.0, "flashformer+compile": 100.0},
+        "decode_tokens_per_s": {"flashformer": 100.0, "flashformer+compile": 50.0},  # the default path's
         "prompt_tokens_per_s": {"flashformer": 1000.0},
         "llama_bench": {"build-native": bench, "build-avx2": {"error": "exit code 1: illegal instruction"}},
     }
@@ -218,3 +218,26 @@ def test_the_real_llama_server_streams_with_usage():
         process.wait(timeout=60)
     assert found["errors"] == 0 and found["ttft_p50_s"] is not None
     assert 2 <= found["output_tokens"] <= 16  # counted from the streams' usage: at most 8 each
+
+
+def test_fresh_processes_in_turns_are_tabled_as_best_median_and_range():
+    runs = {
+        "flashformer": [{"decode": d, "prompt": 10 * d} for d in (100.0, 90.0, 80.0)],
+        "llama.cpp": [{"decode": d, "prompt": 5 * d} for d in (50.0, 40.0, 45.0)],
+    }
+    summary = {
+        name: {
+            kind: {"best": max(r[kind] for r in found), "median": sorted(r[kind] for r in found)[1],
+                   "worst": min(r[kind] for r in found)}
+            for kind in ("decode", "prompt")
+        }
+        for name, found in runs.items()
+    }  # fmt: skip
+    payload = {"config": {"file": "/m/x.gguf", "threads": 2, "isa": None, "llama_bench": "l/build-native/bin/llama-bench"},
+               "runs": runs, "summary": summary}  # fmt: skip
+    text = turns.table(payload)
+    assert "x.gguf, 2 threads, our kernels' path best, llama.cpp: llama-bench of build-native" in text
+    assert "3 fresh processes each" in text
+    decode = next(line for line in text.splitlines() if line.startswith("| decode"))
+    # best / best 100 / 50, median / median 90 / 45, our median / our best 90 / 100
+    assert "| 100.0 / 90.0 (80.0-100.0) | 50.0 / 45.0 (40.0-50.0) | 2.00 | 2.00 | 0.90 |" in decode

@@ -1,0 +1,77 @@
+"""Fresh processes in turns (scripts/bench_isa_turns.py): flashformer's default path against
+llama.cpp's llama-bench on one GGUF file, each contender in N fresh processes taken in turns, 2
+threads, batch 1, greedy. Decode: 128 tokens after a short prompt (llama-bench's tg128: 128 from
+an empty context); prompt: 512 tokens (pp512). This module renders the script's JSON: each
+contender's best, median and range, and our best and median over theirs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KINDS = ("decode", "prompt")
+
+
+def table(payload: dict) -> str:
+    from flashformer.formatting import markdown_table
+
+    config, summary = payload["config"], payload["summary"]
+    ours, theirs = summary.get("flashformer"), summary.get("llama.cpp")
+    # the path our workers reported (the best this CPU has, or --isa's)
+    path = next((r["isa"] for r in payload["runs"].get("flashformer", []) if r.get("isa")), config.get("isa"))
+    binary = config.get("llama_bench")
+    peer = f"llama-bench of {Path(binary).parent.parent.name}" if binary else "llama-cpp-python"
+    head = (
+        f"{Path(config['file']).name}, {config['threads']} threads, our kernels' path {path or 'best'}, "
+        f"llama.cpp: {peer}; {len(payload['runs'].get('flashformer', []))} fresh processes each, in turns\n\n"
+    )
+    rows = []
+    for kind in KINDS:
+        row = [kind]
+        for rates in (ours, theirs):
+            if rates is None:
+                row += ["-"]
+                continue
+            r = rates[kind]
+            row += [f"{r['best']:.1f} / {r['median']:.1f} ({r['worst']:.1f}-{r['best']:.1f})"]
+        if ours and theirs:
+            row += [
+                f"{ours[kind]['best'] / theirs[kind]['best']:.2f}",
+                f"{ours[kind]['median'] / theirs[kind]['median']:.2f}",
+                f"{ours[kind]['median'] / ours[kind]['best']:.2f}",
+            ]
+        else:
+            row += ["-", "-", "-"]
+        rows.append(row)
+    header = [
+        "tokens/s",
+        "flashformer: best / median (range)",
+        "llama.cpp: best / median (range)",
+        "best / best",
+        "median / median",
+        "our median / our best",
+    ]
+    return head + markdown_table(header, rows)
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    for ax, kind in zip(axes, KINDS):
+        names = list(payload["runs"])
+        for i, name in enumerate(names):
+            rates = [run[kind] for run in payload["runs"][name]]
+            ax.scatter(rates, [i] * len(rates), color="tab:blue" if name == "flashformer" else "tab:orange")
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel(f"{kind} tokens/s, each fresh process")
+        ax.set_xlim(left=0)
+    fig.suptitle(
+        f"{Path(payload['config']['file']).name}, {payload['config'].get('isa') or 'best'}", fontsize=10
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
