@@ -11,7 +11,7 @@ in its processes),
 llama.cpp's `llama-bench -p 512 -n 128 -r 3` when --llama-bench is given, else
 llama-cpp-python (native only). Prints one line per process with the load average, then each
 contender's best, median and range (and --out writes them, every process's rates and the
-machine as JSON).
+machine as JSON, which flashformer/bench/turns.py tables in docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -31,200 +31,21 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <chrono>
 #include <string>
 
 #include "attention_tasks.h"
+#include "decoder_call.h"
+#include "decoder_model.h"
+#include "decoder_threads.h"
 #include "products.h"
 #include "row_ops.h"
 
 namespace flashformer_cpu {
 namespace {
 
-// ---- the threads of a call ----
-
-inline void cpu_relax() {
-#if FF_X86
-  _mm_pause();
-#endif
-}
-
-// Threads wait for each other spinning, then (past kSpin) asleep on a futex. Spinning is what makes
-// a barrier cost well under a microsecond between the steps of a layer; sleeping is what keeps a
-// thread whose partner was descheduled (a loaded machine) from burning the core it needs.
-// OpenMP's own barrier follows OMP_WAIT_POLICY: under "passive" (set for llama.cpp's benefit in our
-// benchmarks) every barrier would be a sleep and a wake-up.
-class Barrier {
- public:
-  void reset(int threads) { threads_ = threads, arrived_.store(0), sleepers_.store(0); }
-
-  void wait() {
-    const int generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_seq_cst);
-      if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-        syscall(SYS_futex, reinterpret_cast<int*>(&generation_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-      }
-      return;
-    }
-    const auto start = std::chrono::steady_clock::now();
-    for (int64_t spin = 1;; ++spin) {
-      if (generation_.load(std::memory_order_acquire) != generation) return;
-      cpu_relax();
-      if (spin % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) break;
-    }
-    sleepers_.fetch_add(1, std::memory_order_seq_cst);
-    while (generation_.load(std::memory_order_seq_cst) == generation) {
-      syscall(SYS_futex, reinterpret_cast<int*>(&generation_), FUTEX_WAIT_PRIVATE, generation, nullptr, nullptr, 0);
-    }
-    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-  }
-
- private:
-  static constexpr std::chrono::microseconds kSpin{200};
-  int threads_ = 1;
-  alignas(64) std::atomic<int> arrived_{0};
-  alignas(64) std::atomic<int> generation_{0};
-  alignas(64) std::atomic<int> sleepers_{0};
-};
-
-struct alignas(64) Counter {
-  std::atomic<int64_t> next{0};
-};
-
-// The kinds of step, for the profile (set_profiling): where a call's time goes.
-enum Phase : int {
-  kEmbed, kNorm, kQkv, kRope, kAttention, kPrepare, kOut, kResidualNorm, kUp, kAct, kDown, kResidual, kHead,
-  kPhases
-};
-constexpr const char* kPhaseNames[kPhases] = {"embed", "norm", "qkv", "rope_cache", "attention", "prepare", "out",
-                                              "residual_norm", "up", "act", "down", "residual", "head"};
-
-// One thread's view of a call: its steps in the program's order, each step's units claimed from
-// that step's counter a few at a time, then the barrier. With a profile, thread 0 adds each
-// step's time (from the barrier before to the barrier after it) to its phase.
-struct Worker {
-  int thread, threads;
-  Barrier* barrier;
-  Counter* counters;
-  double* profile;  // kPhases seconds, or nullptr
-  int64_t step = 0;
-  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
-
-  // A claim takes a share of what is left (guided scheduling): large while there is much, down
-  // to one unit at the end, so that the threads finish close together.
-  template <class F>
-  void run(Phase phase, int64_t units, F&& f) {
-    std::atomic<int64_t>& next = counters[step++].next;
-    int64_t first = next.load(std::memory_order_relaxed);
-    while (first < units) {
-      const int64_t chunk = std::max<int64_t>(1, (units - first) / (2 * threads));
-      if (!next.compare_exchange_weak(first, first + chunk, std::memory_order_relaxed)) continue;
-      f(first, std::min(units, first + chunk));
-      first = next.load(std::memory_order_relaxed);
-    }
-    barrier->wait();
-    if (profile && thread == 0) {
-      const auto now = std::chrono::steady_clock::now();
-      profile[phase] += std::chrono::duration<double>(now - last).count();
-      last = now;
-    }
-  }
-};
-
-// ---- the model, as load decided it ----
-
-enum NormKind : int { kNoNorm = 0, kRmsNorm = 1, kLayerNorm = 2 };
-
-struct Norm {
-  int kind = kNoNorm;
-  const float* weight = nullptr;
-  const float* bias = nullptr;
-  float eps = 0.f;
-  int64_t dim = 0;
-
-  void apply(const float* x, float* out) const {
-    if (kind == kRmsNorm) return rows::rms_norm(x, weight, eps, dim, out);
-    if (kind == kLayerNorm) return rows::layer_norm(x, weight, bias, eps, dim, out);
-    if (out != x) std::copy(x, x + dim, out);
-  }
-};
-
-// One weight of a projection, writing output columns column .. column + w.n - 1.
-struct Part {
-  PackedMatrix w;
-  const float* bias;
-  int64_t column;
-  bool int8_activations;
-};
-
-// x @ W^T (+ bias) for weights stacked along the output (q, k, v; gate and up), each part its own
-// packing (a Q4_K_M file's Q6_K v beside Q4_K q and k).
-struct Projection {
-  std::vector<Part> parts;
-  int64_t in = 0, out = 0;
-
-  bool reads(XForm form, int64_t rows, int isa) const {
-    for (const Part& p : parts) {
-      if (x_form(p.w.packing, p.int8_activations, rows, isa) == form) return true;
-    }
-    return false;
-  }
-};
-
-enum FeedForward : int { kPlain = 0, kGated = 1 };  // down(act(up x)); down(act(gate x) * up x)
-
-struct Layer {
-  Norm attn_norm, attn_out_norm, ffn_norm, ffn_out_norm, q_norm, k_norm;
-  Projection qkv, out, up, down;  // gated: up's output is gate | up (d_ff columns each)
-  int rope = -1;                  // the rotary table of this layer, or none
-  float scale = 1.f, softcap = 0.f;
-  int64_t window_left = -1;
-  int feed_forward = kPlain, activation = rows::kSilu;
-};
-
-struct Embedding {
-  PackedMatrix table{};
-  float scale = 1.f;  // 1: none
-  const float* positions = nullptr;  // learned absolute positions (max_positions, d), or none
-  int64_t max_positions = 0;
-};
-
-// One layer's share of the KV cache, as the pool (Hk, blocks, block_size, D).
-struct CacheView {
-  const void* k = nullptr;
-  const void* v = nullptr;
-  bool half = false;
-  int64_t blocks = 0, block_size = 0;
-  int64_t k_strides[3] = {0, 0, 0}, v_strides[3] = {0, 0, 0};  // head, block, position
-};
-
-// The call's buffers, grown as the largest call asks (never shrunk).
-struct Arena {
-  std::vector<float> x, h, qkv, attn, o, ff, act, lse, head_in, rope;
-  std::vector<int8_t> q32, q256;
-  std::vector<float> d32, s32, d256, sums32;
-  std::vector<int32_t> offset32;
-  std::vector<int16_t> sums256;
-  std::vector<AmxXBlock> amx;
-};
-
 template <class T>
 void grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-}
-
-std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
-  const at::Tensor c = t.contiguous();
-  TORCH_CHECK(c.scalar_type() == at::kInt || c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ",
-              c.scalar_type());
-  const at::Tensor l = c.scalar_type() == at::kLong ? c : c.to(at::kLong);
-  return std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
 }
 
 class NativeDecoder : public torch::CustomClassHolder {
@@ -376,7 +197,9 @@ class NativeDecoder : public torch::CustomClassHolder {
                      const std::optional<at::Tensor>& key_padding, const at::Tensor& logit_rows) {
     TORCH_CHECK(ready_, "NativeDecoder: finish() was not called");
     TORCH_CHECK(cache_bound_, "NativeDecoder: no KV cache bound (bind_cache)");
-    Call call = check_call(tokens, positions, q_starts, seq_lens, block_tables, slots, key_padding, logit_rows);
+    const CallLimits limits{vocab_, n_kv_heads_, caches_[0], embedding_};
+    Call call =
+        check_call(limits, tokens, positions, q_starts, seq_lens, block_tables, slots, key_padding, logit_rows);
     at::Tensor logits = at::empty({static_cast<int64_t>(call.logit_rows.size()), vocab_}, at::kFloat);
     call.logits = logits.data_ptr<float>();
     run(call);
@@ -399,80 +222,6 @@ class NativeDecoder : public torch::CustomClassHolder {
   }
 
  private:
-  // One call's inputs, checked and read into plain memory.
-  struct Call {
-    int64_t T = 0, S = 0, max_blocks = 0;
-    std::vector<int64_t> tokens, positions, starts, lengths, tables, slots, logit_rows;
-    const bool* padding = nullptr;
-    int64_t padding_len = 0;
-    at::Tensor padding_tensor;
-    std::vector<Task> tasks;
-    float* logits = nullptr;
-  };
-
-  Call check_call(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_starts,
-                  const at::Tensor& seq_lens, const at::Tensor& block_tables, const at::Tensor& slots,
-                  const std::optional<at::Tensor>& key_padding, const at::Tensor& logit_rows) {
-    Call c;
-    TORCH_CHECK(tokens.dim() == 1 && tokens.numel() > 0, "tokens: expected (T,) with T >= 1, got ", tokens.sizes());
-    c.T = tokens.size(0);
-    c.tokens = index_values(tokens, "tokens");
-    c.positions = index_values(positions, "positions");
-    c.slots = index_values(slots, "slots");
-    TORCH_CHECK(static_cast<int64_t>(c.positions.size()) == c.T && static_cast<int64_t>(c.slots.size()) == c.T,
-                "positions, slots: expected (", c.T, ",) like tokens, got ", positions.sizes(), " and ", slots.sizes());
-    TORCH_CHECK(block_tables.dim() == 2, "block_tables: expected (S, max_blocks), got ", block_tables.sizes());
-    c.S = block_tables.size(0), c.max_blocks = block_tables.size(1);
-    c.tables = index_values(block_tables, "block_tables");
-    c.lengths = index_values(seq_lens, "seq_lens");
-    c.starts = index_values(q_starts, "q_starts");
-    c.logit_rows = index_values(logit_rows, "logit_rows");
-    TORCH_CHECK(static_cast<int64_t>(c.lengths.size()) == c.S && static_cast<int64_t>(c.starts.size()) == c.S + 1,
-                "seq_lens (S,) and q_starts (S + 1,) must match block_tables' S = ", c.S, ", got ", seq_lens.sizes(),
-                " and ", q_starts.sizes());
-    TORCH_CHECK(c.starts[0] == 0 && c.starts[c.S] == c.T, "q_starts: expected to run from 0 to T = ", c.T);
-    const CacheView& cache = caches_[0];
-    for (int64_t s = 0; s < c.S; ++s) {
-      const int64_t n = c.starts[s + 1] - c.starts[s];
-      TORCH_CHECK(n >= 0 && c.lengths[s] >= n, "q_starts, seq_lens: sequence ", s, " has ", n, " new tokens and ",
-                  c.lengths[s], " keys");
-      const int64_t used = (c.lengths[s] + cache.block_size - 1) / cache.block_size;
-      TORCH_CHECK(used <= c.max_blocks, "block_tables: sequence ", s, " holds ", c.lengths[s], " keys, more than ",
-                  c.max_blocks, " blocks of ", cache.block_size);
-      for (int64_t j = 0; j < used; ++j) {
-        const int64_t block = c.tables[s * c.max_blocks + j];
-        TORCH_CHECK(block >= 0 && block < cache.blocks, "block_tables: block ", block, " of sequence ", s,
-                    " is outside the cache's ", cache.blocks);
-      }
-    }
-    for (int64_t t = 0; t < c.T; ++t) {
-      TORCH_CHECK(c.tokens[t] >= 0 && c.tokens[t] < vocab_, "tokens: id ", c.tokens[t], " is outside the vocabulary of ",
-                  vocab_);
-      TORCH_CHECK(c.positions[t] >= 0, "positions: expected >= 0, got ", c.positions[t]);
-      TORCH_CHECK(!embedding_.positions || c.positions[t] < embedding_.max_positions, "positions: ", c.positions[t],
-                  " is past the ", embedding_.max_positions, " learned positions");
-      TORCH_CHECK(c.slots[t] >= 0 && c.slots[t] < cache.blocks * cache.block_size, "slots: ", c.slots[t],
-                  " is outside the cache's ", cache.blocks * cache.block_size, " slots");
-    }
-    for (int64_t r : c.logit_rows) {
-      TORCH_CHECK(r >= 0 && r < c.T, "logit_rows: row ", r, " is not one of the ", c.T, " tokens");
-    }
-    if (key_padding) {
-      TORCH_CHECK(key_padding->dim() == 2 && key_padding->size(0) == c.S && key_padding->scalar_type() == at::kBool,
-                  "key_padding: expected (S, L) bool for S = ", c.S, ", got ", key_padding->sizes(), " ",
-                  key_padding->scalar_type());
-      c.padding_tensor = key_padding->contiguous();
-      c.padding = c.padding_tensor.data_ptr<bool>();
-      c.padding_len = key_padding->size(1);
-      for (int64_t s = 0; s < c.S; ++s) {
-        TORCH_CHECK(c.lengths[s] <= c.padding_len, "key_padding: ", c.padding_len, " keys for a sequence of ",
-                    c.lengths[s]);
-      }
-    }
-    c.tasks = attention_tasks(c.S, c.starts.data(), c.lengths.data(), n_kv_heads_, true);
-    return c;
-  }
-
   void run(Call& c) {
     const int64_t T = c.T, R = static_cast<int64_t>(c.logit_rows.size());
     const int64_t q_width = n_heads_ * head_dim_, qkv_width = q_width + 2 * n_kv_heads_ * head_dim_;

@@ -1,0 +1,110 @@
+// One native-decoder call's inputs (decoder_cpu.cpp's top says what each is), checked before any
+// work and read into plain memory, with the attention tasks they make. Every check names the
+// argument and what it expected. One translation unit includes it (an anonymous namespace).
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "attention_tasks.h"
+#include "decoder_model.h"
+
+namespace flashformer_cpu {
+namespace {
+
+std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
+  const at::Tensor c = t.contiguous();
+  TORCH_CHECK(c.scalar_type() == at::kInt || c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ",
+              c.scalar_type());
+  const at::Tensor l = c.scalar_type() == at::kLong ? c : c.to(at::kLong);
+  return std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+}
+
+// One call's inputs, checked and read into plain memory.
+struct Call {
+  int64_t T = 0, S = 0, max_blocks = 0;
+  std::vector<int64_t> tokens, positions, starts, lengths, tables, slots, logit_rows;
+  const bool* padding = nullptr;
+  int64_t padding_len = 0;
+  at::Tensor padding_tensor;
+  std::vector<Task> tasks;
+  float* logits = nullptr;
+};
+
+// What a call's checks read of the decoder: its vocabulary, KV heads, the first layer's cache (every
+// layer's has its shape) and its learned positions.
+struct CallLimits {
+  int64_t vocab, kv_heads;
+  const CacheView& cache;
+  const Embedding& embedding;
+};
+
+inline Call check_call(const CallLimits& limits, const at::Tensor& tokens, const at::Tensor& positions,
+                       const at::Tensor& q_starts, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                       const at::Tensor& slots, const std::optional<at::Tensor>& key_padding,
+                       const at::Tensor& logit_rows) {
+  Call c;
+  TORCH_CHECK(tokens.dim() == 1 && tokens.numel() > 0, "tokens: expected (T,) with T >= 1, got ", tokens.sizes());
+  c.T = tokens.size(0);
+  c.tokens = index_values(tokens, "tokens");
+  c.positions = index_values(positions, "positions");
+  c.slots = index_values(slots, "slots");
+  TORCH_CHECK(static_cast<int64_t>(c.positions.size()) == c.T && static_cast<int64_t>(c.slots.size()) == c.T,
+              "positions, slots: expected (", c.T, ",) like tokens, got ", positions.sizes(), " and ", slots.sizes());
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables: expected (S, max_blocks), got ", block_tables.sizes());
+  c.S = block_tables.size(0), c.max_blocks = block_tables.size(1);
+  c.tables = index_values(block_tables, "block_tables");
+  c.lengths = index_values(seq_lens, "seq_lens");
+  c.starts = index_values(q_starts, "q_starts");
+  c.logit_rows = index_values(logit_rows, "logit_rows");
+  TORCH_CHECK(static_cast<int64_t>(c.lengths.size()) == c.S && static_cast<int64_t>(c.starts.size()) == c.S + 1,
+              "seq_lens (S,) and q_starts (S + 1,) must match block_tables' S = ", c.S, ", got ", seq_lens.sizes(),
+              " and ", q_starts.sizes());
+  TORCH_CHECK(c.starts[0] == 0 && c.starts[c.S] == c.T, "q_starts: expected to run from 0 to T = ", c.T);
+  const CacheView& cache = limits.cache;
+  for (int64_t s = 0; s < c.S; ++s) {
+    const int64_t n = c.starts[s + 1] - c.starts[s];
+    TORCH_CHECK(n >= 0 && c.lengths[s] >= n, "q_starts, seq_lens: sequence ", s, " has ", n, " new tokens and ",
+                c.lengths[s], " keys");
+    const int64_t used = (c.lengths[s] + cache.block_size - 1) / cache.block_size;
+    TORCH_CHECK(used <= c.max_blocks, "block_tables: sequence ", s, " holds ", c.lengths[s], " keys, more than ",
+                c.max_blocks, " blocks of ", cache.block_size);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t block = c.tables[s * c.max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < cache.blocks, "block_tables: block ", block, " of sequence ", s,
+                  " is outside the cache's ", cache.blocks);
+    }
+  }
+  for (int64_t t = 0; t < c.T; ++t) {
+    TORCH_CHECK(c.tokens[t] >= 0 && c.tokens[t] < limits.vocab, "tokens: id ", c.tokens[t], " is outside the vocabulary of ",
+                limits.vocab);
+    TORCH_CHECK(c.positions[t] >= 0, "positions: expected >= 0, got ", c.positions[t]);
+    TORCH_CHECK(!limits.embedding.positions || c.positions[t] < limits.embedding.max_positions, "positions: ", c.positions[t],
+                " is past the ", limits.embedding.max_positions, " learned positions");
+    TORCH_CHECK(c.slots[t] >= 0 && c.slots[t] < cache.blocks * cache.block_size, "slots: ", c.slots[t],
+                " is outside the cache's ", cache.blocks * cache.block_size, " slots");
+  }
+  for (int64_t r : c.logit_rows) {
+    TORCH_CHECK(r >= 0 && r < c.T, "logit_rows: row ", r, " is not one of the ", c.T, " tokens");
+  }
+  if (key_padding) {
+    TORCH_CHECK(key_padding->dim() == 2 && key_padding->size(0) == c.S && key_padding->scalar_type() == at::kBool,
+                "key_padding: expected (S, L) bool for S = ", c.S, ", got ", key_padding->sizes(), " ",
+                key_padding->scalar_type());
+    c.padding_tensor = key_padding->contiguous();
+    c.padding = c.padding_tensor.data_ptr<bool>();
+    c.padding_len = key_padding->size(1);
+    for (int64_t s = 0; s < c.S; ++s) {
+      TORCH_CHECK(c.lengths[s] <= c.padding_len, "key_padding: ", c.padding_len, " keys for a sequence of ",
+                  c.lengths[s]);
+    }
+  }
+  c.tasks = attention_tasks(c.S, c.starts.data(), c.lengths.data(), limits.kv_heads, true);
+  return c;
+}
+
+}  // namespace
+}  // namespace flashformer_cpu
