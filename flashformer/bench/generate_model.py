@@ -405,9 +405,9 @@ def table(payload: dict) -> str:
     text = head + markdown_table(header, rows)
     # runs from before the native decoder (no "native" key): their default was the modules, eagerly,
     # and their batches were timed compiled
-    path = "its default path, native" if p.get("native") else "its default path then: the modules, eagerly"
-    if "native" in p and not p["native"]:
-        path = "its default path here: the modules, eagerly"
+    path = {True: "its default path, native", False: "its default path here: the modules, eagerly"}.get(
+        p.get("native"), "its default path then: the modules, eagerly"
+    )
     ratios = llama_bench_ratios(p)
     if ratios:
         text += (

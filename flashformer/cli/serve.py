@@ -106,11 +106,13 @@ def main_from_args(args) -> None:
         what = (
             f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens, run {runs}"
         )
-        engine.start_seconds = process_seconds()
+    started = process_seconds()
+    if isinstance(engine, Engine):
+        engine.start_seconds = started
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     app = create_app(engine, name, api_key=args.api_key, webui=args.webui, tool_parser=args.tool_parser)
     print(
-        f"serving {name} on http://{args.host}:{args.port}/v1 ({what}; started in {process_seconds():.1f} s)",
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({what}; started in {started:.1f} s)",
         flush=True,
     )
     if args.webui:

@@ -44,11 +44,6 @@ ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # csrc/row_ops.
 FEED_FORWARDS = {"plain": 0, "gated": 1}  # down(act(up x)); down(act(gate x) * up x), gate | up in one output
 
 
-def available() -> bool:
-    """Whether the C++ kernels (and so the native decoder) run here."""
-    return extension.cpp_kernels()
-
-
 def _packing(fmt: str, scales: Tensor | None) -> str:
     if fmt == "int8":
         return "int8_per_block" if scales.dim() == 3 else "int8_per_row"
@@ -82,18 +77,17 @@ class NativeDecoder:
     def __init__(
         self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, vocab_size: int, n_layers: int
     ):
-        if not available():
+        if not extension.cpp_kernels():
             raise RuntimeError(
                 "the native decoder needs flashformer's C++ kernels, which could not be built here"
             )
-        self.n_layers, self.vocab_size = n_layers, vocab_size
         self._decoder = torch.classes.flashformer.NativeDecoder(
             d_model, n_heads, n_kv_heads, head_dim, vocab_size, n_layers
         )
         # one call at a time: a call owns the decoder's working memory and its bound cache (a
         # server's engine thread and a generate() on another thread may share a model)
         self._lock = threading.Lock()
-        self._bound = None  # the key of the cache bound last
+        self._bound = None  # the NativeCache bound last
 
     def set_embedding(self, table: Tensor | QuantizedEmbedding, scale: float = 1.0) -> None:
         """The token table: float32 (V, d) or quantized; each row times scale (Gemma's sqrt(d))."""
@@ -171,9 +165,9 @@ class NativeDecoder:
         """The logits (R, vocab) float32 of batch.logit_rows, after writing every new token's keys
         and values into `cache`."""
         with self._lock:
-            if self._bound is not cache.key:
+            if self._bound is not cache:
                 self._decoder.bind_cache(cache.k_pools, cache.v_pools)
-                self._bound = cache.key
+                self._bound = cache
             return self._decoder.forward(
                 batch.tokens,
                 batch.positions,
@@ -204,7 +198,6 @@ class NativeCache:
 
     def __init__(self, k_pools: list[Tensor], v_pools: list[Tensor]):
         self.k_pools, self.v_pools = list(k_pools), list(v_pools)
-        self.key = object()  # this cache's identity for the decoder's binding
 
     @classmethod
     def of_static(cls, caches: list) -> NativeCache:

@@ -24,9 +24,9 @@ import weakref
 import torch
 from torch import nn
 
-from flashformer.kernels import native_decoder as native_kernels
+from flashformer.kernels import extension
 from flashformer.kernels.native_decoder import NativeDecoder
-from flashformer.kernels.quantized import BLOCK, ConcatenatedLinear, QuantizedEmbedding, QuantizedLinear
+from flashformer.kernels.quantized import ConcatenatedLinear, QuantizedEmbedding, QuantizedLinear
 from flashformer.model.layers import (
     FeedForward,
     FusedGatedFeedForward,
@@ -40,7 +40,7 @@ from flashformer.model.positional import LearnedPositions, NoAttentionPositions,
 from flashformer.model.stacks import EmbeddingScale
 
 _ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu"}
-# model -> (fingerprint, its NativeDecoder)
+# model -> (fingerprint, its NativeDecoder, or None where its layers have no native form)
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -50,6 +50,19 @@ class Unsupported(Exception):
 
 def native_unsupported(model) -> str | None:
     """Why `model` cannot run natively right now, or None when it can (then native_decoder builds)."""
+    reason = _unsupported_now(model)
+    if reason is not None:
+        return reason
+    try:
+        _check_shape(model)
+    except Unsupported as error:
+        return str(error)
+    return None
+
+
+def _unsupported_now(model) -> str | None:
+    """What rules the native decoder out whatever the model's layers: its arch, where and how its
+    parameters live, its mode, autocast, the C++ kernels."""
     config = model.config
     if config.arch != "decoder":
         return f"arch {config.arch!r} (the native decoder runs decoder-only models)"
@@ -62,27 +75,27 @@ def native_unsupported(model) -> str | None:
         return "the model is in training mode (dropout)"
     if torch.is_autocast_enabled("cpu"):
         return "autocast is on"
-    if not native_kernels.available():
+    if not extension.cpp_kernels():
         return "flashformer's C++ kernels could not be built here"
-    try:
-        _check_shape(model)
-    except Unsupported as error:
-        return str(error)
     return None
 
 
 def native_decoder(model) -> NativeDecoder | None:
     """The model's NativeDecoder (built on first use, rebuilt when its tensors change), or None
-    where native_unsupported gives a reason."""
-    if native_unsupported(model) is not None:
+    where native_unsupported gives a reason. The layers are read once per set of tensors: a
+    session's call on an unchanged model costs the fingerprint only."""
+    if _unsupported_now(model) is not None:
         return None
     fingerprint = _fingerprint(model)
     kept = _BUILT.get(model)
-    if kept is not None and kept[0] == fingerprint:
-        return kept[1]
-    decoder = _build(model)
-    _BUILT[model] = (fingerprint, decoder)
-    return decoder
+    if kept is None or kept[0] != fingerprint:
+        try:
+            _check_shape(model)
+            decoder = _build(model)
+        except Unsupported:
+            decoder = None
+        kept = _BUILT[model] = (fingerprint, decoder)
+    return kept[1]
 
 
 def _fingerprint(model) -> tuple:
@@ -115,7 +128,7 @@ def _check_shape(model) -> None:
         if type(block.attn) is not MultiHeadAttention or (window is not None and window[1] is not None):
             raise Unsupported(f"layer {index}: {type(block.attn).__name__} (causal self-attention only)")
         for name, module in block.named_modules():
-            if isinstance(module, QuantizedLinear) and (module.in_features + module._pad_in) % BLOCK:
+            if isinstance(module, QuantizedLinear) and module._pad_in:  # its x would need zero columns
                 raise Unsupported(
                     f"layer {index}: {name} reads {module.in_features} inputs, not whole blocks"
                 )

@@ -11,17 +11,10 @@
 
 #include "attention_tasks.h"
 #include "decoder_model.h"
+#include "quantized_common.h"
 
 namespace flashformer_cpu {
 namespace {
-
-std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
-  const at::Tensor c = t.contiguous();
-  TORCH_CHECK(c.scalar_type() == at::kInt || c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ",
-              c.scalar_type());
-  const at::Tensor l = c.scalar_type() == at::kLong ? c : c.to(at::kLong);
-  return std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
-}
 
 // One call's inputs, checked and read into plain memory.
 struct Call {

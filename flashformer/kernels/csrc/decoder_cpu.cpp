@@ -112,6 +112,8 @@ class NativeDecoder : public torch::CustomClassHolder {
                 const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& bias, int64_t n, int64_t k,
                 int64_t groups, int64_t nb, bool int8_activations) {
     Projection* projection = projection_slot(layer, which);
+    TORCH_CHECK(projection->parts.size() < kMaxParts, "add_part: ", which, " of layer ", layer, " has ",
+                kMaxParts, " parts already, the most a projection holds");
     const PackedMatrix w = packed(data, scales, packing, n, k, groups, nb);
     TORCH_CHECK(projection->parts.empty() || projection->in == k, "add_part: ", which, " of layer ", layer,
                 " reads ", projection->in, " inputs; this part reads ", k);
@@ -206,8 +208,6 @@ class NativeDecoder : public torch::CustomClassHolder {
     return logits;
   }
 
-  int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // Profiling (off by default): each kind of step's seconds, summed over the calls since it was
   // switched on; a map of phase name to seconds.
   void set_profiling(bool on) {
@@ -237,8 +237,9 @@ class NativeDecoder : public torch::CustomClassHolder {
     grow(a.amx, (std::max(T, R) + 15) / 16 * (padded / kSuper));
 
     const int threads = std::max(1, at::get_num_threads());
-    const int64_t steps = 8 + static_cast<int64_t>(layers_.size()) * 12;  // (11 a layer)
-    counters_ = std::vector<Counter>(steps);
+    const size_t steps = 8 + layers_.size() * 12;  // (11 a layer)
+    if (counters_.size() < steps) counters_ = std::vector<Counter>(steps);
+    for (Counter& counter : counters_) counter.next.store(0, std::memory_order_relaxed);
     grow(scratch_, threads);
     barrier_.reset(threads);
     const int isa = use_isa().load();
@@ -260,20 +261,18 @@ class NativeDecoder : public torch::CustomClassHolder {
     Arena& a = arena_;
     Scratch& scratch = scratch_[w.thread];
     // the embeddings and the RoPE tables of this call's positions
-    w.run(kEmbed, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        float* x = a.x.data() + t * d;
-        dequantize_row(embedding_.table, c.tokens[t], x);
-        if (embedding_.scale != 1.f) rows::scale(x, embedding_.scale, d);
-        if (embedding_.positions) rows::add(x, embedding_.positions + c.positions[t] * d, d);
-        for (int table = 0; table < 2; ++table) {
-          if (inv_freq_[table].empty()) continue;
-          float* cs = rope_row(table, t, T);
-          for (int64_t i = 0; i < rotary_half_; ++i) {
-            const float angle = static_cast<float>(c.positions[t]) * inv_freq_[table][i];
-            cs[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-            cs[rotary_half_ + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
-          }
+    w.each(kEmbed, T, [&](int64_t t) {
+      float* x = a.x.data() + t * d;
+      dequantize_row(embedding_.table, c.tokens[t], x);
+      if (embedding_.scale != 1.f) rows::scale(x, embedding_.scale, d);
+      if (embedding_.positions) rows::add(x, embedding_.positions + c.positions[t] * d, d);
+      for (int table = 0; table < 2; ++table) {
+        if (inv_freq_[table].empty()) continue;
+        float* cs = rope_row(table, t, T);
+        for (int64_t i = 0; i < rotary_half_; ++i) {
+          const float angle = static_cast<float>(c.positions[t]) * inv_freq_[table][i];
+          cs[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+          cs[rotary_half_ + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
         }
       }
     });
@@ -281,17 +280,14 @@ class NativeDecoder : public torch::CustomClassHolder {
     // the rows whose logits are asked: the final norm, the head, the softcap
     const int64_t R = static_cast<int64_t>(c.logit_rows.size());
     ProductX head_x = product_x(a.head_in.data(), R, d);
-    w.run(kNorm, R, [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        final_norm_.apply(a.x.data() + c.logit_rows[r] * d, a.head_in.data() + r * d);
-        prepare_row(head_, head_x, r, isa);
-      }
+    const unsigned head_forms = head_.forms(R, isa);
+    w.each(kNorm, R, [&](int64_t r) {
+      final_norm_.apply(a.x.data() + c.logit_rows[r] * d, a.head_in.data() + r * d);
+      prepare_row(head_forms, head_x, r);
     });
     project(w, kHead, head_, head_x, c.logits, vocab_, isa);
     if (logit_softcap_ > 0.f) {
-      w.run(kHead, R, [&](int64_t first, int64_t last) {
-        for (int64_t r = first; r < last; ++r) rows::softcap(c.logits + r * vocab_, logit_softcap_, vocab_);
-      });
+      w.each(kHead, R, [&](int64_t r) { rows::softcap(c.logits + r * vocab_, logit_softcap_, vocab_); });
     }
   }
 
@@ -301,31 +297,28 @@ class NativeDecoder : public torch::CustomClassHolder {
     Arena& a = arena_;
     // 1. h = attn_norm(x), made ready for the q/k/v product
     ProductX hx = product_x(a.h.data(), T, d);
-    w.run(kNorm, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        l.attn_norm.apply(a.x.data() + t * d, a.h.data() + t * d);
-        prepare_row(l.qkv, hx, t, isa);
-      }
+    const unsigned qkv_forms = l.qkv.forms(T, isa);
+    w.each(kNorm, T, [&](int64_t t) {
+      l.attn_norm.apply(a.x.data() + t * d, a.h.data() + t * d);
+      prepare_row(qkv_forms, hx, t);
     });
     // 2. q, k, v
     project(w, kQkv, l.qkv, hx, a.qkv.data(), qkv_width, isa);
     // 3. the head norms and RoPE on q and k; k and v into the cache
-    w.run(kRope, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        float* row = a.qkv.data() + t * qkv_width;
-        const float* cs = l.rope >= 0 ? rope_row(l.rope, t, T) : nullptr;
-        for (int64_t h = 0; h < n_heads_ + n_kv_heads_; ++h) {
-          float* head = row + h * D;
-          const Norm& norm = h < n_heads_ ? l.q_norm : l.k_norm;
-          if (norm.kind != kNoNorm) norm.apply(head, head);
-          if (cs) rows::rotate(head, cs, cs + rotary_half_, rotary_half_);
-        }
-        const int64_t slot = c.slots[t];
-        const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
-        for (int64_t h = 0; h < n_kv_heads_; ++h) {
-          write_cache(cache.k, cache.half, cache.k_strides, h, block, offset, row + q_width + h * D, D);
-          write_cache(cache.v, cache.half, cache.v_strides, h, block, offset, row + q_width + kv_width + h * D, D);
-        }
+    w.each(kRope, T, [&](int64_t t) {
+      float* row = a.qkv.data() + t * qkv_width;
+      const float* cs = l.rope >= 0 ? rope_row(l.rope, t, T) : nullptr;
+      for (int64_t h = 0; h < n_heads_ + n_kv_heads_; ++h) {
+        float* head = row + h * D;
+        const Norm& norm = h < n_heads_ ? l.q_norm : l.k_norm;
+        if (norm.kind != kNoNorm) norm.apply(head, head);
+        if (cs) rows::rotate(head, cs, cs + rotary_half_, rotary_half_);
+      }
+      const int64_t slot = c.slots[t];
+      const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
+      for (int64_t h = 0; h < n_kv_heads_; ++h) {
+        write_cache(cache.k, cache.half, cache.k_strides, h, block, offset, row + q_width + h * D, D);
+        write_cache(cache.v, cache.half, cache.v_strides, h, block, offset, row + q_width + kv_width + h * D, D);
       }
     });
     // 4. attention, a task per (sequence, KV head, slice of queries)
@@ -339,50 +332,41 @@ class NativeDecoder : public torch::CustomClassHolder {
     p.scale = l.scale, p.softcap = l.softcap, p.causal = true;
     p.key_padding = c.padding, p.padding_len = c.padding_len;
     p.window_left = l.window_left, p.window_right = -1;
-    const int64_t n_tasks = static_cast<int64_t>(c.tasks.size());
-    w.run(kAttention, n_tasks, [&](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; ++i) {
-        const Task& task = c.tasks[i];
-        attend_task(p, task, c.tables.data() + task.b * c.max_blocks, scratch);
-      }
+    w.each(kAttention, static_cast<int64_t>(c.tasks.size()), [&](int64_t i) {
+      const Task& task = c.tasks[i];
+      attend_task(p, task, c.tables.data() + task.b * c.max_blocks, scratch);
     });
     // 5. the output projection
     ProductX attn_x = product_x(a.attn.data(), T, q_width);
-    w.run(kPrepare, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) prepare_row(l.out, attn_x, t, isa);
-    });
+    const unsigned out_forms = l.out.forms(T, isa);
+    w.each(kPrepare, T, [&](int64_t t) { prepare_row(out_forms, attn_x, t); });
     project(w, kOut, l.out, attn_x, a.o.data(), d, isa);
     // 6. x += attn_out_norm(o); h = ffn_norm(x)
-    w.run(kResidualNorm, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        float* x = a.x.data() + t * d;
-        float* o = a.o.data() + t * d;
-        l.attn_out_norm.apply(o, o);
-        rows::add(x, o, d);
-        l.ffn_norm.apply(x, a.h.data() + t * d);
-        prepare_row(l.up, hx, t, isa);
-      }
+    const unsigned up_forms = l.up.forms(T, isa);
+    w.each(kResidualNorm, T, [&](int64_t t) {
+      float* x = a.x.data() + t * d;
+      float* o = a.o.data() + t * d;
+      l.attn_out_norm.apply(o, o);
+      rows::add(x, o, d);
+      l.ffn_norm.apply(x, a.h.data() + t * d);
+      prepare_row(up_forms, hx, t);
     });
     // 7. the feed-forward: up (gate | up), act, down
     project(w, kUp, l.up, hx, a.ff.data(), l.up.out, isa);
     const int64_t d_ff = l.down.in;
     ProductX act_x = product_x(a.act.data(), T, d_ff);
-    w.run(kAct, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        const float* ff = a.ff.data() + t * l.up.out;
-        rows::activate(ff, l.feed_forward == kGated ? ff + d_ff : nullptr, l.activation, d_ff,
-                       a.act.data() + t * d_ff);
-        prepare_row(l.down, act_x, t, isa);
-      }
+    const unsigned down_forms = l.down.forms(T, isa);
+    w.each(kAct, T, [&](int64_t t) {
+      const float* ff = a.ff.data() + t * l.up.out;
+      rows::activate(ff, l.feed_forward == kGated ? ff + d_ff : nullptr, l.activation, d_ff, a.act.data() + t * d_ff);
+      prepare_row(down_forms, act_x, t);
     });
     project(w, kDown, l.down, act_x, a.o.data(), d, isa);
     // 8. x += ffn_out_norm(down)
-    w.run(kResidual, T, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        float* o = a.o.data() + t * d;
-        l.ffn_out_norm.apply(o, o);
-        rows::add(a.x.data() + t * d, o, d);
-      }
+    w.each(kResidual, T, [&](int64_t t) {
+      float* o = a.o.data() + t * d;
+      l.ffn_out_norm.apply(o, o);
+      rows::add(a.x.data() + t * d, o, d);
     });
   }
 
@@ -398,10 +382,10 @@ class NativeDecoder : public torch::CustomClassHolder {
     return x;
   }
 
-  // Row t of x in every form the projection's parts read.
-  static void prepare_row(const Projection& projection, ProductX& x, int64_t t, int isa) {
+  // Row t of x in each of `forms` (Projection::forms: what its parts read).
+  static void prepare_row(unsigned forms, ProductX& x, int64_t t) {
     for (XForm form : {kXBlocks32, kXBlocks256, kXSums32, kXAmx256}) {
-      if (!projection.reads(form, x.rows, isa)) continue;
+      if (!(forms >> form & 1u)) continue;
       const int64_t per_row = x.k / form_block(form);
       prepare_x(form, x, t * per_row, (t + 1) * per_row);
     }
@@ -410,7 +394,7 @@ class NativeDecoder : public torch::CustomClassHolder {
   // out (rows, ld) = x @ W^T (+ bias): every part's units, claimed by the threads as one list.
   void project(Worker& w, Phase phase, const Projection& projection, const ProductX& x, float* out, int64_t ld,
                int isa) {
-    int64_t offsets[8];
+    int64_t offsets[kMaxParts];
     const size_t parts = projection.parts.size();
     int64_t units = 0;
     for (size_t i = 0; i < parts; ++i) {
@@ -574,7 +558,6 @@ TORCH_LIBRARY_FRAGMENT(flashformer, m) {
       .def("finish", &NativeDecoder::finish)
       .def("bind_cache", &NativeDecoder::bind_cache)
       .def("forward", &NativeDecoder::forward)
-      .def("n_layers", &NativeDecoder::n_layers)
       .def("set_profiling", &NativeDecoder::set_profiling)
       .def("profile", &NativeDecoder::profile);
 }

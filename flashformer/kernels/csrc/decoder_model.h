@@ -30,6 +30,8 @@ struct Norm {
   }
 };
 
+constexpr size_t kMaxParts = 8;  // weights a projection stacks (a Q4_K_M file's q/k/v: up to 3)
+
 // One weight of a projection, writing output columns column .. column + w.n - 1.
 struct Part {
   PackedMatrix w;
@@ -44,11 +46,11 @@ struct Projection {
   std::vector<Part> parts;
   int64_t in = 0, out = 0;
 
-  bool reads(XForm form, int64_t rows, int isa) const {
-    for (const Part& p : parts) {
-      if (x_form(p.w.packing, p.int8_activations, rows, isa) == form) return true;
-    }
-    return false;
+  // The forms of x its parts read for `rows` x rows on `isa`: bit f set for XForm f.
+  unsigned forms(int64_t rows, int isa) const {
+    unsigned found = 0;
+    for (const Part& p : parts) found |= 1u << x_form(p.w.packing, p.int8_activations, rows, isa);
+    return found;
   }
 };
 

@@ -109,6 +109,14 @@ struct Worker {
       last = now;
     }
   }
+
+  // run() over `count` rows (or tasks), f(i) for each one claimed.
+  template <class F>
+  void each(Phase phase, int64_t count, F&& f) {
+    run(phase, count, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) f(i);
+    });
+  }
 };
 
 }  // namespace

@@ -31,6 +31,8 @@
 //   it. A sequence alone and in any batch gives the same bits.
 
 #include "attention_tasks.h"
+#include "quantized_common.h"
+#include "row_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -155,27 +157,13 @@ __attribute__((always_inline)) inline void weighted_values64(float* const* acc, 
 // registers of AVX-512 (SmolLM2's 3 query heads per KV head share every load).
 constexpr int64_t kRowsPerPass = 3;
 
-// exp(x) for x <= 0 (softmax weights), 0 where x is -inf: 2^n e^r with n = round(x / ln 2),
-// r = x - n ln 2 (ln 2 in two parts) and e^r's Taylor polynomial to r^7 (|r| <= 0.35: relative
-// error < 1e-8, under float32's rounding). x below -87 is taken as -87 (a weight < 2e-38).
+// exp(x) for x <= 0 (softmax weights), 0 where x is -inf: n = round(x / ln 2) half down, then
+// row_ops.h's 2^n e^r. x below -87 is taken as -87 (a weight < 2e-38).
 __attribute__((always_inline)) inline v8 exp8(v8 x) {
   const auto masked = x == -__builtin_inff();
   x = x < -87.f ? v8{} - 87.f : x;
   const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round half down (x <= 0)
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
-  v8 poly = v8{} + 1.f / 5040.f;
-  poly = poly * r + 1.f / 720.f;
-  poly = poly * r + 1.f / 120.f;
-  poly = poly * r + 1.f / 24.f;
-  poly = poly * r + 1.f / 6.f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.f;
-  poly = poly * r + 1.f;
-  v8 two_n;
-  const v8i bits = (n + 127) << 23;
-  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
-  return masked ? v8{} : poly * two_n;
+  return masked ? v8{} : rows::exp_near(x, __builtin_convertvector(n, v8));
 }
 
 // rows x n float16 values (row i at base + at[i]) widened to float32 into dst (row i at dst + i * n);
@@ -554,23 +542,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       attend_task(p, t, tables + t.b * max_blocks, scratch);
     }
   });
-}
-
-// An index tensor's values as int64, copied straight from int32 (the engine's tables and lengths)
-// or int64 memory: the same numbers without the ATen tensors a `.to(kLong)` allocates (a few
-// microseconds each, two a layer, 30 layers a decode step).
-std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
-  const at::Tensor c = t.contiguous();
-  std::vector<int64_t> values(static_cast<size_t>(c.numel()));
-  if (c.scalar_type() == at::kInt) {
-    const int32_t* data = c.data_ptr<int32_t>();
-    std::copy(data, data + c.numel(), values.begin());
-  } else {
-    TORCH_CHECK(c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ", c.scalar_type());
-    const int64_t* data = c.data_ptr<int64_t>();
-    std::copy(data, data + c.numel(), values.begin());
-  }
-  return values;
 }
 
 // The paged operator: q (T, Hq, D) packed, pools, block_tables (S, max_blocks), seq_lens (S,),

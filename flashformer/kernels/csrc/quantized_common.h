@@ -1,6 +1,7 @@
-// What the quantized kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the
-// K-quants): where a kernel's results go, which ISA runs, the checks of a call's arguments and the
-// no-backward autograd kernel. Functions are inline, so that use_isa() is one switch for all.
+// What the kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the K-quants; the
+// attention and the native decoder read index tensors with index_values): where a kernel's results
+// go, which ISA runs, the checks of a call's arguments and the no-backward autograd kernel.
+// Functions are inline, so that use_isa() is one switch for all.
 
 #pragma once
 
@@ -138,6 +139,23 @@ struct OutputMatrix {
     return {out + m0 * ld + row0, ld, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
   }
 };
+
+// An index tensor's values as int64, copied straight from int32 (the engine's tables and lengths)
+// or int64 memory: the same numbers without the ATen tensors a `.to(kLong)` allocates (a few
+// microseconds each, two a layer, 30 layers a decode step).
+inline std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
+  const at::Tensor c = t.contiguous();
+  std::vector<int64_t> values(static_cast<size_t>(c.numel()));
+  if (c.scalar_type() == at::kInt) {
+    const int32_t* data = c.data_ptr<int32_t>();
+    std::copy(data, data + c.numel(), values.begin());
+  } else {
+    TORCH_CHECK(c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ", c.scalar_type());
+    const int64_t* data = c.data_ptr<int64_t>();
+    std::copy(data, data + c.numel(), values.begin());
+  }
+  return values;
+}
 
 // Where x or the bias asks for gradients, `out` gets a backward node that raises: the weights
 // are integer buffers. Shared by every quantized operator's autograd kernel.

@@ -36,14 +36,10 @@ FF_ROW_INLINE float lane_sum(f8 a) {  // hsum8_scalar's order
   return (s0 + s2) + (s1 + s3);
 }
 
-// exp(x) for any float x: 2^n e^r, n = round(x / ln 2) (by the 1.5 * 2^23 trick), r = x - n ln 2
-// (ln 2 in two parts), e^r by its Taylor polynomial to r^7 (|r| <= 0.35: relative error < 1e-8).
-// x is clamped to [-87, 88]: below, a result < 2e-38 (taken as that); above, float's range ends.
-FF_ROW_INLINE f8 exp8(f8 x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  x = x > 88.f ? splat(88.f) : x;
-  const f8 magic = splat(12582912.f);
-  const f8 nf = (x * 1.44269504f + magic) - magic;
+// exp(x) = 2^n e^r given n (nf: an integer near x / ln 2, as a float): r = x - n ln 2 (ln 2 in
+// two parts), e^r by its Taylor polynomial to r^7 (|r| <= 0.35: relative error < 1e-8). What
+// exp8 below and the attention kernel's softmax weights (paged_attention_cpu.cpp) share.
+FF_ROW_INLINE f8 exp_near(f8 x, f8 nf) {
   const i8v n = __builtin_convertvector(nf, i8v);
   const f8 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
   f8 poly = splat(1.f / 5040.f);
@@ -58,6 +54,15 @@ FF_ROW_INLINE f8 exp8(f8 x) {
   const i8v bits = (n + 127) << 23;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return poly * two_n;
+}
+
+// exp(x) for any float x: n = round(x / ln 2) by the 1.5 * 2^23 trick. x is clamped to [-87, 88]:
+// below, a result < 2e-38 (taken as that); above, float's range ends.
+FF_ROW_INLINE f8 exp8(f8 x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  x = x > 88.f ? splat(88.f) : x;
+  const f8 magic = splat(12582912.f);
+  return exp_near(x, (x * 1.44269504f + magic) - magic);
 }
 
 // tanh(x) = sign(x) (1 - 2 / (e^(2|x|) + 1)); exact to float's rounding but for |x| < 2^-8, where
