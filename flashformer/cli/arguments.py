@@ -5,6 +5,7 @@ flags of `generate` and `chat`, the tokens that end generation, and the conversi
 from __future__ import annotations
 
 import argparse
+import functools
 import typing
 from pathlib import Path
 
@@ -54,6 +55,27 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    speculation = parser.add_mutually_exclusive_group()
+    speculation.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="speculative decoding: draft up to N tokens from n-grams of the prompt and the text so far",
+    )
+    speculation.add_argument(
+        "--draft",
+        metavar="MODEL",
+        help="speculative decoding: a smaller model with the same tokenizer drafts for this one",
+    )
+    parser.add_argument(
+        "--draft-tokens", type=int, default=5, help="with --draft: the most tokens it drafts ahead (5)"
+    )
+    parser.add_argument(
+        "--draft-quantize",
+        choices=MODES,
+        help="with --draft: load it quantized so (default: as --quantize; a float model's own GGUF file with "
+        "--draft-quantize gguf drafts for it)",
+    )
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +105,19 @@ def sampling_settings(args) -> dict:
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         compile=args.compile,
+        prompt_lookup_num_tokens=args.prompt_lookup,
+        assistant_model=None
+        if args.draft is None
+        else draft_model(args.draft, args.draft_quantize or args.quantize, args.activations),
+        num_assistant_tokens=args.draft_tokens,
     )
+
+
+@functools.cache
+def draft_model(path: str, quantize: str | None, activations: str):
+    """--draft's model, loaded once (chat asks for the settings every turn)."""
+    model, _ = load(path, quantize=quantize, activations=activations)
+    return model
 
 
 def chat_from_args(args, model, tokenizer, **options) -> Chat:

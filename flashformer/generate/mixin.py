@@ -30,13 +30,14 @@ import torch
 from torch import Tensor
 
 from flashformer.checks import check_token_ids, padding_mask_from
+from flashformer.generate import speculative
 from flashformer.generate.beam_search import beam_search
-from flashformer.generate.constraints import constrain, keep_an_end, matchers_for
 from flashformer.generate.sampling import (
     GenerationSettings,
-    LogitsProcessor,
+    TokenChooser,
     TokenHistory,
     choose_tokens,
+    drafting,
     make_generator,
     settings_from,
 )
@@ -79,6 +80,11 @@ def check_prompt(model, input_ids, attention_mask, s: GenerationSettings) -> Non
                     f"a decoder's prompts must be left-padded (padding before the tokens); attention_mask "
                     f"row {rows[0]} has padding after a real token"
                 )
+    if drafting(s) and (input_ids.shape[0] != 1 or (real is not None and not bool(real.all()))):
+        raise ValueError(
+            f"speculative decoding (prompt_lookup_num_tokens, assistant_model) runs one unpadded prompt at a "
+            f"time, as transformers' assisted generation; got input_ids of shape {tuple(input_ids.shape)}"
+        )
     length = input_ids.shape[1]
     if config.arch == "decoder" and config.position == "learned":
         if length + s.max_new_tokens > config.max_seq_len:
@@ -106,48 +112,23 @@ def stream_tokens(
     or every row has produced an eos (finished rows then get pad_token_id).
     Inference only, whoever calls it (generate, stream, a chat session): a
     compiled step traced with gradients on would also build a backward graph,
-    which a quantized model's layers refuse."""
-    process = LogitsProcessor(s, session.input_ids.device)
-    unfinished = tokens = None
-    matchers = matchers_for(s.constraint, session.input_ids.shape[0])
+    which a quantized model's layers refuse. With prompt_lookup_num_tokens or an
+    assistant_model the tokens come from speculative decoding (speculative.py):
+    the same tokens for greedy, the same distribution when sampling."""
+    if drafting(s):
+        yield from speculative.speculative_tokens(session, s, history, generator, logits_out)
+        return
+    chooser = TokenChooser(s, session.input_ids.shape[0], session.input_ids.device, history)
+    tokens = None
     for index in range(s.max_new_tokens):
         logits = session.prefill() if index == 0 else session.step(tokens)  # (B, V) float32
         if logits_out is not None:
             logits_out.append(logits)
-        if matchers is None:
-            scores = process(logits, history, index)
-        else:  # the grammar's mask first, so that the processors see only what it allows
-            masked = constrain(logits, _still_running(matchers, unfinished), process.eos)
-            scores = process(masked, history, index)
-            if index < s.min_new_tokens:
-                scores = keep_an_end(scores, masked)
-        tokens = choose_tokens(scores, s.do_sample, generator)  # (B,)
-        if process.eos.numel():
-            if unfinished is None:
-                unfinished = torch.ones_like(tokens, dtype=torch.bool)
-            tokens = torch.where(unfinished, tokens, s.pad_token_id)
-        if matchers is not None:
-            for row, (matcher, token) in enumerate(
-                zip(_still_running(matchers, unfinished), tokens.tolist())
-            ):
-                if matcher is not None and not matcher.advance(token):
-                    raise RuntimeError(
-                        f"constraint: the grammar engine stopped on row {row} at new token {index}: {matcher.error}"
-                    )
-        if process.eos.numel():
-            unfinished = unfinished & ~torch.isin(tokens, process.eos)
-        if history is not None:
-            history.add(tokens)
+        scores = chooser.scores(logits, index)
+        tokens = chooser.commit(choose_tokens(scores, s.do_sample, generator), index)  # (B,)
         yield tokens
-        if unfinished is not None and not bool(unfinished.any()):
+        if chooser.all_ended:
             return
-
-
-def _still_running(matchers: list, unfinished: Tensor | None) -> list:
-    """The matchers of the rows that have not ended (an ended row's pad tokens are no text)."""
-    if unfinished is None:
-        return matchers
-    return [m if alive else None for m, alive in zip(matchers, unfinished.tolist())]
 
 
 # ---- the methods models get ----

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from flashformer.generate.constraints import Constraint, check_constraint
+from flashformer.generate.constraints import (
+    Constraint,
+    check_constraint,
+    constrain,
+    keep_an_end,
+    matchers_for,
+)
 
 # ---- settings ----
 
@@ -57,6 +63,13 @@ class GenerationSettings:
     # a grammar the text must follow (generate.constraints): one Constraint for every row, or a
     # list with one per prompt (None: a free row); its mask comes before the logits processors
     constraint: Constraint | list[Constraint | None] | None = None
+    # speculative decoding (speculative.py), transformers' names: n-gram lookup drafts of up to
+    # prompt_lookup_num_tokens tokens, matching up to max_matching_ngram_size tokens; or a draft
+    # model with the same tokenizer (assistant_model) running up to num_assistant_tokens ahead
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int = 3
+    assistant_model: object | None = None
+    num_assistant_tokens: int = 5
 
 
 def settings_from(model, **kwargs) -> GenerationSettings:
@@ -128,6 +141,7 @@ def check_settings(s: GenerationSettings, model) -> None:
     if not isinstance(s.native, bool):
         raise ValueError(f"native must be True or False; got {s.native!r}")
     check_constraint(s.constraint)
+    check_speculation(s, model)
     if model.config.arch == "encoder-decoder":
         start = s.decoder_start_token_id
         if not (isinstance(start, int) and not isinstance(start, bool) and 0 <= start < vocab):
@@ -135,6 +149,46 @@ def check_settings(s: GenerationSettings, model) -> None:
                 f"an encoder-decoder needs decoder_start_token_id, a token id in [0, {vocab}) "
                 f"(from the argument or the model's config); got {start!r}"
             )
+
+
+def drafting(s: GenerationSettings) -> bool:
+    """Whether `s` asks for speculative decoding."""
+    return bool(s.prompt_lookup_num_tokens) or s.assistant_model is not None
+
+
+def check_speculation(s: GenerationSettings, model) -> None:
+    """The speculative settings, against the model (errors name the argument)."""
+    n = s.prompt_lookup_num_tokens
+    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+        raise ValueError(f"prompt_lookup_num_tokens must be an int >= 0 (0 or None: no lookup); got {n!r}")
+    m = s.max_matching_ngram_size
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+        raise ValueError(f"max_matching_ngram_size must be an int >= 1; got {m!r}")
+    k = s.num_assistant_tokens
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+        raise ValueError(f"num_assistant_tokens must be an int >= 1; got {k!r}")
+    if not drafting(s):
+        return
+    if n and s.assistant_model is not None:
+        raise ValueError("give prompt_lookup_num_tokens or assistant_model, not both")
+    if s.num_beams != 1:
+        raise ValueError(
+            f"speculative decoding picks one token at a time: num_beams must be 1; got {s.num_beams}"
+        )
+    if model.config.arch != "decoder":
+        raise ValueError(f"speculative decoding needs a decoder-only model; got arch {model.config.arch!r}")
+    draft = s.assistant_model
+    if draft is not None:
+        config = getattr(draft, "config", None)
+        if config is None or getattr(config, "arch", None) != "decoder":
+            raise ValueError("assistant_model must be a flashformer decoder model (GPT-2, LLaMA, ...)")
+        if config.vocab_size != model.config.vocab_size:
+            raise ValueError(
+                f"assistant_model must share the model's tokenizer: its vocab_size is {config.vocab_size}, "
+                f"the model's {model.config.vocab_size}"
+            )
+        if next(draft.parameters()).device != next(model.parameters()).device:
+            raise ValueError("assistant_model must be on the model's device")
 
 
 def check_logit_bias(bias, vocab: int) -> None:
@@ -308,6 +362,67 @@ class LogitsProcessor:
             if s.min_p:
                 scores = filter_min_p(scores, s.min_p, self.min_keep)
         return scores
+
+
+# ---- choosing ----
+
+
+class TokenChooser:
+    """What turns a step's logits into the next tokens of every row, in the order each step
+    applies it: the grammar's mask (constraints), the logits processors (bias, penalties over the
+    history, min_new_tokens, the warpers), then, once a token is chosen, its commit: pad for the
+    rows that have ended, the grammar's advance, eos, the history. Plain decoding (stream_tokens)
+    and speculative decoding (speculative.py) choose through the same one, so a verified row's
+    scores are exactly what a plain step would have seen."""
+
+    def __init__(self, s: GenerationSettings, batch: int, device, history: TokenHistory | None):
+        self.s, self.history = s, history
+        self.process = LogitsProcessor(s, device)
+        self.matchers = matchers_for(s.constraint, batch)
+        self.unfinished: Tensor | None = None  # (B,) bool, once eos can end a row
+
+    def scores(self, logits: Tensor, index: int) -> Tensor:
+        """logits (B, V) of new token `index` -> the scores (B, V) to choose from."""
+        if self.matchers is None:
+            return self.process(logits, self.history, index)
+        # the grammar's mask first, so that the processors see only what it allows
+        masked = constrain(logits, _still_running(self.matchers, self.unfinished), self.process.eos)
+        scores = self.process(masked, self.history, index)
+        if index < self.s.min_new_tokens:
+            scores = keep_an_end(scores, masked)
+        return scores
+
+    def commit(self, tokens: Tensor, index: int) -> Tensor:
+        """The chosen tokens (B,) of new token `index` -> what the rows emit (pad where ended)."""
+        eos = self.process.eos
+        if eos.numel():
+            if self.unfinished is None:
+                self.unfinished = torch.ones_like(tokens, dtype=torch.bool)
+            tokens = torch.where(self.unfinished, tokens, self.s.pad_token_id)
+        if self.matchers is not None:
+            for row, (matcher, token) in enumerate(
+                zip(_still_running(self.matchers, self.unfinished), tokens.tolist())
+            ):
+                if matcher is not None and not matcher.advance(token):
+                    raise RuntimeError(
+                        f"constraint: the grammar engine stopped on row {row} at new token {index}: {matcher.error}"
+                    )
+        if eos.numel():
+            self.unfinished = self.unfinished & ~torch.isin(tokens, eos)
+        if self.history is not None:
+            self.history.add(tokens)
+        return tokens
+
+    @property
+    def all_ended(self) -> bool:
+        return self.unfinished is not None and not bool(self.unfinished.any())
+
+
+def _still_running(matchers: list, unfinished: Tensor | None) -> list:
+    """The matchers of the rows that have not ended (an ended row's pad tokens are no text)."""
+    if unfinished is None:
+        return matchers
+    return [m if alive else None for m, alive in zip(matchers, unfinished.tolist())]
 
 
 def choose_tokens(scores: Tensor, do_sample: bool, generator: torch.Generator | None) -> Tensor:

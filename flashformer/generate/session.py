@@ -112,9 +112,39 @@ class DecoderSession:
             self.next_positions = self.next_positions + 1
         return logits
 
-    def _native_forward(self, tokens: Tensor, positions: Tensor | None, start: int) -> Tensor:
+    def extend(self, tokens: Tensor) -> Tensor:
+        """tokens (B, L) after the cached ones, in one forward -> the logits (B, L, vocab) float32
+        after each of them (speculative decoding's verify step). Without padding only."""
+        batch, length = tokens.shape
+        if self.key_mask is not None:
+            raise ValueError("extend() runs without padding: give prompts of one length (no attention_mask)")
+        end = self.length + length
+        if end > self.caches[0].max_len:
+            raise ValueError(
+                f"the KV cache holds {self.caches[0].max_len} tokens; extending {self.length} by {length} needs {end}"
+            )
+        if self.native is not None:
+            logits = self._native_forward(tokens, None, self.length, every_row=True).view(batch, length, -1)
+        else:
+            logits = self.model(
+                tokens, kv_caches=self.caches, cache_position=self.length, logits_to_keep=length
+            ).logits
+        self.length = end
+        return logits.float()
+
+    def rewind(self, length: int) -> None:
+        """Keep the first `length` cached tokens: the next forward writes after them (the keys and
+        values of rejected drafts are left behind and overwritten)."""
+        if not 0 < length <= self.length or self.key_mask is not None:
+            raise ValueError(f"rewind: length must be in [1, {self.length}] without padding; got {length}")
+        self.length = length
+
+    def _native_forward(
+        self, tokens: Tensor, positions: Tensor | None, start: int, every_row: bool = False
+    ) -> Tensor:
         """tokens (B, L) after `start` cached ones, one native call: every row is a sequence of
-        the static cache (row b: block b of max_len); the logits (B, vocab) of each row's last."""
+        the static cache (row b: block b of max_len); the logits (B, vocab) of each row's last,
+        or with every_row those of every token (B * L, vocab)."""
         batch, length = tokens.shape
         end = start + length
         rows = torch.arange(batch)
@@ -128,7 +158,7 @@ class DecoderSession:
             seq_lens=torch.full((batch,), end),
             block_tables=rows[:, None],
             slots=(rows[:, None] * self.caches[0].max_len + steps).reshape(-1),
-            logit_rows=rows * length + length - 1,
+            logit_rows=torch.arange(batch * length) if every_row else rows * length + length - 1,
             key_padding=None if self.key_mask is None else self.key_mask[:, :end],
         )
         return self.native.forward(native_batch, self.native_cache)

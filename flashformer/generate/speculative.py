@@ -1,0 +1,319 @@
+"""Speculative decoding: guess several tokens cheaply, then check them all in one forward.
+
+    ids = model.generate(input_ids, max_new_tokens=200, prompt_lookup_num_tokens=10)  # n-gram lookup
+    ids = model.generate(input_ids, max_new_tokens=200, assistant_model=draft)        # a draft model
+
+Batch-1 decoding on a CPU reads every weight once per token. A forward over the last token and
+k guesses (drafts) reads them once for k + 1 positions and costs little more than one step; each
+position's logits then say what the model itself would choose there, so the drafts are kept up to
+the first one it would not have chosen, and that position's own choice is emitted too: 1 to k + 1
+tokens per forward (Leviathan et al., 2023; Chen et al., 2023).
+
+Two proposers, with transformers' argument names:
+- PromptLookup (prompt_lookup_num_tokens, max_matching_ngram_size): the last n tokens (n from the
+  largest size down to 1) found earlier in the prompt or the text so far; the tokens that followed
+  that latest earlier occurrence are the drafts. Free, and right where the answer copies its input
+  (edits of code, quotes, extraction).
+- DraftModel (assistant_model, num_assistant_tokens): a smaller model with the same tokenizer
+  decodes k tokens ahead with its own KV cache, rewound to what the target kept.
+
+Greedy: every emitted token is the argmax of the same scores a plain step computes at that
+position (the chooser of sampling.py: constraint mask, processors, history), so the tokens are
+plain greedy's wherever a row of the verify forward has the bits of the single-token step. On the
+native decoder they do: each row's products, norms and attention are computed alone, the same
+operations whatever the rows around it (the server's batch invariance; the tests compare logits
+bit for bit). On the eager modules PyTorch's matmul may block a (k + 1)-row product otherwise than
+a 1-row one, so logits can differ in the last bits; the tokens differ only on a near tie.
+
+Sampling: the standard rejection rule. A draft d drawn from q is kept with probability
+min(1, p(d) / q(d)), where p is the target's distribution after its processors; on rejection the
+token is drawn from max(0, p - q), renormalized; when every draft is kept the next token is drawn
+from p. The emitted tokens then follow the target's distribution exactly (a lookup draft is a point
+mass: q(d) = 1). They are not the tokens plain sampling gives for the same seed: the draws differ.
+
+How many drafts to check is chosen each round for the most tokens per second: with a the chance
+that a draft is kept (counted over the recent rounds) and c what one more row costs a forward
+relative to a one-row forward, k drafts give (1 - a^(k+1)) / (1 - a) tokens for 1 + c k of
+cost. c is measured once per model and proposer (a few forwards at the first call, kept): on a CPU
+a row costs a sizable part of a step (SmolLM2 Q4_1: about 0.2-0.3), so long drafts of doubtful
+text cost more than they give, and text that does not copy drafts nothing (an occasional one-token
+probe keeps the estimate of a current).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from flashformer.generate.sampling import (
+    GenerationSettings,
+    TokenChooser,
+    TokenHistory,
+    choose_tokens,
+)
+
+# ---- proposers ----
+
+
+class PromptLookup:
+    """Drafts from the context itself: the tokens that followed the latest earlier occurrence of
+    its last n tokens, for the largest n in [min_ngram, max_ngram] that occurs. Each n-gram's latest
+    continuation is kept in a dict, updated as tokens arrive: a lookup costs O(max_ngram)."""
+
+    def __init__(self, context: list[int], max_ngram: int, min_ngram: int = 1):
+        self.context: list[int] = []
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # [n] gram -> start
+        self.extend(context)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            at = len(self.context)  # token's position: it continues the n-grams ending before it
+            for n in range(1, min(self.max_ngram, at) + 1):
+                self.after[n][tuple(self.context[at - n : at])] = at
+            self.context.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        context = self.context
+        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            start = self.after[n].get(tuple(context[-n:]))
+            if start is not None:
+                return context[start : start + k]
+        return []
+
+
+class DraftModel:
+    """A smaller model decoding ahead with its own session (KV cache). Greedy: its argmax; sampling:
+    draws from its softmax at the target's temperature, returning those distributions q."""
+
+    def __init__(self, model, input_ids: Tensor, s: GenerationSettings, generator, room: int):
+        from flashformer.generate.session import DecoderSession
+
+        draft_settings = GenerationSettings(max_new_tokens=room, native=s.native)
+        self.session = DecoderSession(model, input_ids, None, draft_settings)
+        self.cached: list[int] = []  # the tokens whose keys the draft's cache holds
+        self.do_sample, self.temperature, self.generator = s.do_sample, s.temperature, generator
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
+        kept = _common_prefix(self.cached, context)
+        if kept == len(context):  # always feed at least one token: its logits come next
+            kept -= 1
+        if kept == 0:
+            self.session.length = 0
+        else:
+            self.session.rewind(kept)
+        feed = context[kept:]
+        device = self.session.input_ids.device
+        logits = self.session.extend(torch.tensor([feed], device=device))[0, -1:]  # (1, V)
+        tokens, dists = [], []
+        for i in range(k):
+            token, q = self._choose(logits)
+            tokens.append(token)
+            dists.append(q)
+            if i + 1 < k:
+                logits = self.session.extend(torch.tensor([[token]], device=device))[0]  # (1, V)
+        self.cached = context + tokens[:-1]
+        return tokens, torch.cat(dists) if self.do_sample else None
+
+    def _choose(self, logits: Tensor) -> tuple[int, Tensor | None]:
+        if not self.do_sample:
+            return int(choose_tokens(logits, False, None)[0]), None
+        q = (logits / self.temperature).softmax(dim=-1)  # (1, V)
+        return int(torch.multinomial(q, 1, generator=self.generator)[0, 0]), q
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- the loop ----
+
+
+class Counters:
+    """What a run drafted and kept (bench and the CLI report the acceptance rate)."""
+
+    def __init__(self):
+        self.forwards = self.drafted = self.accepted = 0
+
+
+@torch.no_grad()
+def speculative_tokens(
+    session,
+    s: GenerationSettings,
+    history: TokenHistory | None,
+    generator,
+    logits_out: list | None = None,
+    counters: Counters | None = None,
+) -> Iterator[Tensor]:
+    """Yield the next token (1,) at a time, as stream_tokens does, from verify forwards of the
+    target `session` (a batch-1 DecoderSession) over the last token and the drafts."""
+    if session.input_ids.shape[0] != 1:
+        raise ValueError(
+            f"speculative decoding runs one sequence at a time (as transformers' assisted generation); "
+            f"got a batch of {session.input_ids.shape[0]} prompts"
+        )
+    counters = counters if counters is not None else Counters()
+    device = session.input_ids.device
+    chooser = TokenChooser(s, 1, device, history)
+    context = session.input_ids[0].tolist()
+    if s.assistant_model is not None:
+        limit = s.num_assistant_tokens
+        proposer = DraftModel(s.assistant_model, session.input_ids, s, generator, s.max_new_tokens + limit)
+    else:
+        limit = s.prompt_lookup_num_tokens
+        proposer = PromptLookup(context, s.max_matching_ngram_size)
+    speed = DraftLength(limit, row_cost(session, proposer, limit))
+    rows = session.prefill()  # (1, V): one position to choose at, no drafts yet
+    drafts: list[int] = []
+    q: Tensor | None = None
+    index = kept = 0
+    base = None
+    try:
+        while True:
+            # the cache holds base tokens, then this forward's: the last token and the drafts
+            base = session.length - rows.shape[0]
+            kept = 0
+            for i in range(rows.shape[0]):
+                logits = rows[i : i + 1]  # (1, V)
+                if logits_out is not None:
+                    logits_out.append(logits)
+                scores = chooser.scores(logits, index)
+                draft = drafts[i] if i < len(drafts) else None
+                token = _verify(
+                    scores, draft, None if q is None or draft is None else q[i], s.do_sample, generator
+                )
+                token = chooser.commit(torch.tensor([token], device=device), index)
+                context.append(int(token[0]))
+                index += 1
+                if draft is not None and context[-1] == draft:
+                    kept += 1  # its keys, in the cache, are the right ones
+                yield token
+                if chooser.all_ended or index == s.max_new_tokens or context[-1] != draft:
+                    break
+            # the keys of the rejected drafts are left behind, overwritten by the next forward
+            session.rewind(base + 1 + kept)
+            counters.accepted += kept
+            if chooser.all_ended or index == s.max_new_tokens:
+                return
+            if drafts:
+                speed.observe(len(drafts), kept)
+            room = s.max_new_tokens - index - 1  # drafts beyond the last token to emit are wasted
+            drafts, q = _propose(proposer, context, min(speed.next(), room))
+            counters.forwards += 1
+            counters.drafted += len(drafts)
+            rows = session.extend(torch.tensor([[context[-1]] + drafts], device=device))[0]  # (1 + k, V)
+    finally:  # also when the caller stops early: the cache then holds no unverified draft
+        if base is not None:
+            session.rewind(min(session.length, base + 1 + kept))
+
+
+class DraftLength:
+    """The number of drafts to check next (see the module docstring): the k in [0, limit] of the
+    most expected tokens per unit of cost, from the acceptance counted over recent rounds
+    (forgetting 10 % a round, starting from one kept and one lost) and the cost c of a row."""
+
+    PROBE_EVERY = 8  # rounds without drafts between one-draft probes
+
+    def __init__(self, limit: int, cost: float):
+        self.limit, self.cost = limit, cost
+        self.kept, self.tried = 1.0, 2.0
+        self.idle = 0
+
+    def observe(self, drafted: int, kept: int) -> None:
+        """A round checked `drafted` drafts and kept the first `kept`: kept + 1 were tried (one
+        lost), or all of them kept."""
+        self.kept = 0.9 * self.kept + kept
+        self.tried = 0.9 * self.tried + min(drafted, kept + 1)
+
+    def next(self) -> int:
+        a = self.kept / self.tried
+        best, best_rate, tokens, chance = 0, 1.0, 1.0, 1.0
+        for k in range(1, self.limit + 1):
+            chance *= a
+            tokens += chance
+            rate = tokens / (1 + self.cost * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self.idle += 1
+            if self.idle % self.PROBE_EVERY == 0:
+                return 1
+        return best
+
+
+# model and proposer kind -> c, measured once
+_ROW_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def row_cost(session, proposer, limit: int) -> float:
+    """What a verify forward's extra row costs relative to a one-row forward (plus, with a draft
+    model, its step relative to the target's), timed on `session` at the first call (the best of
+    two forwards of 1 and of 1 + limit rows after the prompt, rewound) and kept for the model."""
+    kind = type(proposer).__name__
+    known = _ROW_COSTS.setdefault(session.model, {})
+    if kind in known:
+        return known[kind]
+    rows = min(1 + limit, session.caches[0].max_len - session.length)
+    if rows < 2:
+        return 0.25  # no room to time: a typical CPU figure
+    one = _forward_seconds(session, 1)
+    many = _forward_seconds(session, rows)
+    cost = max(0.0, (many - one) / ((rows - 1) * one))
+    if isinstance(proposer, DraftModel):
+        draft = proposer.session
+        cost += _forward_seconds(draft, 1) / one if draft.caches[0].max_len > draft.length else 0.0
+    known[kind] = cost
+    return cost
+
+
+def _forward_seconds(session, rows: int) -> float:
+    start = session.length
+    tokens = torch.zeros(1, rows, dtype=torch.long, device=session.input_ids.device)
+    best = float("inf")
+    for _ in range(2):
+        began = time.perf_counter()
+        session.extend(tokens)
+        best = min(best, time.perf_counter() - began)
+        if start == 0:
+            session.length = 0
+        else:
+            session.rewind(start)
+    return best
+
+
+def _propose(proposer, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
+    if k <= 0:
+        return [], None
+    if isinstance(proposer, PromptLookup):
+        proposer.extend(context[len(proposer.context) :])
+        return proposer.propose(k), None
+    return proposer.propose(context, k)
+
+
+def _verify(scores: Tensor, draft: int | None, q: Tensor | None, do_sample: bool, generator) -> int:
+    """The token at one verified position: greedy's choice, or with sampling the rejection rule
+    against the draft (kept with probability min(1, p(d) / q(d)), else a draw from the residual)."""
+    if not do_sample or draft is None:
+        return int(choose_tokens(scores, do_sample, generator)[0])
+    p = scores.softmax(dim=-1)[0]  # (V,)
+    q_d = 1.0 if q is None else float(q[draft])
+    if float(torch.rand((), generator=generator)) * q_d < float(p[draft]):
+        return draft
+    residual = (
+        (p - q).clamp(min=0)
+        if q is not None
+        else p.index_fill(0, torch.tensor([draft], device=p.device), 0.0)
+    )
+    total = float(residual.sum())
+    if total <= 0:  # p == q (no mass left): p itself
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=generator)[0])
