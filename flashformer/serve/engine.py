@@ -51,6 +51,7 @@ from flashformer.serve.loop import Busy, ModelLoop
 from flashformer.serve.paged_cache import BlockPool
 from flashformer.serve.runner import ModelRunner
 from flashformer.serve.scheduler import Scheduler
+from flashformer.serve.speculation import SpeculativeConfig, Speculator
 from flashformer.text.detokenizer import Detokenizer
 
 __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
@@ -77,6 +78,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: every prompt token's, and the top k
     stop_token_ids: tuple[int, ...] = ()  # the tokens that end a sequence (never part of its text)
     constraint: Constraint | None = None  # structured output: the grammar each choice follows
+    speculative: bool = True  # False: never drafts, even on a server with a speculative config
 
 
 @dataclass
@@ -150,6 +152,7 @@ class Sequence:
         constraint = request.params.constraint  # its own place in the grammar, if constrained
         self.matcher = None if constraint is None else constraint.matcher()
         self.finish_reason: str | None = None
+        self.lookup = self.draft_length = None  # its n-gram index and draft length (speculation.py)
         self.arrival = next(Sequence._order)
         seed = request.params.seed
         if seed is None:
@@ -195,6 +198,7 @@ class Engine(ModelLoop):
         max_waiting: int = 256,
         prefix_cache: bool = True,
         native: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ):
         super().__init__(max_waiting)
         self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
@@ -213,6 +217,11 @@ class Engine(ModelLoop):
             rows_alone=rows_alone,
         )
         self.counts = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        # speculation verifies drafts in the packed step (rows computed alone)
+        self.speculator = None
+        if speculative is not None and not self.runner.pad_decode:
+            self.speculator = Speculator(speculative, self.model)
+            self.counts.update(speculative_drafted_tokens=0, speculative_accepted_tokens=0)
         self._step = self._separate_step if self.runner.pad_decode else self._packed_step
         self.start_seconds = 0.0  # from the process's start to serving (set by `flashformer serve`)
 
@@ -352,14 +361,66 @@ class Engine(ModelLoop):
         budget = self.scheduler.budget()  # before making room: as the step began
         decoding = self._make_room(self.scheduler.decoding())
         plan = self.scheduler.prefill_plan(budget)
-        work = [(s, s.computed, s.computed + 1) for s in decoding] + plan  # (sequence, start, end)
+        drafts = self._drafts(decoding)  # sequence -> its drafts, fed after its last token
+        for sequence, guesses in drafts.items():
+            sequence.tokens += guesses
+        work = [(s, s.computed, s.computed + 1 + len(drafts.get(s, ()))) for s in decoding]
+        work += plan  # (sequence, start, end)
         if not work:
             return
-        ready = self.runner.packed(work)
+        ready = self.runner.packed(work, every_row=set(drafts))
+        for sequence, guesses in drafts.items():  # unverified: neither tokens nor computed yet
+            del sequence.tokens[-len(guesses) :]
+            sequence.computed -= len(guesses)
         self.scheduler.remember([sequence for sequence, _, _ in work])
         self.counts["prompt_tokens"] += sum(end - start for _, start, end in plan)
         for sequence, row_logits in ready:
+            if sequence in drafts:
+                self._verify(sequence, drafts[sequence], row_logits)
+            else:
+                self._sample(sequence, row_logits)
+
+    def _drafts(self, decoding: list[Sequence]) -> dict[Sequence, list[int]]:
+        """This step's drafts per sequence (speculation.py), each with the blocks to hold them:
+        none past disable_by_batch_size decoding sequences, nor beyond a sequence's max_tokens,
+        the context or the free blocks (drafts never preempt)."""
+        if self.speculator is None or len(decoding) > self.speculator.config.disable_by_batch_size:
+            return {}
+        found = {}
+        for sequence in decoding:
+            if sequence.in_prefill or sequence.computed != len(sequence.tokens) - 1:
+                continue  # a replay after preemption: not caught up yet
+            room = min(
+                sequence.request.params.max_tokens - len(sequence.generated) - 1,
+                self.context - len(sequence.tokens),
+            )
+            guesses = self.speculator.drafts(sequence, room)
+            while guesses and self.pool.blocks_for(len(sequence.tokens) + len(guesses)) > len(
+                sequence.blocks
+            ):
+                block = self.pool.allocate(1)
+                if block is None:
+                    guesses = guesses[: len(sequence.blocks) * self.pool.block_size - len(sequence.tokens)]
+                    break
+                sequence.blocks += block
+            if guesses:
+                found[sequence] = guesses
+        return found
+
+    def _verify(self, sequence: Sequence, guesses: list[int], rows: torch.Tensor) -> None:
+        """rows (1 + k, V): the logits after the sequence's last token and after each draft. Each
+        row's token is chosen as a plain step would (_sample), up to the first that is not the
+        draft there; an accepted draft's keys are in the cache already."""
+        kept = 0
+        for i, row_logits in enumerate(rows):
             self._sample(sequence, row_logits)
+            if sequence.finish_reason is not None or i == len(guesses) or sequence.tokens[-1] != guesses[i]:
+                break
+            kept += 1
+            sequence.computed += 1
+        self.speculator.observe(sequence, len(guesses), kept)
+        self.counts["speculative_drafted_tokens"] += len(guesses)
+        self.counts["speculative_accepted_tokens"] += kept
 
     def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
         """The decoding sequences that have a slot for their next token (scheduler.make_room);

@@ -111,11 +111,14 @@ class ModelRunner:
 
     # ---- the packed step (the native decoder, or quantized matmuls) ----
 
-    def packed(self, work: list[tuple[object, int, int]]) -> list[tuple[object, torch.Tensor]]:
+    def packed(
+        self, work: list[tuple[object, int, int]], every_row: set | None = None
+    ) -> list[tuple[object, torch.Tensor]]:
         """One forward over every (sequence, start, end) of `work` (decode tokens and prompt
         chunks) packed in one row (attention sees each sequence's own tokens), so the weights
         are read once for all of them. Returns (sequence, logits (V,)) for the sequences whose
-        newest token was fed (the others are in a prompt or a replay)."""
+        newest token was fed (the others are in a prompt or a replay); for those in every_row
+        (a token and its drafts: speculation.py) the logits after each fed token (end - start, V)."""
         tokens, positions, owners, starts = [], [], [], [0]  # owners: each token's row of work
         for i, (sequence, start, end) in enumerate(work):
             tokens += sequence.tokens[start:end]
@@ -126,11 +129,13 @@ class ModelRunner:
         slots = kv_slots(tables[owners], torch.tensor(positions)[:, None], self.pool.block_size)  # (T, 1)
         lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
         ready = []  # sequences whose last token of this step is their newest: they get a new one
+        every_row = {id(sequence) for sequence in every_row or ()}
         for i, (sequence, _, end) in enumerate(work):
             sequence.computed = end
             if end == len(sequence.tokens):
-                ready.append((sequence, starts[i + 1] - 1))
-        rows = torch.tensor([row for _, row in ready], dtype=torch.long)
+                first = starts[i] if id(sequence) in every_row else starts[i + 1] - 1
+                ready.append((sequence, range(first, starts[i + 1])))
+        rows = torch.tensor([row for _, span in ready for row in span], dtype=torch.long)
         if self.native is not None:
             batch = NativeBatch(
                 tokens=torch.tensor(tokens),
@@ -141,8 +146,8 @@ class ModelRunner:
                 slots=slots.view(-1),
                 logit_rows=rows,
             )
-            logits = self.native.forward(batch, self.native_cache)  # (N, vocab)
-            return [(sequence, row_logits) for (sequence, _), row_logits in zip(ready, logits)]
+            logits = self.native.forward(batch, self.native_cache)  # (rows, vocab)
+            return _by_sequence(ready, logits, every_row)
         device = self.device
         self.batch.set(
             tables.to(device),
@@ -158,8 +163,8 @@ class ModelRunner:
         )
         if not ready:
             return []
-        logits = self.model.project(out.last_hidden_state[0, rows.to(device)][None])[0]  # (N, vocab)
-        return [(sequence, row_logits) for (sequence, _), row_logits in zip(ready, logits)]
+        logits = self.model.project(out.last_hidden_state[0, rows.to(device)][None])[0]  # (rows, vocab)
+        return _by_sequence(ready, logits, every_row)
 
     # ---- block tables and slots ----
 
@@ -179,3 +184,14 @@ class ModelRunner:
         for r, sequence in enumerate(sequences):
             tables[r, : len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
         return tables
+
+
+def _by_sequence(ready: list, logits: torch.Tensor, every_row: set[int]) -> list[tuple[object, torch.Tensor]]:
+    """packed's logits (rows, V), in the order of ready's spans, handed to their sequences
+    (every_row: the ids of those that get all their rows)."""
+    found, at = [], 0
+    for sequence, span in ready:
+        count = len(span)
+        found.append((sequence, logits[at : at + count] if id(sequence) in every_row else logits[at]))
+        at += count
+    return found

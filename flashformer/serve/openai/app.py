@@ -359,6 +359,7 @@ def _params(
         prompt_logprobs=prompt_logprobs,
         stop_token_ids=tuple(dict.fromkeys(own_stops + asked_stops)),
         constraint=constraint,
+        speculative=body.speculative is not False,
     )
 
 

@@ -45,6 +45,8 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # flashformer's: false keeps a server with --speculative-config from drafting for this request
+    speculative: bool | None = None
     # structured outputs (serve/openai/structured.py reads and checks them, naming the field):
     # OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
     response_format: Any = None

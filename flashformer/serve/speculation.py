@@ -1,0 +1,115 @@
+"""Speculative decoding in the server: n-gram drafts verified inside the batched step.
+
+    flashformer serve FILE --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}'
+
+The configuration has vLLM's names: method "ngram" (prompt lookup: the last n tokens, n from
+prompt_lookup_max down to prompt_lookup_min, found earlier in the sequence; what followed them is
+drafted), num_speculative_tokens (the most drafts a step checks per sequence), and
+disable_by_batch_size (speculation stops while a step decodes more sequences than this: there each
+extra row costs nearly what a sequence's own row does, so drafts stop paying; the default comes
+from docs/benchmarks.md, "Speculative decoding"). A request opts out with "speculative": false.
+
+The engine (engine.py, its packed step) feeds each drafting sequence's last token and drafts in
+the same forward as everyone else's rows and gets every one of its rows' logits back; the tokens
+are then chosen row by row exactly as plain steps would choose them (the same processors,
+grammar, history), up to the first draft the model would not have chosen. Only greedy requests
+draft: their tokens are plain greedy's whatever the batch, so the server stays batch invariant
+(a sampled request's draws would depend on whether its step drafted, hence on the batch).
+How many drafts each sequence offers follows generate.speculative's DraftLength: the
+acceptance of its recent drafts against the measured cost of a row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from flashformer.generate.speculative import DraftLength, PromptLookup, row_cost
+
+# measured (docs/benchmarks.md, "Speculative decoding"): past this many decoding sequences a
+# step's rows are compute-bound on a 2-core CPU and drafts stop paying
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 8
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """--speculative-config's JSON, every field checked (errors name it)."""
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config: not JSON ({error}): {text!r}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"--speculative-config: expected a JSON object; got {text!r}")
+        known = set(cls.__dataclass_fields__) | {"model"}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field {unknown[0]!r}; known: {sorted(known)}")
+        method = given.get("method", "ngram")
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {METHODS}; got {method!r}")
+        if method == "draft_model":
+            raise ValueError(
+                "--speculative-config: method 'draft_model' is not served yet (generate and chat take "
+                "--draft MODEL); use method 'ngram'"
+            )
+        config = cls(**{k: v for k, v in given.items() if k != "model"})
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        ):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be an int >= 1; got {value!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(
+                f"--speculative-config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
+                f"prompt_lookup_max ({config.prompt_lookup_max})"
+            )
+        return config
+
+
+class Speculator:
+    """The engine's drafts: each greedy sequence's n-gram index and draft length, kept on it."""
+
+    def __init__(self, config: SpeculativeConfig, model):
+        self.config = config
+        self.cost = _measured_row_cost(model, config.num_speculative_tokens)
+
+    def drafts(self, sequence, room: int) -> list[int]:
+        """Up to `room` drafts for `sequence` (none for one that samples or opted out)."""
+        request = sequence.request
+        if request.settings.do_sample or not request.params.speculative or room <= 0:
+            return []
+        if sequence.lookup is None:
+            sequence.lookup = PromptLookup([], self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+            sequence.draft_length = DraftLength(self.config.num_speculative_tokens, self.cost)
+        sequence.lookup.extend(sequence.tokens[len(sequence.lookup.context) :])
+        return sequence.lookup.propose(min(room, sequence.draft_length.next()))
+
+    def observe(self, sequence, drafted: int, kept: int) -> None:
+        sequence.draft_length.observe(drafted, kept)
+
+
+def _measured_row_cost(model, limit: int) -> float:
+    """generate.speculative.row_cost on a short prompt of the model (timed once per model)."""
+    from flashformer.generate.sampling import settings_from
+    from flashformer.generate.session import DecoderSession
+
+    settings = settings_from(model, max_new_tokens=limit + 2, eos_token_id=[])
+    ids = torch.zeros(1, 64, dtype=torch.long, device=next(model.parameters()).device)
+    session = DecoderSession(model, ids, None, settings)
+    session.prefill()
+    return row_cost(session, PromptLookup([], 1), limit)
