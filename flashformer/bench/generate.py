@@ -236,6 +236,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "compile, which is reported)",
     )
     parser.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="with --model: speculative decoding instead (bench/speculative.py): plain greedy against prompt "
+        "lookup with N drafts on copying and free workloads, beside llama-lookup of --llama-cpp-dir",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=3, help="with --prompt-lookup: fresh processes, the best reported"
+    )
+    parser.add_argument(
+        "--serve-clients",
+        type=numbers,
+        help="with --prompt-lookup: also `flashformer serve` with and without --speculative-config, the "
+        "copying workloads from these many clients in flight (e.g. 1,2,4,8,16)",
+    )
+    parser.add_argument(
         "--no-transformers",
         dest="transformers",
         action="store_false",
@@ -253,6 +269,10 @@ def main_from_args(args: argparse.Namespace) -> dict:
                 f"wrote {args.write_1b_shape} ({written['bytes'] / 1e9:.2f} GB) in {written['seconds']:.0f} s"
             )
         args.model = str(args.write_1b_shape)
+    if args.prompt_lookup is not None:
+        if args.model is None:
+            raise ValueError("--prompt-lookup needs --model (a real model's copying and free workloads)")
+        return run_speculative(args)
     if args.model is not None:
         config = {
             "question": args.question,
@@ -287,6 +307,31 @@ def main_from_args(args: argparse.Namespace) -> dict:
     for name, value in payload["targets"].items():
         print(f"  {name}: {value:.3g}")
     print(f"\nwrote {args.out / 'generate.json'} and {args.out / 'generate.png'}")
+    return payload
+
+
+def run_speculative(args: argparse.Namespace) -> dict:
+    from flashformer.bench import speculative
+
+    dirs = args.llama_cpp_dir or []
+    config = {
+        "new_tokens": args.new_tokens or 256,
+        "rounds": args.rounds or 3,
+        "processes": args.processes,
+        "quantize": args.quantize,
+        "prompt_lookup": args.prompt_lookup,
+        "llama_cpp_dir": dirs[0] if dirs else None,
+        "serve_clients": args.serve_clients or [],
+    }
+    print(
+        f"speculative decoding benchmark: {args.model}, {config['new_tokens']} new tokens, greedy, "
+        f"prompt lookup with {args.prompt_lookup} drafts, {args.processes} fresh processes"
+    )
+    payload = speculative.run(args.model, config, args.out, args.threads, args.timeout)
+    print(speculative.table(payload))
+    if payload["served"]:
+        print(speculative.served_table(payload))
+    print(f"\nwrote results to {args.out}")
     return payload
 
 

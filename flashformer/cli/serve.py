@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt whole (by default a prompt's beginning shared with earlier "
         "requests is reused from the KV cache)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 8, '
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 4} (greedy requests draft)',
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
         "--tool-parser",
@@ -80,6 +86,12 @@ def main_from_args(args) -> None:
     from flashformer.serve.embeddings import EmbeddingEngine
     from flashformer.serve.engine import Engine
     from flashformer.serve.openai import create_app
+    from flashformer.serve.speculation import SpeculativeConfig
+
+    # checked before the model loads
+    speculative = (
+        None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config)
+    )
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,6 +113,7 @@ def main_from_args(args) -> None:
             prefill_budget=args.prefill_budget,
             max_waiting=args.max_waiting,
             prefix_cache=not args.no_prefix_cache,
+            speculative=speculative,
         )
         runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
         what = (

@@ -1,0 +1,77 @@
+"""`bench generate --prompt-lookup N` (bench/speculative.py): llama-lookup's output read from a
+recorded run, the worker's measurement on SmolLM2 (both contenders, the same tokens), the
+summary's best and range, and the tables."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from flashformer.bench import speculative
+from flashformer.checkpoints.gguf import smollm2_path
+
+# the lines llama-lookup (llama.cpp 0c1e570, vendored by llama-cpp-python 0.3.36) prints at its end,
+# from a run on SmolLM2 Q4_1 with --spec-draft-n-max 10 on this machine
+RECORDED = """0.00.893.390 I encoded    7 tokens in    0.075 seconds, speed:  548.517 t/s
+0.00.893.395 I decoded   34 tokens in    0.326 seconds, speed:  104.329 t/s
+0.00.893.396 I
+0.00.893.396 I n_draft      = 10
+0.00.893.397 I n_predict    = 34
+0.00.893.397 I n_drafted    = 30
+0.00.893.401 I n_accept     = 30
+0.00.893.402 I accept       = 100.000%
+"""
+
+
+def fake_binary(tmp_path, output: str, code: int = 0):
+    path = tmp_path / "llama-lookup"
+    path.write_text(f"#!/bin/sh\ncat >&2 <<'EOF'\n{output}EOF\nexit {code}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_llama_lookup_output_is_read(tmp_path):
+    found = speculative.llama_lookup(fake_binary(tmp_path, RECORDED), "m.gguf", "hello", 32, 10, 2)
+    assert found == {
+        "tokens_per_s": 104.329,
+        "decoded": 34,
+        "prompt_tokens": 7,
+        "drafted": 30,
+        "accepted": 30,
+    }
+    failed = speculative.llama_lookup(
+        fake_binary(tmp_path, "error: invalid argument: --x\n", 1), "m", "p", 8, 2, 2
+    )
+    assert "error" in failed and "--x" in failed["error"]
+    assert speculative.lookup_binary(str(tmp_path)) == (tmp_path / "llama-lookup").resolve()
+    with pytest.raises(FileNotFoundError, match="--llama-cpp-dir"):
+        speculative.lookup_binary(str(tmp_path / "nowhere"))
+
+
+def test_the_worker_times_plain_and_lookup_with_the_same_tokens():
+    point = {
+        "model": str(smollm2_path()),
+        "new_tokens": 6,
+        "rounds": 1,
+        "threads": None,
+        "quantize": "gguf",
+        "prompt_lookup": 4,
+    }
+    result = speculative.timing_worker(point)
+    assert set(result["workloads"]) == set(speculative.WORKLOADS)
+    for found in result["workloads"].values():
+        assert found["same_tokens"] and found["plain_tokens_per_s"] > 0 and found["lookup_tokens_per_s"] > 0
+        assert found["accepted"] <= found["drafted"] and found["prompt_tokens"] > 20
+    slower = {
+        name: {**w, "lookup_tokens_per_s": w["lookup_tokens_per_s"] / 2}
+        for name, w in result["workloads"].items()
+    }
+    peers = [{name: {"tokens_per_s": 10.0} for name in speculative.WORKLOADS}]
+    summary = speculative.summarize([result, {"workloads": slower}, {"error": "timed out"}], peers)
+    for name, entry in summary.items():
+        lookup = result["workloads"][name]["lookup_tokens_per_s"]
+        assert entry["lookup_tokens_per_s"] == {"best": lookup, "min": lookup / 2}
+        assert entry["lookup / llama-lookup"] == pytest.approx(lookup / 10.0)
+    table = speculative.table({"summary": summary})
+    assert table.count("\n") == 1 + len(speculative.WORKLOADS) and "| edit-code | yes |" in table
