@@ -22,6 +22,7 @@ from flashformer.generate.cache import make_caches
 from flashformer.generate.mixin import stream_tokens
 from flashformer.generate.sampling import TokenHistory, make_generator, settings_from
 from flashformer.generate.session import DecoderSession
+from flashformer.generate.speculative import common_prefix
 from flashformer.text.detokenizer import stream_text
 
 
@@ -89,7 +90,7 @@ class Chat:
         settings = settings_from(
             self.model, **dict(self.settings, max_new_tokens=min(self.settings["max_new_tokens"], room))
         )
-        self.reused = min(_common_prefix(self.cached, ids), len(ids) - 1)
+        self.reused = min(common_prefix(self.cached, ids), len(ids) - 1)
         input_ids = torch.tensor([ids], device=self.caches[0].k.device)
         session = DecoderSession(self.model, input_ids, None, settings, self.caches, self.reused)
         history = TokenHistory.for_settings(settings, input_ids, None, self.model.config.vocab_size)
@@ -115,15 +116,6 @@ class Chat:
                     f"{self.context} tokens"
                 )
             del self.messages[first : first + 2]  # the oldest user message and its answer
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _recording(tokens: Iterator[int], into: list[int]) -> Iterator[int]:

@@ -135,8 +135,8 @@ class DecoderSession:
     def rewind(self, length: int) -> None:
         """Keep the first `length` cached tokens: the next forward writes after them (the keys and
         values of rejected drafts are left behind and overwritten)."""
-        if not 0 < length <= self.length or self.key_mask is not None:
-            raise ValueError(f"rewind: length must be in [1, {self.length}] without padding; got {length}")
+        if not 0 <= length <= self.length or self.key_mask is not None:
+            raise ValueError(f"rewind: length must be in [0, {self.length}] without padding; got {length}")
         self.length = length
 
     def _native_forward(

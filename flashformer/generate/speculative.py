@@ -99,13 +99,10 @@ class DraftModel:
         self.do_sample, self.temperature, self.generator = s.do_sample, s.temperature, generator
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
-        kept = _common_prefix(self.cached, context)
+        kept = common_prefix(self.cached, context)
         if kept == len(context):  # always feed at least one token: its logits come next
             kept -= 1
-        if kept == 0:
-            self.session.length = 0
-        else:
-            self.session.rewind(kept)
+        self.session.rewind(kept)
         feed = context[kept:]
         device = self.session.input_ids.device
         logits = self.session.extend(torch.tensor([feed], device=device))[0, -1:]  # (1, V)
@@ -126,7 +123,8 @@ class DraftModel:
         return int(torch.multinomial(q, 1, generator=self.generator)[0, 0]), q
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b share from the start (a draft's cache; a chat's earlier turns)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -171,8 +169,9 @@ def speculative_tokens(
     else:
         limit = s.prompt_lookup_num_tokens
         proposer = PromptLookup(context, s.max_matching_ngram_size)
-    speed = DraftLength(limit, row_cost(session, proposer, limit))
     rows = session.prefill()  # (1, V): one position to choose at, no drafts yet
+    # timed after the prefill: the forwards write past what the cache holds (a chat's earlier turns)
+    speed = DraftLength(limit, row_cost(session, proposer, limit))
     drafts: list[int] = []
     q: Tensor | None = None
     index = kept = 0
@@ -219,7 +218,12 @@ def speculative_tokens(
 class DraftLength:
     """The number of drafts to check next (see the module docstring): the k in [0, limit] of the
     most expected tokens per unit of cost, from the acceptance counted over recent rounds
-    (forgetting 10 % a round, starting from one kept and one lost) and the cost c of a row."""
+    (forgetting 10 % a round, starting from one kept and one lost) and the cost c of a row.
+
+    In a server's step of B sequences a draft row lengthens everyone's step: with s = c / (1 - c)
+    a row's cost over the forward's fixed part (the weights read once), a row costs s / (1 + B s)
+    of the step, and k drafts pay when (B + expected extra tokens) / (1 + that k) beats B. At B = 1
+    this is the rule above; at B = 16 and c = 0.25 a draft pays only where nearly all are kept."""
 
     PROBE_EVERY = 8  # rounds without drafts between one-draft probes
 
@@ -234,13 +238,16 @@ class DraftLength:
         self.kept = 0.9 * self.kept + kept
         self.tried = 0.9 * self.tried + min(drafted, kept + 1)
 
-    def next(self) -> int:
+    def next(self, batch: int = 1) -> int:
+        """k for a forward of `batch` sequences (this one's drafts the only ones counted)."""
         a = self.kept / self.tried
-        best, best_rate, tokens, chance = 0, 1.0, 1.0, 1.0
+        per_row = self.cost / (1 - min(self.cost, 0.99))  # s
+        cost = per_row / (1 + batch * per_row)
+        best, best_rate, tokens, chance = 0, float(batch), float(batch), 1.0
         for k in range(1, self.limit + 1):
             chance *= a
             tokens += chance
-            rate = tokens / (1 + self.cost * k)
+            rate = tokens / (1 + cost * k)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
@@ -257,7 +264,8 @@ _ROW_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def row_cost(session, proposer, limit: int) -> float:
     """What a verify forward's extra row costs relative to a one-row forward (plus, with a draft
     model, its step relative to the target's), timed on `session` at the first call (the best of
-    two forwards of 1 and of 1 + limit rows after the prompt, rewound) and kept for the model."""
+    two forwards of 1 and of 1 + limit rows after what the cache holds, rewound) and kept for the
+    model."""
     kind = type(proposer).__name__
     known = _ROW_COSTS.setdefault(session.model, {})
     if kind in known:
@@ -283,10 +291,7 @@ def _forward_seconds(session, rows: int) -> float:
         began = time.perf_counter()
         session.extend(tokens)
         best = min(best, time.perf_counter() - began)
-        if start == 0:
-            session.length = 0
-        else:
-            session.rewind(start)
+        session.rewind(start)
     return best
 
 

@@ -394,7 +394,7 @@ class Engine(ModelLoop):
                 sequence.request.params.max_tokens - len(sequence.generated) - 1,
                 self.context - len(sequence.tokens),
             )
-            guesses = self.speculator.drafts(sequence, room)
+            guesses = self.speculator.drafts(sequence, room, len(decoding))
             while guesses and self.pool.blocks_for(len(sequence.tokens) + len(guesses)) > len(
                 sequence.blocks
             ):

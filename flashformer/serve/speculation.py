@@ -5,9 +5,8 @@
 The configuration has vLLM's names: method "ngram" (prompt lookup: the last n tokens, n from
 prompt_lookup_max down to prompt_lookup_min, found earlier in the sequence; what followed them is
 drafted), num_speculative_tokens (the most drafts a step checks per sequence), and
-disable_by_batch_size (speculation stops while a step decodes more sequences than this: there each
-extra row costs nearly what a sequence's own row does, so drafts stop paying; the default comes
-from docs/benchmarks.md, "Speculative decoding"). A request opts out with "speculative": false.
+disable_by_batch_size (4: speculation stops while a step decodes more sequences than this, where
+it stopped paying on this CPU; below it the draft length weighs the batch too, see below). A request opts out with "speculative": false.
 
 The engine (engine.py, its packed step) feeds each drafting sequence's last token and drafts in
 the same forward as everyone else's rows and gets every one of its rows' logits back; the tokens
@@ -16,7 +15,9 @@ grammar, history), up to the first draft the model would not have chosen. Only g
 draft: their tokens are plain greedy's whatever the batch, so the server stays batch invariant
 (a sampled request's draws would depend on whether its step drafted, hence on the batch).
 How many drafts each sequence offers follows generate.speculative's DraftLength: the
-acceptance of its recent drafts against the measured cost of a row.
+acceptance of its recent drafts against the measured cost of a row, in a step of that many
+sequences (in a large batch a draft row costs nearly what a sequence's own row does, so only
+drafts that are nearly always kept are offered).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 
 from flashformer.generate.speculative import DraftLength, PromptLookup, row_cost
 
-# measured (docs/benchmarks.md, "Speculative decoding"): past this many decoding sequences a
-# step's rows are compute-bound on a 2-core CPU and drafts stop paying
+# measured (docs/benchmarks.md, "Speculative decoding": SmolLM2 Q4_1, the copying workloads, 2
+# threads): with drafts 1.65x at 1 client, 1.36x at 2, 1.12x at 4, 0.97x at 8, 0.94x at 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 METHODS = ("ngram", "draft_model")
 
@@ -88,8 +89,9 @@ class Speculator:
         self.config = config
         self.cost = _measured_row_cost(model, config.num_speculative_tokens)
 
-    def drafts(self, sequence, room: int) -> list[int]:
-        """Up to `room` drafts for `sequence` (none for one that samples or opted out)."""
+    def drafts(self, sequence, room: int, batch: int) -> list[int]:
+        """Up to `room` drafts for `sequence` in a step of `batch` decoding sequences (none for
+        one that samples or opted out)."""
         request = sequence.request
         if request.settings.do_sample or not request.params.speculative or room <= 0:
             return []
@@ -97,7 +99,7 @@ class Speculator:
             sequence.lookup = PromptLookup([], self.config.prompt_lookup_max, self.config.prompt_lookup_min)
             sequence.draft_length = DraftLength(self.config.num_speculative_tokens, self.cost)
         sequence.lookup.extend(sequence.tokens[len(sequence.lookup.context) :])
-        return sequence.lookup.propose(min(room, sequence.draft_length.next()))
+        return sequence.lookup.propose(min(room, sequence.draft_length.next(batch)))
 
     def observe(self, sequence, drafted: int, kept: int) -> None:
         sequence.draft_length.observe(drafted, kept)
