@@ -2,7 +2,8 @@
 and where it does not, beside llama.cpp's own lookup decoding on the same file and prompts.
 
 Workloads (greedy, batch 1, `new_tokens` new tokens, no stop token): two that copy their input
-(edit this code and give it back whole; quote this passage), one that does not (a poem). A chat
+(edit this code and give it back whole; quote this passage), two that do not (a poem; an
+explanation). A chat
 model gets each as a message through its template, a base model as text that invites the copy.
 Each fresh process (`processes` of them) loads the model once and times, in turns, plain greedy
 decoding and prompt lookup with N drafts (streamed), and checks that both give the same tokens.
@@ -82,6 +83,13 @@ WORKLOADS = {
         False,
         "Write a long poem about the sea at night.",
         "A long poem about the sea at night\n\n",
+    ),
+    # small models' poems repeat their own lines within 128 tokens (the lookup then pays); prose
+    # that explains does not
+    "explain": (
+        False,
+        "Explain in detail how a refrigerator works.",
+        "How a refrigerator works, explained in detail.\n\n",
     ),
 }
 
@@ -193,7 +201,7 @@ def lookup_binary(folder: str) -> Path:
 def serve_run(model: str, config: dict, threads: int) -> dict:
     """`flashformer serve` on the model without and with --speculative-config (ngram, on at
     every batch size: where it stops paying is what this measures), the copying workloads asked
-    by 1, 2, 4, 8 and 16 clients in flight (greedy, max_tokens new_tokens, 2 requests a client).
+    by 1, 2, 4, 8 and 16 clients in flight (greedy, max_tokens new_tokens, 3 requests a client).
     Returns clients -> {"plain", "speculative"} load summaries (serve_load.drive's)."""
     import asyncio
     import sys
@@ -222,7 +230,7 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
 
             served = OpenAI(base_url=url + "/v1", api_key="bench").models.list().data[0].id
             for clients in config["serve_clients"]:
-                jobs = [(copying[i % len(copying)], config["new_tokens"]) for i in range(2 * clients)]
+                jobs = [(copying[i % len(copying)], config["new_tokens"]) for i in range(3 * clients)]
                 result = asyncio.run(drive(url + "/v1", served, jobs, clients, "bench", completions=not chat))
                 found.setdefault(clients, {})[label] = result
         finally:
