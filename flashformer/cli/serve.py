@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         metavar="JSON",
         help='speculative decoding, vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 8, '
-        '"prompt_lookup_max": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 4} (greedy requests draft)',
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 4}, or {"method": '
+        '"draft_model", "model": PATH, "quantization": MODE, ...} (greedy requests draft)',
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
@@ -114,6 +115,7 @@ def main_from_args(args) -> None:
             max_waiting=args.max_waiting,
             prefix_cache=not args.no_prefix_cache,
             speculative=speculative,
+            draft_model=draft_model(speculative, args),
         )
         runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
         what = (
@@ -164,3 +166,15 @@ def run_beside(engine, http) -> bool:
         http.should_exit = True
         web.join()
     return interrupted
+
+
+def draft_model(speculative, args):
+    """--speculative-config's draft model, loaded (quantized as it says, else as --quantize), or None."""
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    from flashformer.checkpoints.loading import load
+
+    draft, _ = load(
+        speculative.model, quantize=speculative.quantization or args.quantize, activations=args.activations
+    )
+    return draft

@@ -152,7 +152,7 @@ class Sequence:
         constraint = request.params.constraint  # its own place in the grammar, if constrained
         self.matcher = None if constraint is None else constraint.matcher()
         self.finish_reason: str | None = None
-        self.lookup = self.draft_length = None  # its n-gram index and draft length (speculation.py)
+        self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)
         self.arrival = next(Sequence._order)
         seed = request.params.seed
         if seed is None:
@@ -199,6 +199,7 @@ class Engine(ModelLoop):
         prefix_cache: bool = True,
         native: bool = True,
         speculative: SpeculativeConfig | None = None,
+        draft_model=None,
     ):
         super().__init__(max_waiting)
         self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
@@ -220,7 +221,7 @@ class Engine(ModelLoop):
         # speculation verifies drafts in the packed step (rows computed alone)
         self.speculator = None
         if speculative is not None and not self.runner.pad_decode:
-            self.speculator = Speculator(speculative, self.model)
+            self.speculator = Speculator(speculative, self.model, draft_model)
             self.counts.update(speculative_drafted_tokens=0, speculative_accepted_tokens=0)
         self._step = self._separate_step if self.runner.pad_decode else self._packed_step
         self.start_seconds = 0.0  # from the process's start to serving (set by `flashformer serve`)

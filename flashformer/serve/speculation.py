@@ -4,7 +4,9 @@
 
 The configuration has vLLM's names: method "ngram" (prompt lookup: the last n tokens, n from
 prompt_lookup_max down to prompt_lookup_min, found earlier in the sequence; what followed them is
-drafted), num_speculative_tokens (the most drafts a step checks per sequence), and
+drafted) or "draft_model" (a smaller model with the same tokenizer, "model": its path,
+"quantization": how it loads, by default as the served model; each drafting sequence keeps its
+own session of it, a static KV cache as long as its prompt and answer), num_speculative_tokens (the most drafts a step checks per sequence), and
 disable_by_batch_size (4: speculation stops while a step decodes more sequences than this, where
 it stopped paying on this CPU; below it the draft length weighs the batch too, see below). A request opts out with "speculative": false.
 
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashformer.generate.speculative import DraftLength, PromptLookup, row_cost
+from flashformer.generate.speculative import DraftLength, DraftModel, PromptLookup, row_cost
+from flashformer.model.quantize import MODES
 
 # measured (docs/benchmarks.md, "Speculative decoding": SmolLM2 Q4_1, the copying workloads, 2
 # threads): with drafts 1.65x at 1 client, 1.36x at 2, 1.12x at 4, 0.97x at 8, 0.94x at 16
@@ -42,6 +45,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # draft_model: the draft's file or folder (the same tokenizer)
+    quantization: str | None = None  # draft_model: how it loads (None: as the served model)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -52,19 +57,25 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: not JSON ({error}): {text!r}") from None
         if not isinstance(given, dict):
             raise ValueError(f"--speculative-config: expected a JSON object; got {text!r}")
-        known = set(cls.__dataclass_fields__) | {"model"}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(given) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown field {unknown[0]!r}; known: {sorted(known)}")
         method = given.get("method", "ngram")
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {METHODS}; got {method!r}")
-        if method == "draft_model":
+        if method == "draft_model" and not isinstance(given.get("model"), str):
+            raise ValueError("--speculative-config: method 'draft_model' needs \"model\": the draft's path")
+        if method == "ngram" and ("model" in given or "quantization" in given):
             raise ValueError(
-                "--speculative-config: method 'draft_model' is not served yet (generate and chat take "
-                "--draft MODEL); use method 'ngram'"
+                '--speculative-config: "model" and "quantization" go with method \'draft_model\''
             )
-        config = cls(**{k: v for k, v in given.items() if k != "model"})
+        quantization = given.get("quantization")
+        if quantization is not None and quantization not in MODES:
+            raise ValueError(
+                f"--speculative-config: quantization must be one of {MODES}; got {quantization!r}"
+            )
+        config = cls(**given)
         for name in (
             "num_speculative_tokens",
             "prompt_lookup_max",
@@ -83,11 +94,21 @@ class SpeculativeConfig:
 
 
 class Speculator:
-    """The engine's drafts: each greedy sequence's n-gram index and draft length, kept on it."""
+    """The engine's drafts: each greedy sequence's proposer (its n-gram index, or the draft
+    model's session over its tokens) and draft length, kept on the sequence.
 
-    def __init__(self, config: SpeculativeConfig, model):
-        self.config = config
-        self.cost = _measured_row_cost(model, config.num_speculative_tokens)
+    draft: the draft model, for method draft_model (the same vocabulary as `model`)."""
+
+    def __init__(self, config: SpeculativeConfig, model, draft=None):
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft model goes with method 'draft_model', and that method needs one")
+        if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(
+                f"--speculative-config: the draft's vocabulary ({draft.config.vocab_size} tokens) must be the "
+                f"served model's ({model.config.vocab_size}): the same tokenizer"
+            )
+        self.config, self.draft = config, draft
+        self.cost = _measured_row_cost(model, config.num_speculative_tokens, draft)
 
     def drafts(self, sequence, room: int, batch: int) -> list[int]:
         """Up to `room` drafts for `sequence` in a step of `batch` decoding sequences (none for
@@ -95,18 +116,33 @@ class Speculator:
         request = sequence.request
         if request.settings.do_sample or not request.params.speculative or room <= 0:
             return []
-        if sequence.lookup is None:
-            sequence.lookup = PromptLookup([], self.config.prompt_lookup_max, self.config.prompt_lookup_min)
-            sequence.draft_length = DraftLength(self.config.num_speculative_tokens, self.cost)
-        sequence.lookup.extend(sequence.tokens[len(sequence.lookup.context) :])
-        return sequence.lookup.propose(min(room, sequence.draft_length.next(batch)))
+        limit = self.config.num_speculative_tokens
+        if sequence.proposer is None:
+            if self.draft is None:
+                sequence.proposer = PromptLookup(
+                    [], self.config.prompt_lookup_max, self.config.prompt_lookup_min
+                )
+            else:  # its own KV cache, room for the whole answer and a round of drafts
+                prompt = torch.tensor([request.prompt_ids])
+                sequence.proposer = DraftModel(
+                    self.draft, prompt, request.settings, None, request.params.max_tokens + limit
+                )
+            sequence.draft_length = DraftLength(limit, self.cost)
+        k = min(room, sequence.draft_length.next(batch))
+        if k <= 0:
+            return []
+        if self.draft is not None:
+            return sequence.proposer.propose(sequence.tokens, k)[0]
+        sequence.proposer.extend(sequence.tokens[len(sequence.proposer.context) :])
+        return sequence.proposer.propose(k)
 
     def observe(self, sequence, drafted: int, kept: int) -> None:
         sequence.draft_length.observe(drafted, kept)
 
 
-def _measured_row_cost(model, limit: int) -> float:
-    """generate.speculative.row_cost on a short prompt of the model (timed once per model)."""
+def _measured_row_cost(model, limit: int, draft=None) -> float:
+    """generate.speculative.row_cost on a short prompt of the model (timed once per model; with a
+    draft model its step's cost is added)."""
     from flashformer.generate.sampling import settings_from
     from flashformer.generate.session import DecoderSession
 
@@ -114,4 +150,5 @@ def _measured_row_cost(model, limit: int) -> float:
     ids = torch.zeros(1, 64, dtype=torch.long, device=next(model.parameters()).device)
     session = DecoderSession(model, ids, None, settings)
     session.prefill()
-    return row_cost(session, PromptLookup([], 1), limit)
+    proposer = PromptLookup([], 1) if draft is None else DraftModel(draft, ids, settings, None, limit + 2)
+    return row_cost(session, proposer, limit)

@@ -1,7 +1,7 @@
 """Speculative decoding in the server (serve/speculation.py, the engine's packed step): greedy
 requests get the tokens, text and log-probabilities they get without it, alone or batched, through
 preemptions and stop strings; drafts are counted; sampled and opted-out requests never draft;
-the configuration's errors name the field."""
+a draft model drafts too; the configuration's errors name the field."""
 
 from __future__ import annotations
 
@@ -127,13 +127,33 @@ def test_sampled_opted_out_and_large_batches_do_not_draft(quantized):
     assert run(engine, prompts, temperature=0.8, seed=3) == sampled_plain  # batch invariant draws
 
 
+def test_a_draft_model_drafts_in_the_packed_step(quantized):
+    """method draft_model: each greedy sequence keeps a session of the draft (here the same
+    weights quantized to int8 per row instead of Q4_1: close, not equal); the tokens are the
+    served model's own, alone and batched."""
+    model, tokenizer = quantized
+    draft, _ = flashformer.load(smollm2_path(), quantize="int8")
+    config = SpeculativeConfig(method="draft_model", model=str(smollm2_path()), num_speculative_tokens=4)
+    prompts = prompts_of(tokenizer)
+    plain = run(Engine(model, tokenizer, max_batch=8, num_blocks=96), prompts, max_tokens=24)
+    engine = Engine(model, tokenizer, max_batch=8, num_blocks=96, speculative=config, draft_model=draft)
+    assert run(engine, prompts, max_tokens=24) == plain
+    assert engine.stats["speculative_accepted_tokens"] > 0
+    alone = Engine(model, tokenizer, max_batch=8, num_blocks=96, speculative=config, draft_model=draft)
+    assert run(alone, prompts[1:2], max_tokens=24) == plain[1:2]
+    with pytest.raises(ValueError, match="needs one"):
+        Engine(model, tokenizer, speculative=config)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
         ("{", "not JSON"),
         ("[1]", "a JSON object"),
         ('{"method": "eagle"}', "method must be one of"),
-        ('{"method": "draft_model", "model": "x.gguf"}', "not served yet"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "ngram", "model": "x.gguf"}', "go with method 'draft_model'"),
+        ('{"method": "draft_model", "model": "x.gguf", "quantization": "q3"}', "quantization must be one of"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an int >= 1"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"ngram_size": 3}', "unknown field 'ngram_size'"),
