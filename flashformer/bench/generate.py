@@ -246,6 +246,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--processes", type=int, default=3, help="with --prompt-lookup: fresh processes, the best reported"
     )
     parser.add_argument(
+        "--draft",
+        metavar="MODEL",
+        help="with --prompt-lookup N: a draft model drafts up to N tokens instead (beside llama-speculative -md)",
+    )
+    parser.add_argument("--draft-quantize", choices=MODES, help="with --draft: how the draft model loads")
+    parser.add_argument(
         "--serve-clients",
         type=numbers,
         help="with --prompt-lookup: also `flashformer serve` with and without --speculative-config, the "
@@ -322,10 +328,13 @@ def run_speculative(args: argparse.Namespace) -> dict:
         "prompt_lookup": args.prompt_lookup,
         "llama_cpp_dir": dirs[0] if dirs else None,
         "serve_clients": args.serve_clients or [],
+        "draft": args.draft,
+        "draft_quantize": args.draft_quantize,
     }
     print(
         f"speculative decoding benchmark: {args.model}, {config['new_tokens']} new tokens, greedy, "
-        f"prompt lookup with {args.prompt_lookup} drafts, {args.processes} fresh processes"
+        f"{'a draft model' if args.draft else 'prompt lookup'} with up to {args.prompt_lookup} drafts, "
+        f"{args.processes} fresh processes"
     )
     payload = speculative.run(args.model, config, args.out, args.threads, args.timeout)
     print(speculative.table(payload))

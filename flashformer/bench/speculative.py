@@ -1,20 +1,22 @@
-"""`flashformer bench generate --model FILE --prompt-lookup N`: speculative decoding where it pays
-and where it does not, beside llama.cpp's own lookup decoding on the same file and prompts.
+"""`flashformer bench generate --model FILE --prompt-lookup N [--draft MODEL]`: speculative decoding
+where it pays and where it does not, beside llama.cpp's own programs on the same files and prompts.
 
 Workloads (greedy, batch 1, `new_tokens` new tokens, no stop token): two that copy their input
 (edit this code and give it back whole; quote this passage), two that do not (a poem; an
 explanation). A chat
 model gets each as a message through its template, a base model as text that invites the copy.
 Each fresh process (`processes` of them) loads the model once and times, in turns, plain greedy
-decoding and prompt lookup with N drafts (streamed), and checks that both give the same tokens.
+decoding and speculative decoding with up to N drafts (streamed): prompt lookup, or with --draft
+a draft model (--draft-quantize: how it loads), and checks that both give the same tokens.
 Decode tokens/s counts the tokens after the first: (n - 1) / (the seconds from the first token
 to the last), the median of `rounds` after a warm-up round.
 The best process is reported, with the range.
 
-With --llama-cpp-dir DIR, llama.cpp's `llama-lookup` (DIR/bin/llama-lookup, built from the
-vendored tree: docs/benchmarks.md, "The peers") decodes the same prompt text with --draft-max N,
-greedy (--temp 0), --ignore-eos, the same threads, once per process; its own "decoded ... speed"
-line is its tokens/s (its n-gram cache of sizes 1-4, over the context so far).
+With --llama-cpp-dir DIR, llama.cpp's `llama-lookup` (or with --draft `llama-speculative -md
+DRAFT`; DIR/bin/, built from the vendored tree: docs/benchmarks.md, "The peers") decodes the same
+prompt text with --spec-draft-n-max N, greedy (--temp 0), --ignore-eos, the same threads, once per
+process; its own "decoded ... speed" line is its tokens/s (llama-lookup: its n-gram cache of
+sizes 1-4 over the context so far).
 """
 
 from __future__ import annotations
@@ -105,17 +107,22 @@ def prompt_text(tokenizer, message: str, base_text: str) -> str:
 
 
 def timing_worker(point: dict) -> dict:
-    """One fresh process: every workload, plain and lookup timed in turns."""
+    """One fresh process: every workload, plain and speculative decoding timed in turns."""
     import flashformer
 
     if point["threads"]:
         torch.set_num_threads(point["threads"])
     model, tokenizer = flashformer.load(point["model"], quantize=point["quantize"])
     n, lookup = point["new_tokens"], point["prompt_lookup"]
+    if point.get("draft"):
+        draft, _ = flashformer.load(point["draft"], quantize=point.get("draft_quantize"))
+        speculation = dict(assistant_model=draft, num_assistant_tokens=lookup)
+    else:
+        speculation = dict(prompt_lookup_num_tokens=lookup)
     found = {}
     for name, (_, message, base_text) in WORKLOADS.items():
         ids = torch.tensor([tokenizer.encode(prompt_text(tokenizer, message, base_text))])
-        contenders = {"plain": {}, "lookup": dict(prompt_lookup_num_tokens=lookup)}
+        contenders = {"plain": {}, "speculative": speculation}
         seconds = {label: [] for label in contenders}
         outputs = {}
         for round_index in range(point["rounds"] + 1):  # round 0 warms up
@@ -129,9 +136,9 @@ def timing_worker(point: dict) -> dict:
         found[name] = {
             "prompt_tokens": ids.shape[1],
             "plain_tokens_per_s": (n - 1) / plain,
-            "lookup_tokens_per_s": (n - 1) / speculative,
-            "same_tokens": outputs["plain"] == outputs["lookup"],
-            **acceptance(model, ids, n, lookup),
+            "speculative_tokens_per_s": (n - 1) / speculative,
+            "same_tokens": outputs["plain"] == outputs["speculative"],
+            **acceptance(model, ids, n, speculation),
             "text": tokenizer.decode(outputs["plain"])[:400],
         }
     return {"workloads": found}
@@ -148,13 +155,13 @@ def decode_seconds(model, ids: torch.Tensor, n: int, extra: dict) -> tuple[list[
     return tokens, time.perf_counter() - first
 
 
-def acceptance(model, ids: torch.Tensor, n: int, lookup: int) -> dict:
-    """How many drafts a lookup run proposed and kept, and its verify forwards."""
+def acceptance(model, ids: torch.Tensor, n: int, speculation: dict) -> dict:
+    """How many drafts a speculative run proposed and kept, and its verify forwards."""
     from flashformer.generate import speculative
     from flashformer.generate.sampling import settings_from
     from flashformer.generate.session import DecoderSession
 
-    s = settings_from(model, max_new_tokens=n, eos_token_id=[], prompt_lookup_num_tokens=lookup)
+    s = settings_from(model, max_new_tokens=n, eos_token_id=[], **speculation)
     counters = speculative.Counters()
     for _ in speculative.speculative_tokens(
         DecoderSession(model, ids, None, s), s, None, None, counters=counters
@@ -163,13 +170,18 @@ def acceptance(model, ids: torch.Tensor, n: int, lookup: int) -> dict:
     return {"forwards": counters.forwards, "drafted": counters.drafted, "accepted": counters.accepted}
 
 
-# ---- llama.cpp's lookup ----
+# ---- llama.cpp's lookup and speculative programs ----
 
 
-def llama_lookup(binary: Path, model: str, text: str, n: int, lookup: int, threads: int) -> dict:
-    """llama-lookup on the prompt text: its decode tokens/s and acceptance, as it prints them."""
-    command = [str(binary), "-m", model, "-p", text, "-n", str(n), "--spec-draft-n-max", str(lookup), "-t", str(threads),
+def llama_speculative(
+    binary: Path, model: str, text: str, n: int, drafts: int, threads: int, draft: str | None = None
+) -> dict:
+    """llama-lookup (or with a draft, llama-speculative -md DRAFT) on the prompt text: its decode
+    tokens/s and acceptance, as it prints them."""
+    command = [str(binary), "-m", model, "-p", text, "-n", str(n), "--spec-draft-n-max", str(drafts), "-t", str(threads),
                "-tb", str(threads), "--temp", "0", "--ignore-eos", "-c", "4096"]  # fmt: skip
+    if draft is not None:
+        command += ["-md", draft]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
@@ -187,20 +199,22 @@ def llama_lookup(binary: Path, model: str, text: str, n: int, lookup: int, threa
     }
 
 
-def lookup_binary(folder: str) -> Path:
+def peer_binary(folder: str, draft: bool) -> Path:
+    """DIR/bin/llama-lookup (llama-speculative with a draft), or DIR/ itself, checked."""
     from flashformer.bench.llama_cpp_binaries import executable
 
+    name = "llama-speculative" if draft else "llama-lookup"
     folder_path = Path(folder).expanduser()
-    inside = folder_path / "bin" / "llama-lookup"
-    return executable(inside if inside.exists() else folder_path / "llama-lookup", "--llama-cpp-dir")
+    inside = folder_path / "bin" / name
+    return executable(inside if inside.exists() else folder_path / name, "--llama-cpp-dir")
 
 
 # ---- served ----
 
 
 def serve_run(model: str, config: dict, threads: int) -> dict:
-    """`flashformer serve` on the model without and with --speculative-config (ngram, on at
-    every batch size: where it stops paying is what this measures), the copying workloads asked
+    """`flashformer serve` on the model without and with --speculative-config (ngram, or the
+    draft model; on at every batch size: where it stops paying is what this measures), the copying workloads asked
     by 1, 2, 4, 8 and 16 clients in flight (greedy, max_tokens new_tokens, 3 requests a client).
     Returns clients -> {"plain", "speculative"} load summaries (serve_load.drive's)."""
     import asyncio
@@ -213,8 +227,15 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
     _, tokenizer = flashformer.load(model, quantize=config["quantize"])
     chat = getattr(tokenizer, "chat_template", None) is not None
     copying = [(message if chat else base) for copies, message, base in WORKLOADS.values() if copies]
+    method = {"method": "ngram"}
+    if config.get("draft"):
+        method = {
+            "method": "draft_model",
+            "model": config["draft"],
+            "quantization": config.get("draft_quantize"),
+        }
     speculative = json.dumps(
-        {"method": "ngram", "num_speculative_tokens": config["prompt_lookup"], "disable_by_batch_size": 64}
+        {**method, "num_speculative_tokens": config["prompt_lookup"], "disable_by_batch_size": 64}
     )
     found: dict[int, dict] = {}
     for label, extra in (("plain", []), ("speculative", ["--speculative-config", speculative])):
@@ -243,12 +264,14 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
 
 
 def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s: float) -> dict:
-    """config: new_tokens, rounds, processes, quantize, prompt_lookup, llama_cpp_dir (or None)."""
+    """config: new_tokens, rounds, processes, quantize, prompt_lookup, draft and draft_quantize (or
+    None: prompt lookup), llama_cpp_dir (or None), serve_clients."""
     import flashformer
     from flashformer.files import write_json
     from flashformer.kernels.machine import machine_info
 
-    binary = lookup_binary(config["llama_cpp_dir"]) if config.get("llama_cpp_dir") else None
+    draft = str(Path(config["draft"]).resolve()) if config.get("draft") else None
+    binary = peer_binary(config["llama_cpp_dir"], draft is not None) if config.get("llama_cpp_dir") else None
     point = {
         "model": str(Path(model).resolve()),
         "new_tokens": config["new_tokens"],
@@ -256,6 +279,8 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "threads": threads,
         "quantize": config["quantize"],
         "prompt_lookup": config["prompt_lookup"],
+        "draft": draft,
+        "draft_quantize": config.get("draft_quantize"),
     }
     bench_threads = threads or torch.get_num_threads()
     _, tokenizer = flashformer.load(point["model"], quantize=config["quantize"])
@@ -268,13 +293,14 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         if binary is not None:
             peers.append(
                 {
-                    name: llama_lookup(
+                    name: llama_speculative(
                         binary,
                         point["model"],
                         text,
                         point["new_tokens"],
                         point["prompt_lookup"],
                         bench_threads,
+                        draft,
                     )
                     for name, text in texts.items()
                 }
@@ -286,14 +312,14 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "config": {**config, "threads": bench_threads},
         "point": point,
         "processes": processes,
-        "llama_lookup": peers,
+        "peer_runs": peers,
         "summary": summarize(processes, peers),
         "served": {
             str(clients): {**runs, "speculative / plain": _served_ratio(runs)}
             for clients, runs in served.items()
         },
     }
-    stem = f"speculative-{Path(model).stem.split('.')[0].lower()}"
+    stem = f"speculative-{Path(model).stem.split('.')[0].lower()}" + ("-draft" if draft else "")
     write_json(out_dir / f"{stem}.json", payload)
     plot(payload, out_dir / f"{stem}.png")
     return payload
@@ -301,7 +327,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
 
 def summarize(processes: list[dict], peers: list[dict]) -> dict:
     """Per workload: the best and the range of each contender over the processes, and the ratios
-    of the bests (lookup / plain, lookup / llama-lookup)."""
+    of the bests (speculative / plain, speculative / peer: llama.cpp's program)."""
     good = [p for p in processes if "error" not in p]
     found = {}
     for name, (copies, _, _) in WORKLOADS.items():
@@ -309,15 +335,17 @@ def summarize(processes: list[dict], peers: list[dict]) -> dict:
         if not rows:
             continue
         entry = {"copies": copies, "same_tokens": all(r["same_tokens"] for r in rows)}
-        for key in ("plain_tokens_per_s", "lookup_tokens_per_s"):
+        for key in ("plain_tokens_per_s", "speculative_tokens_per_s"):
             values = [r[key] for r in rows]
             entry[key] = {"best": max(values), "min": min(values)}
-        entry["lookup / plain"] = entry["lookup_tokens_per_s"]["best"] / entry["plain_tokens_per_s"]["best"]
+        entry["speculative / plain"] = (
+            entry["speculative_tokens_per_s"]["best"] / entry["plain_tokens_per_s"]["best"]
+        )
         entry["accepted / drafted"] = [r["accepted"] / max(1, r["drafted"]) for r in rows]
         theirs = [p[name]["tokens_per_s"] for p in peers if "error" not in p.get(name, {"error": 1})]
         if theirs:
-            entry["llama_lookup_tokens_per_s"] = {"best": max(theirs), "min": min(theirs)}
-            entry["lookup / llama-lookup"] = entry["lookup_tokens_per_s"]["best"] / max(theirs)
+            entry["peer_tokens_per_s"] = {"best": max(theirs), "min": min(theirs)}
+            entry["speculative / peer"] = entry["speculative_tokens_per_s"]["best"] / max(theirs)
         found[name] = entry
     return found
 
@@ -345,9 +373,18 @@ def served_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def method(payload: dict) -> tuple[str, str]:
+    """(our speculation, llama.cpp's program) of a run: prompt lookup or a draft model."""
+    draft = payload["point"].get("draft")
+    if draft:
+        return f"draft {Path(draft).name}", "llama-speculative"
+    return "prompt lookup", "llama-lookup"
+
+
 def table(payload: dict) -> str:
+    ours, theirs = method(payload)
     lines = [
-        "| workload | copies | plain tok/s | lookup tok/s | lookup / plain | llama-lookup tok/s | ours / theirs | same tokens |",
+        f"| workload | copies | plain tok/s | {ours} tok/s | ratio | {theirs} tok/s | ours / theirs | same tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(name, e) for name, e in payload["summary"].items()]
@@ -355,11 +392,11 @@ def table(payload: dict) -> str:
 
 
 def _row(name: str, e: dict) -> str:
-    peer = e.get("llama_lookup_tokens_per_s")
-    theirs = f"{_span(peer)} | {e['lookup / llama-lookup']:.2f}x" if peer else "- | -"
+    peer = e.get("peer_tokens_per_s")
+    theirs = f"{_span(peer)} | {e['speculative / peer']:.2f}x" if peer else "- | -"
     return (
         f"| {name} | {'yes' if e['copies'] else 'no'} | {_span(e['plain_tokens_per_s'])} | "
-        f"{_span(e['lookup_tokens_per_s'])} | {e['lookup / plain']:.2f}x | {theirs} | "
+        f"{_span(e['speculative_tokens_per_s'])} | {e['speculative / plain']:.2f}x | {theirs} | "
         f"{'yes' if e['same_tokens'] else 'NO'} |"
     )
 
@@ -376,12 +413,13 @@ def plot(payload: dict, path: Path) -> None:
 
     summary = payload["summary"]
     names = list(summary)
+    ours, theirs = method(payload)
     series = {
         "plain": [summary[n]["plain_tokens_per_s"]["best"] for n in names],
-        "prompt lookup": [summary[n]["lookup_tokens_per_s"]["best"] for n in names],
+        ours: [summary[n]["speculative_tokens_per_s"]["best"] for n in names],
     }
-    if all("llama_lookup_tokens_per_s" in summary[n] for n in names):
-        series["llama-lookup"] = [summary[n]["llama_lookup_tokens_per_s"]["best"] for n in names]
+    if all("peer_tokens_per_s" in summary[n] for n in names):
+        series[theirs] = [summary[n]["peer_tokens_per_s"]["best"] for n in names]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
@@ -389,7 +427,7 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))], names)
     ax.set_ylabel("decode tokens/s (best process)")
     ax.set_title(
-        f"{Path(payload['point']['model']).name}: prompt lookup, {payload['point']['prompt_lookup']} drafts"
+        f"{Path(payload['point']['model']).name}: {ours}, up to {payload['point']['prompt_lookup']} drafts"
     )
     ax.legend()
     fig.tight_layout()

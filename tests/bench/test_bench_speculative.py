@@ -31,8 +31,8 @@ def fake_binary(tmp_path, output: str, code: int = 0):
     return path
 
 
-def test_llama_lookup_output_is_read(tmp_path):
-    found = speculative.llama_lookup(fake_binary(tmp_path, RECORDED), "m.gguf", "hello", 32, 10, 2)
+def test_llama_cpp_s_output_is_read(tmp_path):
+    found = speculative.llama_speculative(fake_binary(tmp_path, RECORDED), "m.gguf", "hello", 32, 10, 2)
     assert found == {
         "tokens_per_s": 104.329,
         "decoded": 34,
@@ -40,13 +40,13 @@ def test_llama_lookup_output_is_read(tmp_path):
         "drafted": 30,
         "accepted": 30,
     }
-    failed = speculative.llama_lookup(
+    failed = speculative.llama_speculative(
         fake_binary(tmp_path, "error: invalid argument: --x\n", 1), "m", "p", 8, 2, 2
     )
     assert "error" in failed and "--x" in failed["error"]
-    assert speculative.lookup_binary(str(tmp_path)) == (tmp_path / "llama-lookup").resolve()
+    assert speculative.peer_binary(str(tmp_path), draft=False) == (tmp_path / "llama-lookup").resolve()
     with pytest.raises(FileNotFoundError, match="--llama-cpp-dir"):
-        speculative.lookup_binary(str(tmp_path / "nowhere"))
+        speculative.peer_binary(str(tmp_path), draft=True)  # no llama-speculative there
 
 
 def test_the_worker_times_plain_and_lookup_with_the_same_tokens():
@@ -61,17 +61,41 @@ def test_the_worker_times_plain_and_lookup_with_the_same_tokens():
     result = speculative.timing_worker(point)
     assert set(result["workloads"]) == set(speculative.WORKLOADS)
     for found in result["workloads"].values():
-        assert found["same_tokens"] and found["plain_tokens_per_s"] > 0 and found["lookup_tokens_per_s"] > 0
+        assert (
+            found["same_tokens"] and found["plain_tokens_per_s"] > 0 and found["speculative_tokens_per_s"] > 0
+        )
         assert found["accepted"] <= found["drafted"] and found["prompt_tokens"] > 20
     slower = {
-        name: {**w, "lookup_tokens_per_s": w["lookup_tokens_per_s"] / 2}
+        name: {**w, "speculative_tokens_per_s": w["speculative_tokens_per_s"] / 2}
         for name, w in result["workloads"].items()
     }
     peers = [{name: {"tokens_per_s": 10.0} for name in speculative.WORKLOADS}]
     summary = speculative.summarize([result, {"workloads": slower}, {"error": "timed out"}], peers)
     for name, entry in summary.items():
-        lookup = result["workloads"][name]["lookup_tokens_per_s"]
-        assert entry["lookup_tokens_per_s"] == {"best": lookup, "min": lookup / 2}
-        assert entry["lookup / llama-lookup"] == pytest.approx(lookup / 10.0)
-    table = speculative.table({"summary": summary})
+        ours = result["workloads"][name]["speculative_tokens_per_s"]
+        assert entry["speculative_tokens_per_s"] == {"best": ours, "min": ours / 2}
+        assert entry["speculative / peer"] == pytest.approx(ours / 10.0)
+    table = speculative.table({"summary": summary, "point": point})
     assert table.count("\n") == 1 + len(speculative.WORKLOADS) and "| edit-code | yes |" in table
+    assert "prompt lookup tok/s" in table and "llama-lookup tok/s" in table
+
+
+def test_a_draft_model_is_timed_against_plain_decoding():
+    """--draft: the same worker with SmolLM2's own Q4_1 blocks drafting for its float32 model."""
+    point = {
+        "model": str(smollm2_path()),
+        "new_tokens": 24,  # past DraftLength's first probe, whatever the timed costs say
+        "rounds": 1,
+        "threads": None,
+        "quantize": None,
+        "prompt_lookup": 3,
+        "draft": str(smollm2_path()),
+        "draft_quantize": "gguf",
+    }
+    result = speculative.timing_worker(point)
+    for found in result["workloads"].values():
+        assert found["same_tokens"] and 0 <= found["accepted"] <= found["drafted"]
+    assert sum(found["drafted"] for found in result["workloads"].values()) > 0
+    assert "llama-speculative" in speculative.table(
+        {"summary": speculative.summarize([result], []), "point": point}
+    )
