@@ -1,6 +1,7 @@
 // The most int8 multiply-adds one core makes with AVX2 and no VNNI: vpmaddubsw (32 unsigned x
 // signed byte products, summed in pairs) then vpmaddwd by ones (the widening every int8 product
-// on AVX2 needs) and vpaddd, in 8 independent chains held in registers. The ceiling the AVX2
+// on AVX2 needs) and vpaddd, in 8 independent chains (gcc -O2 keeps some of the sums on the stack:
+// their loads and stores use other ports than the two the products share). The ceiling the AVX2
 // prompt rows of docs/benchmarks.md ("The native decoder") are measured against.
 //
 //     g++ -O2 -mavx2 -o /tmp/avx2_int8_peak scripts/avx2_int8_peak.cpp && /tmp/avx2_int8_peak

@@ -224,7 +224,7 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
     from flashformer.bench.serve_load import drive
     from flashformer.bench.serve_peers import free_port, start
 
-    _, tokenizer = flashformer.load(model, quantize=config["quantize"])
+    tokenizer = flashformer.load_tokenizer(model)
     chat = getattr(tokenizer, "chat_template", None) is not None
     copying = [(message if chat else base) for copies, message, base in WORKLOADS.values() if copies]
     method = {"method": "ngram"}
@@ -283,7 +283,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "draft_quantize": config.get("draft_quantize"),
     }
     bench_threads = threads or torch.get_num_threads()
-    _, tokenizer = flashformer.load(point["model"], quantize=config["quantize"])
+    tokenizer = flashformer.load_tokenizer(point["model"])
     texts = {name: prompt_text(tokenizer, message, base) for name, (_, message, base) in WORKLOADS.items()}
     processes, peers = [], []
     for _ in range(config["processes"]):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flashformer.cli import arguments
 from flashformer.cli.arguments import add_model_arguments
 from flashformer.text.tool_calls import PARSERS
 
@@ -172,9 +173,6 @@ def draft_model(speculative, args):
     """--speculative-config's draft model, loaded (quantized as it says, else as --quantize), or None."""
     if speculative is None or speculative.method != "draft_model":
         return None
-    from flashformer.checkpoints.loading import load
-
-    draft, _ = load(
-        speculative.model, quantize=speculative.quantization or args.quantize, activations=args.activations
+    return arguments.draft_model(
+        speculative.model, speculative.quantization or args.quantize, args.activations
     )
-    return draft

@@ -158,18 +158,13 @@ def drafting(s: GenerationSettings) -> bool:
 
 def check_speculation(s: GenerationSettings, model) -> None:
     """The speculative settings, against the model (errors name the argument)."""
-    n = s.prompt_lookup_num_tokens
-    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
-        raise ValueError(f"prompt_lookup_num_tokens must be an int >= 0 (0 or None: no lookup); got {n!r}")
-    m = s.max_matching_ngram_size
-    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
-        raise ValueError(f"max_matching_ngram_size must be an int >= 1; got {m!r}")
-    k = s.num_assistant_tokens
-    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
-        raise ValueError(f"num_assistant_tokens must be an int >= 1; got {k!r}")
+    if s.prompt_lookup_num_tokens is not None:  # 0 or None: no lookup
+        _check_int("prompt_lookup_num_tokens", s.prompt_lookup_num_tokens, 0)
+    _check_int("max_matching_ngram_size", s.max_matching_ngram_size, 1)
+    _check_int("num_assistant_tokens", s.num_assistant_tokens, 1)
     if not drafting(s):
         return
-    if n and s.assistant_model is not None:
+    if s.prompt_lookup_num_tokens and s.assistant_model is not None:
         raise ValueError("give prompt_lookup_num_tokens or assistant_model, not both")
     if s.num_beams != 1:
         raise ValueError(

@@ -78,12 +78,19 @@ class PromptLookup:
             self.context.append(token)
 
     def propose(self, k: int) -> list[int]:
+        """Up to k drafts after the context as extended so far."""
         context = self.context
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             start = self.after[n].get(tuple(context[-n:]))
             if start is not None:
                 return context[start : start + k]
         return []
+
+    def draft(self, context: list[int], k: int) -> tuple[list[int], None]:
+        """The proposers' common call: up to k drafts after `context` (which continues the one seen
+        so far), and no distribution (a lookup's draft is a point mass)."""
+        self.extend(context[len(self.context) :])
+        return self.propose(k), None
 
 
 class DraftModel:
@@ -98,7 +105,8 @@ class DraftModel:
         self.cached: list[int] = []  # the tokens whose keys the draft's cache holds
         self.do_sample, self.temperature, self.generator = s.do_sample, s.temperature, generator
 
-    def propose(self, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
+    def draft(self, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
+        """k drafts after `context`, and with sampling their distributions q (k, V)."""
         kept = common_prefix(self.cached, context)
         if kept == len(context):  # always feed at least one token: its logits come next
             kept -= 1
@@ -137,7 +145,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Counters:
-    """What a run drafted and kept (bench and the CLI report the acceptance rate)."""
+    """What a run drafted and kept, and its verify forwards (bench/speculative.py reports them)."""
 
     def __init__(self):
         self.forwards = self.drafted = self.accepted = 0
@@ -206,7 +214,8 @@ def speculative_tokens(
             if drafts:
                 speed.observe(len(drafts), kept)
             room = s.max_new_tokens - index - 1  # drafts beyond the last token to emit are wasted
-            drafts, q = _propose(proposer, context, min(speed.next(), room))
+            k = min(speed.next(), room)
+            drafts, q = proposer.draft(context, k) if k > 0 else ([], None)
             counters.forwards += 1
             counters.drafted += len(drafts)
             rows = session.extend(torch.tensor([[context[-1]] + drafts], device=device))[0]  # (1 + k, V)
@@ -228,7 +237,8 @@ class DraftLength:
     PROBE_EVERY = 8  # rounds without drafts between one-draft probes
 
     def __init__(self, limit: int, cost: float):
-        self.limit, self.cost = limit, cost
+        self.limit = limit
+        self.per_row = cost / (1 - min(cost, 0.99))  # s
         self.kept, self.tried = 1.0, 2.0
         self.idle = 0
 
@@ -241,8 +251,7 @@ class DraftLength:
     def next(self, batch: int = 1) -> int:
         """k for a forward of `batch` sequences (this one's drafts the only ones counted)."""
         a = self.kept / self.tried
-        per_row = self.cost / (1 - min(self.cost, 0.99))  # s
-        cost = per_row / (1 + batch * per_row)
+        cost = self.per_row / (1 + batch * self.per_row)
         best, best_rate, tokens, chance = 0, float(batch), float(batch), 1.0
         for k in range(1, self.limit + 1):
             chance *= a
@@ -293,15 +302,6 @@ def _forward_seconds(session, rows: int) -> float:
         best = min(best, time.perf_counter() - began)
         session.rewind(start)
     return best
-
-
-def _propose(proposer, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
-    if k <= 0:
-        return [], None
-    if isinstance(proposer, PromptLookup):
-        proposer.extend(context[len(proposer.context) :])
-        return proposer.propose(k), None
-    return proposer.propose(context, k)
 
 
 def _verify(scores: Tensor, draft: int | None, q: Tensor | None, do_sample: bool, generator) -> int:

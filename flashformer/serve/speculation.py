@@ -1,4 +1,4 @@
-"""Speculative decoding in the server: n-gram drafts verified inside the batched step.
+"""Speculative decoding in the server: drafts verified inside the batched step.
 
     flashformer serve FILE --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}'
 
@@ -6,9 +6,10 @@ The configuration has vLLM's names: method "ngram" (prompt lookup: the last n to
 prompt_lookup_max down to prompt_lookup_min, found earlier in the sequence; what followed them is
 drafted) or "draft_model" (a smaller model with the same tokenizer, "model": its path,
 "quantization": how it loads, by default as the served model; each drafting sequence keeps its
-own session of it, a static KV cache as long as its prompt and answer), num_speculative_tokens (the most drafts a step checks per sequence), and
-disable_by_batch_size (4: speculation stops while a step decodes more sequences than this, where
-it stopped paying on this CPU; below it the draft length weighs the batch too, see below). A request opts out with "speculative": false.
+own session of it, a static KV cache as long as its prompt and answer); num_speculative_tokens
+(the most drafts a step checks per sequence); disable_by_batch_size (4: speculation stops while a
+step decodes more sequences than this, where it stopped paying on this CPU; below it the draft
+length weighs the batch too, see below). A request opts out with "speculative": false.
 
 The engine (engine.py, its packed step) feeds each drafting sequence's last token and drafts in
 the same forward as everyone else's rows and gets every one of its rows' logits back; the tokens
@@ -129,12 +130,7 @@ class Speculator:
                 )
             sequence.draft_length = DraftLength(limit, self.cost)
         k = min(room, sequence.draft_length.next(batch))
-        if k <= 0:
-            return []
-        if self.draft is not None:
-            return sequence.proposer.propose(sequence.tokens, k)[0]
-        sequence.proposer.extend(sequence.tokens[len(sequence.proposer.context) :])
-        return sequence.proposer.propose(k)
+        return sequence.proposer.draft(sequence.tokens, k)[0] if k > 0 else []
 
     def observe(self, sequence, drafted: int, kept: int) -> None:
         sequence.draft_length.observe(drafted, kept)

@@ -19,9 +19,10 @@ import urllib.request
 import pytest
 import torch
 from helpers import tiny_chat_folder
+from helpers.engine import run_requests
 
 import flashformer
-from flashformer.serve.engine import Busy, Engine, Event, Request, SamplingParams
+from flashformer.serve.engine import Busy, Engine, Request, SamplingParams
 
 KEY = "test-key"
 QUESTIONS = [
@@ -373,25 +374,8 @@ def test_the_server_still_answers_after_everything(client):
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Submit every prompt at once, step the engine until all are done, return their tokens."""
-    outputs: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    requests = []
-    for i, prompt in enumerate(prompts):
-
-        def emit(event: Event, i=i):
-            if event.kind == "done":
-                done[i] = True
-
-        request = Request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), 1, emit)
-        engine.submit(request)
-        requests.append(request)
-    while engine._inbox.qsize():
-        engine.waiting.extend(engine._inbox.get().sequences)
-    while not all(done):
-        engine.step()
-    for i, request in enumerate(requests):
-        outputs[i] = request.sequences[0].generated
-    return outputs
+    jobs = [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0)) for prompt in prompts]
+    return [found["tokens"] for found in run_requests(engine, jobs)]
 
 
 def test_preempted_sequences_continue_with_the_same_tokens(local):

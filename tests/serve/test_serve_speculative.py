@@ -6,11 +6,12 @@ a draft model drafts too; the configuration's errors name the field."""
 from __future__ import annotations
 
 import pytest
+from helpers.engine import run_requests
 
 import flashformer
 from flashformer.checkpoints.gguf import smollm2_path
 from flashformer.generate import speculative
-from flashformer.serve.engine import Engine, Event, Request, SamplingParams
+from flashformer.serve.engine import Engine, SamplingParams
 from flashformer.serve.speculation import SpeculativeConfig
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=6)
@@ -41,31 +42,8 @@ def prompts_of(tokenizer) -> list[list[int]]:
 
 def run(engine: Engine, prompts, max_tokens: int = 40, **params) -> list[dict]:
     """Every prompt submitted at once; each request's tokens, text, log-probabilities and finish."""
-    found = [{"text": "", "logprobs": [], "finish": None} for _ in prompts]
-    done = [False] * len(prompts)
-    requests = []
-    for i, prompt in enumerate(prompts):
-
-        def emit(event: Event, i=i):
-            if event.kind == "delta":
-                found[i]["text"] += event.text
-                found[i]["logprobs"] += [(e.token, e.logprob, e.top) for e in event.logprobs]
-            elif event.kind == "finish":
-                found[i]["finish"] = event.finish_reason
-            elif event.kind == "done":
-                done[i] = True
-
-        settings = dict(dict(max_tokens=max_tokens, temperature=0), **params)
-        request = Request(prompt, SamplingParams(**settings), 1, emit)
-        engine.submit(request)
-        requests.append(request)
-    while engine._inbox.qsize():
-        engine.waiting.extend(engine._inbox.get().sequences)
-    while not all(done):
-        engine.step()
-    for i, request in enumerate(requests):
-        found[i]["tokens"] = request.sequences[0].generated
-    return found
+    settings = SamplingParams(**dict(dict(max_tokens=max_tokens, temperature=0), **params))
+    return run_requests(engine, [(prompt, settings) for prompt in prompts])
 
 
 def test_greedy_requests_keep_their_tokens_alone_and_batched(quantized):

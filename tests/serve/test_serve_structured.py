@@ -14,13 +14,14 @@ from typing import Literal
 
 import jsonschema
 import pytest
+from helpers.engine import run_requests
 from helpers.schemas import schema_suite
 from pydantic import BaseModel, Field
 from test_serve import KEY, http, openai_client, serving, tiny_chat_model  # noqa: F401 (a fixture)
 
 import flashformer
 from flashformer.generate.constraints import Constraint
-from flashformer.serve.engine import Engine, Event, Request, SamplingParams
+from flashformer.serve.engine import Engine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -210,23 +211,11 @@ def test_what_cannot_be_enforced_is_refused_by_name(server, tiny_chat_model, fie
 def run_mixed(
     engine: Engine, work: list[tuple[list[int], Constraint | None]], max_tokens: int
 ) -> list[list[int]]:
-    done = [False] * len(work)
-    requests = []
-    for i, (prompt, constraint) in enumerate(work):
-
-        def emit(event: Event, i=i):
-            if event.kind == "done":
-                done[i] = True
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, constraint=constraint)
-        request = Request(prompt, params, 1, emit)
-        engine.submit(request)
-        requests.append(request)
-    while engine._inbox.qsize():
-        engine.waiting.extend(engine._inbox.get().sequences)
-    while not all(done):
-        engine.step()
-    return [request.sequences[0].generated for request in requests]
+    jobs = [
+        (prompt, SamplingParams(max_tokens=max_tokens, temperature=0, constraint=constraint))
+        for prompt, constraint in work
+    ]
+    return [found["tokens"] for found in run_requests(engine, jobs)]
 
 
 @pytest.mark.parametrize("quantize", [None, "int4"])
