@@ -15,8 +15,10 @@ api.py) and paged_attention's (paged.py). It computes float32 on the CPU, in
 inference only (no backward), with the rules a decoder's attention needs:
 causal (bottom-right), a key padding mask, windows, softcap and ALiBi; not
 general masks, biases or dropout. Keys and values may be float16 (a half-size
-cache: half the bytes a decode step streams); each span of 64 keys is widened
-to float32 once per task, so the result is the float32 widening's, bit for bit.
+cache: half the bytes a decode step streams) or uint8 rows of q8_0 / q4_0
+blocks (kernels/kv_blocks.py), each its own type; each span of 64 keys is
+widened to float32 once per task, so the result is that of a float32 cache
+holding the values they stand for, bit for bit.
 """
 
 from __future__ import annotations

@@ -243,7 +243,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lookup with N drafts on copying and free workloads, beside llama-lookup of --llama-cpp-dir",
     )
     parser.add_argument(
-        "--processes", type=int, default=3, help="with --prompt-lookup: fresh processes, the best reported"
+        "--processes",
+        type=int,
+        default=3,
+        help="with --prompt-lookup or --cache-types: fresh processes, the best reported",
+    )
+    parser.add_argument(
+        "--cache-types",
+        metavar="TYPES",
+        help="with --model: KV cache types to compare at --context, e.g. f16,q8_0,q8_0/q4_0 (keys/values; "
+        "the first is the baseline)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=4096, help="with --cache-types: the prompt tokens decoding runs after"
     )
     parser.add_argument(
         "--draft",
@@ -275,6 +287,10 @@ def main_from_args(args: argparse.Namespace) -> dict:
                 f"wrote {args.write_1b_shape} ({written['bytes'] / 1e9:.2f} GB) in {written['seconds']:.0f} s"
             )
         args.model = str(args.write_1b_shape)
+    if args.cache_types is not None:
+        if args.model is None:
+            raise ValueError("--cache-types needs --model")
+        return run_kv_cache(args)
     if args.prompt_lookup is not None:
         if args.model is None:
             raise ValueError("--prompt-lookup needs --model (a real model's copying and free workloads)")
@@ -340,6 +356,29 @@ def run_speculative(args: argparse.Namespace) -> dict:
     print(speculative.table(payload))
     if payload["served"]:
         print(speculative.served_table(payload))
+    print(f"\nwrote results to {args.out}")
+    return payload
+
+
+def run_kv_cache(args: argparse.Namespace) -> dict:
+    from flashformer.bench import kv_cache
+
+    dirs = args.llama_cpp_dir or []
+    config = {
+        "types": kv_cache.parse_types(args.cache_types),
+        "context": args.context,
+        "new_tokens": args.new_tokens or 64,
+        "rounds": args.rounds or 3,
+        "processes": args.processes,
+        "quantize": args.quantize,
+        "llama_cpp_dir": dirs[0] if dirs else None,
+    }
+    print(
+        f"KV cache types benchmark: {args.model}, {config['new_tokens']} greedy tokens after {args.context} "
+        f"prompt tokens, {args.processes} fresh processes"
+    )
+    payload = kv_cache.run(args.model, config, args.out, args.threads, args.timeout)
+    print(kv_cache.table(payload))
     print(f"\nwrote results to {args.out}")
     return payload
 

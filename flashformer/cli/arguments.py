@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flashformer.checkpoints.loading import load
 from flashformer.generate.chat import Chat
+from flashformer.kernels import kv_blocks
 from flashformer.model.quantize import MODES
 from flashformer.text.bpe import EOS
 
@@ -36,6 +37,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_type_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's element types (generate, chat, serve), llama.cpp's flags and names."""
+    for which, what in (("k", "keys"), ("v", "values")):
+        parser.add_argument(
+            f"--cache-type-{which}",
+            choices=kv_blocks.TYPES,
+            help=f"the KV cache's {what}: f32, f16, or q8_0 / q4_0 blocks (0.53x / 0.28x f16's bytes; read "
+            f"by the native decoder). Default: the model's (f16 for GGUF blocks, else its float type)",
+        )
+
+
 def load_model(args):
     """(model, tokenizer) as the model arguments ask."""
     return load(args.model, quantize=args.quantize, activations=args.activations)
@@ -55,6 +67,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    add_cache_type_arguments(parser)
     speculation = parser.add_mutually_exclusive_group()
     speculation.add_argument(
         "--prompt-lookup",
@@ -110,6 +123,8 @@ def sampling_settings(args) -> dict:
         if args.draft is None
         else draft_model(args.draft, args.draft_quantize or args.quantize, args.activations),
         num_assistant_tokens=args.draft_tokens,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
     )
 
 

@@ -22,7 +22,8 @@ import argparse
 from pathlib import Path
 
 from flashformer.cli import arguments
-from flashformer.cli.arguments import add_model_arguments
+from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments
+from flashformer.formatting import format_bytes
 from flashformer.text.tool_calls import PARSERS
 
 
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-blocks", type=int, default=512, help="blocks in the KV cache pool")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    add_cache_type_arguments(parser)
     parser.add_argument("--context", type=int, help="the most tokens of one sequence (default: the model's)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued sequences before answering 503")
     parser.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens computed per chunk")
@@ -117,10 +119,14 @@ def main_from_args(args) -> None:
             prefix_cache=not args.no_prefix_cache,
             speculative=speculative,
             draft_model=draft_model(speculative, args),
+            cache_type_k=args.cache_type_k,
+            cache_type_v=args.cache_type_v,
         )
         runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
+        caches = engine.runner.caches[0]
         what = (
-            f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens, run {runs}"
+            f"max batch {args.max_batch}, {args.kv_blocks} KV blocks of {args.block_size} tokens "
+            f"({caches.k_type} keys, {caches.v_type} values: {format_bytes(engine.runner.kv_bytes)}), run {runs}"
         )
     started = process_seconds()
     if isinstance(engine, Engine):

@@ -12,6 +12,12 @@ and a step writes its new keys at explicit positions:
 The views cover exactly the tokens so far, so attention runs with causal
 alignment at the bottom right: L new queries after cache_position cached keys.
 
+Keys and values each have an element type (kernels/kv_blocks.py, llama.cpp's names): f32, f16,
+or the q8_0 / q4_0 blocks that the native decoder writes and reads in place (0.53x and 0.28x
+float16's bytes). The model's modules, run eagerly or compiled, cannot read blocks: `update`
+then quantizes the new rows and hands attention the float values of the whole prefix, a copy
+per step that the native path does not make.
+
 An encoder-decoder's cross-attention reads the encoder's output, which does
 not change while the decoder generates: its keys and values are projected on
 the first step and kept in `memory_kv` (see stacks.Decoder).
@@ -22,36 +28,69 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashformer.kernels import kv_blocks
+
 
 class KVCache:
     """One self-attention layer's keys and values for up to max_len tokens.
 
-    k, v: (B, Hk, max_len, D), preallocated. memory_kv: the cross-attention
-    keys and values (B, Hk, M, D) of an encoder-decoder, or None until the
-    first step computes them.
+    k, v: (B, Hk, max_len, D) preallocated, of the float dtype of their type (k_type, v_type:
+    f32, f16), or (B, Hk, max_len, row bytes) uint8 rows of q8_0 / q4_0 blocks. dtype: the float
+    type's where a type is not given. memory_kv: the cross-attention keys and values (B, Hk, M, D)
+    of an encoder-decoder, or None until the first step computes them.
     """
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, *, dtype: torch.dtype, device):
-        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device,
+        k_type: str | None = None,
+        v_type: str | None = None,
+    ):
+        self.k_type = k_type or kv_blocks.type_of_dtype(dtype)
+        self.v_type = v_type or kv_blocks.type_of_dtype(dtype)
+        self.head_dim = head_dim
+        self.k = kv_blocks.empty(self.k_type, (batch, kv_heads, max_len), head_dim, device)
+        self.v = kv_blocks.empty(self.v_type, (batch, kv_heads, max_len), head_dim, device)
         self.memory_kv: tuple[Tensor, Tensor] | None = None
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def quantized(self) -> bool:
+        return kv_blocks.is_block_type(self.k_type) or kv_blocks.is_block_type(self.v_type)
+
     def update(self, k: Tensor, v: Tensor, cache_position: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, Hk, L, D) at positions cache_position .. cache_position + L - 1;
-        return every key and value so far, (B, Hk, cache_position + L, D)."""
+        return every key and value so far, (B, Hk, cache_position + L, D) (views of a float
+        cache; a block cache's values as float32, computed anew)."""
         end = cache_position + k.shape[2]
         if not torch.compiler.is_compiling() and end > self.max_len:
             raise ValueError(
                 f"the KV cache holds {self.max_len} tokens (max_len); writing {k.shape[2]} new tokens "
                 f"after cache_position={cache_position} needs {end}"
             )
-        self.k[:, :, cache_position:end] = k  # (rounded to a float16 cache)
-        self.v[:, :, cache_position:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        if not self.quantized:
+            self.k[:, :, cache_position:end] = k  # (rounded to a float16 cache)
+            self.v[:, :, cache_position:end] = v
+            return self.k[:, :, :end], self.v[:, :, :end]
+        self.k[:, :, cache_position:end] = kv_blocks.store(k, self.k_type)
+        self.v[:, :, cache_position:end] = kv_blocks.store(v, self.v_type)
+        keys = kv_blocks.load(self.k[:, :, :end], self.k_type, self.head_dim).to(k.dtype)
+        values = kv_blocks.load(self.v[:, :, :end], self.v_type, self.head_dim).to(v.dtype)
+        return keys, values
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the keys and values take (preallocated: max_len tokens)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def reorder(self, rows: Tensor, length: int) -> None:
         """Beam search: row r takes the first `length` cached tokens (and the
@@ -127,14 +166,44 @@ def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -> list[KVCache]:
+def kv_types(
+    model: torch.nn.Module, device, cache_type_k: str | None = None, cache_type_v: str | None = None
+) -> tuple[str, str]:
+    """The (keys, values) element types of `model`'s cache: the types asked for (kernels/kv_blocks.py's
+    names, checked), else the float type of cache_dtype."""
+    default = kv_blocks.type_of_dtype(cache_dtype(model, torch.device(device)))
+    k_type = default if cache_type_k is None else kv_blocks.check_type(cache_type_k, "cache_type_k")
+    v_type = default if cache_type_v is None else kv_blocks.check_type(cache_type_v, "cache_type_v")
+    for name, argument in ((k_type, "cache_type_k"), (v_type, "cache_type_v")):
+        if kv_blocks.is_block_type(name) and model.config.head_dim % kv_blocks.BLOCK:
+            raise ValueError(
+                f"{argument}={name}: blocks of {kv_blocks.BLOCK} values need head_dim a multiple of "
+                f"{kv_blocks.BLOCK}; this model's is {model.config.head_dim}"
+            )
+    return k_type, v_type
+
+
+def make_caches(
+    model: torch.nn.Module,
+    batch: int,
+    max_len: int,
+    device=None,
+    cache_type_k: str | None = None,
+    cache_type_v: str | None = None,
+) -> list[KVCache]:
     """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel), or
     the states of a model that keeps its own (a recurrent model's `new_states`: RecurrentState,
-    max_len unused; a linear-attention decoder's)."""
+    max_len unused; a linear-attention decoder's). cache_type_k / cache_type_v: the keys' and
+    values' types (kv_types), for attention's KV caches only."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    config = model.config
+    asked = cache_type_k is not None or cache_type_v is not None
+    if asked and (hasattr(model, "new_states") or config.attention_kind == "linear"):
+        raise ValueError(
+            "cache_type_k / cache_type_v: this model keeps a recurrent state, not a KV cache of softmax attention"
+        )
     if hasattr(model, "new_states"):
         return model.new_states(batch, device, cache_dtype(model, device))
-    config = model.config
     n_layers = config.n_layers if config.arch == "decoder" else config.n_decoder_layers
     dtype = cache_dtype(model, device)
     if config.attention_kind == "linear":  # S = sum phi(k) v^T, z = sum phi(k) (attention/linear.py)
@@ -147,7 +216,17 @@ def make_caches(model: torch.nn.Module, batch: int, max_len: int, device=None) -
             )
             for _ in range(n_layers)
         ]
+    k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
     return [
-        KVCache(batch, config.n_kv_heads, max_len, config.head_dim, dtype=dtype, device=device)
+        KVCache(
+            batch,
+            config.n_kv_heads,
+            max_len,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+            k_type=k_type,
+            v_type=v_type,
+        )
         for _ in range(n_layers)
     ]

@@ -71,7 +71,14 @@ class Chat:
         settings_from(model, **dict(self.settings, max_new_tokens=1))  # every setting checked now
         device = next(model.parameters()).device
         self.generator = make_generator(None, seed, device)
-        self.caches = make_caches(model, 1, self.context, device)
+        self.caches = make_caches(
+            model,
+            1,
+            self.context,
+            device,
+            self.settings.get("cache_type_k"),
+            self.settings.get("cache_type_v"),
+        )
         self.cached: list[int] = []  # the tokens whose keys and values the cache holds, in order
         self.reused = 0  # of the last prompt, the tokens found in the cache
 

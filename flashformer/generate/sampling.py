@@ -29,6 +29,7 @@ from flashformer.generate.constraints import (
     keep_an_end,
     matchers_for,
 )
+from flashformer.kernels import kv_blocks
 
 # ---- settings ----
 
@@ -70,6 +71,10 @@ class GenerationSettings:
     max_matching_ngram_size: int = 3
     assistant_model: object | None = None
     num_assistant_tokens: int = 5
+    # the KV cache's element types for keys and values, llama.cpp's names (kernels/kv_blocks.py:
+    # f32, f16, q8_0, q4_0); None: the model's own (generate.cache.cache_dtype)
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
 
 
 def settings_from(model, **kwargs) -> GenerationSettings:
@@ -98,6 +103,9 @@ def settings_from(model, **kwargs) -> GenerationSettings:
 
 def check_settings(s: GenerationSettings, model) -> None:
     vocab = model.config.vocab_size
+    for argument in ("cache_type_k", "cache_type_v"):
+        if getattr(s, argument) is not None:
+            kv_blocks.check_type(getattr(s, argument), argument)
     _check_int("max_new_tokens", s.max_new_tokens, 0)
     _check_int("min_new_tokens", s.min_new_tokens, 0)
     _check_int("num_beams", s.num_beams, 1)

@@ -55,7 +55,7 @@ class DecoderSession:
         max_len = prompt_len + s.max_new_tokens
         self.model, self.input_ids, self.chunk_size = model, input_ids, s.prefill_chunk_size or prompt_len
         if caches is None:
-            caches = make_caches(model, batch, max_len, input_ids.device)
+            caches = make_caches(model, batch, max_len, input_ids.device, s.cache_type_k, s.cache_type_v)
         elif caches[0].max_len < max_len or not 0 <= cached_len < prompt_len or attention_mask is not None:
             raise ValueError(
                 f"continuing in given caches needs room for the prompt and the new tokens ({max_len} <= "
@@ -189,7 +189,9 @@ class EncoderDecoderSession:
     def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None, s: GenerationSettings):
         batch = input_ids.shape[0]
         self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
-        self.caches = make_caches(model, batch, 1 + s.max_new_tokens, input_ids.device)
+        self.caches = make_caches(
+            model, batch, 1 + s.max_new_tokens, input_ids.device, s.cache_type_k, s.cache_type_v
+        )
         if s.compile:
             let_sizes_vary(self.caches)
         self.start = torch.full(

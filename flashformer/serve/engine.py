@@ -179,7 +179,9 @@ class Engine(ModelLoop):
     while others decode; max_waiting: sequences that may wait before submit() raises Busy;
     prefix_cache: reuse the cached keys and values of prompts' common beginnings
     (scheduler.py: prefix caching); native: run the model's native decoder where it has one
-    (runner.py; False: its PyTorch modules, eagerly). Nothing is compiled: the engine serves its
+    (runner.py; False: its PyTorch modules, eagerly); cache_type_k / cache_type_v: the KV pool's
+    element types for keys and values (f32, f16, q8_0, q4_0; llama.cpp's --cache-type-k / -v; the
+    model's float type by default). Nothing is compiled: the engine serves its
     first request as soon as it is built (start_seconds, which `flashformer serve` sets, says
     when that was).
     """
@@ -200,12 +202,22 @@ class Engine(ModelLoop):
         native: bool = True,
         speculative: SpeculativeConfig | None = None,
         draft_model=None,
+        cache_type_k: str | None = None,
+        cache_type_v: str | None = None,
     ):
         super().__init__(max_waiting)
         self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
         self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
         self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
-        self.runner = ModelRunner(model, self.pool, max_batch=max_batch, context=self.context, native=native)
+        self.runner = ModelRunner(
+            model,
+            self.pool,
+            max_batch=max_batch,
+            context=self.context,
+            native=native,
+            cache_type_k=cache_type_k,
+            cache_type_v=cache_type_v,
+        )
         self.device = self.runner.device
         rows_alone = not self.runner.pad_decode
         self.scheduler = Scheduler(

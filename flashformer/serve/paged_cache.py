@@ -30,11 +30,11 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-import torch
 from torch import Tensor
 
 from flashformer.attention.paged import packed_paged_attention, paged_attention, write_kv
-from flashformer.generate.cache import cache_dtype
+from flashformer.generate.cache import kv_types
+from flashformer.kernels import kv_blocks
 
 
 class BlockPool:
@@ -205,17 +205,37 @@ class PagedBatch:
 
 class PagedKVCache:
     """One self-attention layer's share of the pool: keys and values
-    (Hk, num_blocks, block_size, D). The attention layer hands it the new
-    keys and values and the queries (`attend`): they are written to their
-    slots and the queries attend over each row's blocks."""
+    (Hk, num_blocks, block_size, D), each of its element type (kernels/kv_blocks.py: f32, f16,
+    or q8_0 / q4_0 rows (..., row bytes), which only the native decoder reads and writes). The
+    attention layer hands it the new keys and values and the queries (`attend`): they are
+    written to their slots and the queries attend over each row's blocks."""
 
     paged = True
 
-    def __init__(self, pool: BlockPool, batch: PagedBatch, kv_heads: int, head_dim: int, dtype, device):
-        shape = (kv_heads, pool.num_blocks, pool.block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(
+        self,
+        pool: BlockPool,
+        batch: PagedBatch,
+        kv_heads: int,
+        head_dim: int,
+        k_type: str,
+        v_type: str,
+        device,
+    ):
+        lead = (kv_heads, pool.num_blocks, pool.block_size)
+        self.k_type, self.v_type = k_type, v_type
+        self.k = kv_blocks.empty(k_type, lead, head_dim, device)
+        self.v = kv_blocks.empty(v_type, lead, head_dim, device)
         self.batch = batch
+
+    @property
+    def quantized(self) -> bool:
+        return kv_blocks.is_block_type(self.k_type) or kv_blocks.is_block_type(self.v_type)
+
+    @property
+    def block_bytes(self) -> int:
+        """The bytes one block of the pool takes in this layer (keys and values)."""
+        return (self.k[:, 0].numel() * self.k.element_size()) + (self.v[:, 0].numel() * self.v.element_size())
 
     def attend(
         self,
@@ -229,6 +249,11 @@ class PagedKVCache:
         """q (B, Hq, L, D), k and v (B, Hk, L, D) the new tokens -> (B, Hq, L, D); window and
         softcap are the layer's (a sliding-window layer keeps every key in the pool and reads
         only its window). (The batch's tables and slots were checked once, when set, not per layer.)"""
+        if self.quantized:
+            raise ValueError(
+                f"a {self.k_type} / {self.v_type} KV cache is read by the native decoder only; this model runs "
+                f"its modules (cache types f32 or f16 serve it)"
+            )
         write_kv(self.k, self.v, k, v, self.batch.slots, validate=False)
         if self.batch.q_starts is not None:  # one row of T tokens from S sequences
             out = packed_paged_attention(
@@ -257,18 +282,21 @@ class PagedKVCache:
         )  # (B, Hq, L, D), one call for the batch
 
 
-def make_paged_caches(model, pool: BlockPool) -> tuple[list[PagedKVCache], PagedBatch]:
-    """One PagedKVCache per decoder layer of `model`, all sharing one PagedBatch."""
+def make_paged_caches(
+    model, pool: BlockPool, cache_type_k: str | None = None, cache_type_v: str | None = None
+) -> tuple[list[PagedKVCache], PagedBatch]:
+    """One PagedKVCache per decoder layer of `model`, all sharing one PagedBatch; keys and values
+    of the types asked for (generate.cache.kv_types: the model's own float type by default)."""
     config = model.config
     if config.arch != "decoder":
         raise ValueError(f"a paged cache serves decoder models; got arch {config.arch!r}")
     if config.position in ("alibi", "relative"):
         raise ValueError(f"paged attention does not take {config.position} position biases")
     device = next(model.parameters()).device
-    dtype = cache_dtype(model, device)
+    k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
     batch = PagedBatch()
     caches = [
-        PagedKVCache(pool, batch, config.n_kv_heads, config.head_dim, dtype, device)
+        PagedKVCache(pool, batch, config.n_kv_heads, config.head_dim, k_type, v_type, device)
         for _ in range(config.n_layers)
     ]
     return caches, batch

@@ -47,12 +47,28 @@ class ModelRunner:
 
     max_batch: the rows of a padded decode step; context: the most tokens a sequence holds
     (the width of the block tables); native: run the native decoder where the model has one
-    (False: the model's modules, eagerly)."""
+    (False: the model's modules, eagerly); cache_type_k / cache_type_v: the pools' element types
+    (kernels/kv_blocks.py; q8_0 and q4_0 need the native decoder)."""
 
-    def __init__(self, model, pool: BlockPool, *, max_batch: int, context: int, native: bool = True):
+    def __init__(
+        self,
+        model,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        context: int,
+        native: bool = True,
+        cache_type_k: str | None = None,
+        cache_type_v: str | None = None,
+    ):
         self.model, self.pool, self.max_batch = model, pool, max_batch
-        self.caches, self.batch = make_paged_caches(model, pool)
+        self.caches, self.batch = make_paged_caches(model, pool, cache_type_k, cache_type_v)
         self.native = native_decoder(model) if native else None
+        if self.native is None and self.caches[0].quantized:
+            raise ValueError(
+                f"cache types {self.caches[0].k_type} / {self.caches[0].v_type}: q8_0 and q4_0 blocks are read "
+                "by the native decoder only (a decoder-only model on the CPU, native on); use f32 or f16 here"
+            )
         self.native_cache = (
             None
             if self.native is None
@@ -61,6 +77,11 @@ class ModelRunner:
         self.pad_decode = self.native is None and pads_decode(model)
         self.max_blocks = pool.blocks_for(context)
         self.device = next(model.parameters()).device
+
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes of the KV pools, every layer's keys and values."""
+        return sum(c.block_bytes for c in self.caches) * self.pool.num_blocks
 
     # ---- the separate steps (float matmuls, eagerly) ----
 

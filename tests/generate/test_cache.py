@@ -10,6 +10,8 @@ import torch
 
 import flashformer
 from flashformer.generate.cache import KVCache, cache_dtype, make_caches
+from flashformer.generate.sampling import settings_from
+from flashformer.generate.session import make_session
 
 TOLERANCE = 1e-5  # float32
 
@@ -192,3 +194,52 @@ def test_a_model_may_ask_for_its_own_cache_dtype():
     out = model.generate(ids, max_new_tokens=4, eos_token_id=[], do_sample=False)
     model.kv_cache_dtype = None
     assert out.shape == (2, 9) and cache_dtype(model, torch.device("cpu")) == torch.float32
+
+
+# ---- the cache's element types (kernels/kv_blocks.py) ----
+
+
+def model_with_blocks_of_32():
+    """A tiny LLaMA (GQA) whose heads hold 32 values: one q8_0 / q4_0 block a head."""
+    torch.manual_seed(0)
+    model = flashformer.build("llama-tiny", d_model=128, n_heads=4, n_kv_heads=2, vocab_size=97)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0"), ("f16", "q4_0")], ids="/".join)
+def test_block_caches_decode_natively_as_the_eager_modules_do(pair):
+    """The native decoder writes and reads the blocks in place; the eager modules quantize in
+    update() and attend over the values: the same greedy tokens. The blocks cost their bytes."""
+    model = model_with_blocks_of_32()
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=16, do_sample=False, cache_type_k=pair[0], cache_type_v=pair[1])
+    native = model.generate(ids, **options)
+    assert torch.equal(native, model.generate(ids, native=False, **options))
+    first = {}
+    for types in [pair, ("f32", "f32")]:
+        settings = settings_from(model, max_new_tokens=4, cache_type_k=types[0], cache_type_v=types[1])
+        first[types] = make_session(model, ids, None, settings).prefill()
+    assert not torch.equal(first[pair], first[("f32", "f32")])  # the blocks' values, not the floats
+    caches = make_caches(model, 1, 64, cache_type_k=pair[0], cache_type_v=pair[1])
+    floats = make_caches(model, 1, 64, cache_type_k="f16", cache_type_v="f16")
+    expected = {"f16": 1.0, "q8_0": 34 / 64, "q4_0": 18 / 64}
+    assert caches[0].k.nbytes == expected[pair[0]] * floats[0].k.nbytes
+    assert caches[0].v.nbytes == expected[pair[1]] * floats[0].v.nbytes
+
+
+def test_a_float16_cache_serves_a_float32_model_on_every_path():
+    model = model_of("llama-tiny")
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=8, do_sample=False, cache_type_k="f16", cache_type_v="f16")
+    assert make_caches(model, 1, 8, cache_type_k="f16")[0].k.dtype == torch.float16
+    assert make_caches(model, 1, 8, cache_type_k="f16")[0].v.dtype == torch.float32  # the model's own
+    assert torch.equal(model.generate(ids, **options), model.generate(ids, native=False, **options))
+
+
+def test_cache_types_are_checked_by_name():
+    model = model_of("llama-tiny")
+    with pytest.raises(ValueError, match=r"cache_type_v: expected one of f32, f16, q8_0, q4_0 .* got 'q8'"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=2, cache_type_v="q8")

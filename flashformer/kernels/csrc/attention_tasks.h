@@ -13,13 +13,14 @@ namespace flashformer_cpu {
 // One call's queries, cache and rules. q: token t's query head h at q + t * q_row_stride + h * dim;
 // out (T, Hq, Dv) and lse (T, Hq) contiguous. The cache: KV head h's key at position p of a
 // sequence whose table lists block j = p / block_size at k + h * k_head_stride + table[j] *
-// k_block_stride + (p % block_size) * k_pos_stride (float32, or float16 bits when half_kv).
+// k_block_stride + (p % block_size) * k_pos_stride, in elements of its type (kv_blocks.h: float32,
+// float16, or the bytes of q8_0 / q4_0 blocks).
 struct Problem {
   const float* q;
   int64_t q_row_stride;
-  const void* k;  // float, or float16 bits when half_kv
+  const void* k;  // k_type's elements
   const void* v;
-  bool half_kv;
+  int k_type, v_type;  // kv_blocks.h's KvType
   float* out;
   float* lse;
   int64_t q_heads, kv_heads, dim, dim_v, block_size;
@@ -42,8 +43,8 @@ struct Task {
 
 // A thread's working memory, reused by its tasks. Row r of a task is query head h * G + r / n's
 // query r % n (rows = G x n): (rows,) running max, sum and rescale, (rows, Dv) accumulators,
-// (rows, kSpan) scores, then weights, of the span; a float16 cache's span of keys (kSpan, D) and
-// values (kSpan, Dv) widened to float32.
+// (rows, kSpan) scores, then weights, of the span; the span's keys (kSpan, D) and values (kSpan, Dv)
+// widened to float32 where the cache holds another type.
 struct Scratch {
   std::vector<float> m, l, rescale, acc, s, wide_k, wide_v;
 };

@@ -10,7 +10,8 @@
 //   key_padding (S, >= seq_len)  optional: False drops a key (a left-padded batch)
 //   logit_rows (R,)              the rows whose logits are returned: (R, vocab) float32
 //
-// The cache is one pool per layer (Hk, blocks, block_size, D), float32 or float16, bound once
+// The cache is one pool per layer (Hk, blocks, block_size, D), float32, float16 or q8_0 / q4_0
+// blocks (kv_blocks.h; keys and values each their own type), bound once
 // (bind_cache): the server's paged pools, or a static cache (B, Hk, max_len, D) seen as B blocks of
 // max_len (its transpose(0, 1)).
 //
@@ -37,6 +38,7 @@
 #include "decoder_call.h"
 #include "decoder_model.h"
 #include "decoder_threads.h"
+#include "kv_blocks.h"
 #include "products.h"
 #include "row_ops.h"
 
@@ -169,22 +171,27 @@ class NativeDecoder : public torch::CustomClassHolder {
     ready_ = true;
   }
 
-  // The KV cache: one (Hk, blocks, block_size, D) pool per layer, float32 or float16, any strides
-  // but a contiguous last dim. The decoder reads and writes them in place.
+  // The KV cache: one (Hk, blocks, block_size, D) pool per layer for keys and one for values, each
+  // float32, float16 or uint8 rows of q8_0 / q4_0 blocks (Hk, blocks, block_size, row bytes), any
+  // strides but a contiguous last dim. The decoder reads and writes them in place.
   void bind_cache(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "bind_cache: expected ", layers_.size(),
                 " key and value pools, got ", k.size(), " and ", v.size());
     held_cache_.clear();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const at::Tensor &kp = k[i], &vp = v[i];
-      TORCH_CHECK(kp.dim() == 4 && vp.sizes() == kp.sizes() && kp.size(0) == n_kv_heads_ && kp.size(3) == head_dim_ &&
-                      kp.stride(3) == 1 && vp.stride(3) == 1 && kp.scalar_type() == vp.scalar_type() &&
-                      (kp.scalar_type() == at::kFloat || kp.scalar_type() == at::kHalf) && kp.device().is_cpu(),
-                  "bind_cache: layer ", i, ": expected float32 or float16 pools (", n_kv_heads_, ", blocks, block_size, ",
-                  head_dim_, ") with a contiguous last dim, got ", kp.sizes(), " ", kp.scalar_type(), " and ",
-                  vp.sizes(), " ", vp.scalar_type());
+      const bool shaped = kp.dim() == 4 && vp.dim() == 4 && kp.sizes().slice(0, 3) == vp.sizes().slice(0, 3) &&
+                          kp.size(0) == n_kv_heads_ && kp.stride(3) == 1 && vp.stride(3) == 1 && kp.device().is_cpu() &&
+                          vp.device().is_cpu();
+      const int k_type = shaped ? kv_type_of(kp.scalar_type(), kp.size(3), head_dim_) : -1;
+      const int v_type = shaped ? kv_type_of(vp.scalar_type(), vp.size(3), head_dim_) : -1;
+      TORCH_CHECK(k_type >= 0 && v_type >= 0, "bind_cache: layer ", i, ": expected key and value pools (", n_kv_heads_,
+                  ", blocks, block_size, row) with a contiguous last dim, each float32 or float16 rows of ", head_dim_,
+                  " or uint8 rows of q8_0 (", kv_row_bytes(kKvQ8_0, head_dim_), " bytes) or q4_0 (",
+                  kv_row_bytes(kKvQ4_0, head_dim_), ") blocks (head_dim a multiple of 32), got ", kp.sizes(), " ",
+                  kp.scalar_type(), " and ", vp.sizes(), " ", vp.scalar_type());
       CacheView& c = caches_[i];
-      c.k = kp.data_ptr(), c.v = vp.data_ptr(), c.half = kp.scalar_type() == at::kHalf;
+      c.k = kp.data_ptr(), c.v = vp.data_ptr(), c.k_type = k_type, c.v_type = v_type;
       c.blocks = kp.size(1), c.block_size = kp.size(2);
       for (int j = 0; j < 3; ++j) c.k_strides[j] = kp.stride(j), c.v_strides[j] = vp.stride(j);
       held_cache_.push_back(kp), held_cache_.push_back(vp);
@@ -317,14 +324,14 @@ class NativeDecoder : public torch::CustomClassHolder {
       const int64_t slot = c.slots[t];
       const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
       for (int64_t h = 0; h < n_kv_heads_; ++h) {
-        write_cache(cache.k, cache.half, cache.k_strides, h, block, offset, row + q_width + h * D, D);
-        write_cache(cache.v, cache.half, cache.v_strides, h, block, offset, row + q_width + kv_width + h * D, D);
+        write_cache(cache.k, cache.k_type, cache.k_strides, h, block, offset, row + q_width + h * D, D);
+        write_cache(cache.v, cache.v_type, cache.v_strides, h, block, offset, row + q_width + kv_width + h * D, D);
       }
     });
     // 4. attention, a task per (sequence, KV head, slice of queries)
     Problem p{};
     p.q = a.qkv.data(), p.q_row_stride = qkv_width;
-    p.k = cache.k, p.v = cache.v, p.half_kv = cache.half;
+    p.k = cache.k, p.v = cache.v, p.k_type = cache.k_type, p.v_type = cache.v_type;
     p.out = a.attn.data(), p.lse = a.lse.data();
     p.q_heads = n_heads_, p.kv_heads = n_kv_heads_, p.dim = D, p.dim_v = D, p.block_size = cache.block_size;
     p.k_head_stride = cache.k_strides[0], p.k_block_stride = cache.k_strides[1], p.k_pos_stride = cache.k_strides[2];
@@ -418,18 +425,13 @@ class NativeDecoder : public torch::CustomClassHolder {
     return arena_.rope.data() + (static_cast<int64_t>(table) * T + t) * 2 * rotary_half_;
   }
 
-  // One head's D values at (head h, block, offset) of a pool, rounded to float16 (to nearest even,
-  // as torch's .half()) for a half cache.
-  static void write_cache(const void* pool, bool half, const int64_t* strides, int64_t h, int64_t block,
+  // One head's D values at (head h, block, offset) of a pool, as its type stores them (kv_blocks.h:
+  // float16 rounded to nearest even as torch's .half(), q8_0 / q4_0 quantized as ggml's reference).
+  static void write_cache(const void* pool, int type, const int64_t* strides, int64_t h, int64_t block,
                           int64_t offset, const float* values, int64_t dim) {
-    const int64_t at = h * strides[0] + block * strides[1] + offset * strides[2];
-    if (half) {
-      uint16_t* dst = static_cast<uint16_t*>(const_cast<void*>(pool)) + at;
-      for (int64_t j = 0; j < dim; ++j) dst[j] = c10::detail::fp16_ieee_from_fp32_value(values[j]);
-      return;
-    }
-    float* dst = static_cast<float*>(const_cast<void*>(pool)) + at;
-    std::copy(values, values + dim, dst);
+    const int64_t at = h * strides[0] + block * strides[1] + offset * strides[2];  // the pool's elements
+    const int64_t bytes = type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1;
+    kv_write_row(type, values, dim, static_cast<char*>(const_cast<void*>(pool)) + at * bytes);
   }
 
   // ---- building's helpers ----

@@ -72,11 +72,12 @@ struct Embedding {
   int64_t max_positions = 0;
 };
 
-// One layer's share of the KV cache, as the pool (Hk, blocks, block_size, D).
+// One layer's share of the KV cache, as the pool (Hk, blocks, block_size, D) (a block type's:
+// (Hk, blocks, block_size, row bytes)), keys and values each of their own type (kv_blocks.h).
 struct CacheView {
   const void* k = nullptr;
   const void* v = nullptr;
-  bool half = false;
+  int k_type = 0, v_type = 0;
   int64_t blocks = 0, block_size = 0;
   int64_t k_strides[3] = {0, 0, 0}, v_strides[3] = {0, 0, 0};  // head, block, position
 };

@@ -6,8 +6,9 @@
 //
 //   q (T, Hq, D) float32: the queries of S sequences packed one after another, sequence s's
 //   rows q_starts[s] .. q_starts[s + 1] - 1 (q_starts (S + 1,) int64); k_pool (Hk, num_blocks,
-//   block_size, D), v_pool (..., Dv) float32 or both float16 (a half-size cache, widened exactly to
-//   float32 as it is read), any strides but a contiguous last dim;
+//   block_size, D), v_pool (..., Dv) float32, float16 or (Dv = D, a multiple of 32) uint8 rows of
+//   q8_0 / q4_0 blocks, each its own type (kv_blocks.h: widened exactly to float32 as they are
+//   read), any strides but a contiguous last dim;
 //   block_tables (S, max_blocks) int32/int64; seq_lens (S,) int32/int64. Query i of the n of
 //   sequence s sits at key position seq_lens[s] - n + i; causal: it sees the keys at or before
 //   it (bottom-right). window_left / window_right: keys kept before / after it (-1: unbounded);
@@ -31,6 +32,7 @@
 //   it. A sequence alone and in any batch gives the same bits.
 
 #include "attention_tasks.h"
+#include "kv_blocks.h"
 #include "quantized_common.h"
 #include "row_ops.h"
 
@@ -46,6 +48,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -166,33 +169,77 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
   return masked ? v8{} : rows::exp_near(x, __builtin_convertvector(n, v8));
 }
 
-// rows x n float16 values (row i at base + at[i]) widened to float32 into dst (row i at dst + i * n);
-// the conversion is exact, so a float16 cache gives the bits its float32 widening would.
 #if defined(__x86_64__)
-__attribute__((target("avx2,f16c"))) void widen_rows_f16c(const uint16_t* base, const int64_t* at, int64_t rows,
-                                                          int64_t n, float* dst) {
+// kv_widen_rows for float16 (F16C's exact conversion) and the block types (their integers widened
+// exactly, then one multiply by the block's scale: the scalar loop's bits) on AVX2.
+__attribute__((target("avx2,f16c"))) void widen_rows_avx2(int type, const void* base, const int64_t* at,
+                                                          int64_t rows, int64_t n, float* dst) {
   for (int64_t i = 0; i < rows; ++i) {
-    const uint16_t* row = base + at[i];
     float* out = dst + i * n;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
+    if (type == kKvFloat16) {
+      const uint16_t* row = static_cast<const uint16_t*>(base) + at[i];
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
+      }
+      for (; j < n; ++j) out[j] = c10::detail::fp16_ieee_to_fp32_value(row[j]);
+      continue;
     }
-    for (; j < n; ++j) out[j] = c10::detail::fp16_ieee_to_fp32_value(row[j]);
+    const uint8_t* block = static_cast<const uint8_t*>(base) + at[i];
+    const int64_t block_bytes = kv_row_bytes(type, kKvBlock);
+    for (int64_t j = 0; j < n; j += kKvBlock, block += block_bytes) {
+      uint16_t bits;
+      std::memcpy(&bits, block, 2);
+      const __m256 d = _mm256_set1_ps(c10::detail::fp16_ieee_to_fp32_value(bits));
+      if (type == kKvQ8_0) {
+        for (int g = 0; g < 4; ++g) {
+          const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * g));
+          _mm256_storeu_ps(out + j + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+        }
+      } else {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i halves[2] = {_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask)};
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int g = 0; g < 4; ++g) {  // elements 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
+          const __m128i bytes = g % 2 == 0 ? halves[g / 2] : _mm_srli_si128(halves[g / 2], 8);
+          const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), eight);
+          _mm256_storeu_ps(out + j + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        }
+      }
+    }
   }
 }
 #endif
 
-void widen_rows(const void* base, const int64_t* at, int64_t rows, int64_t n, float* dst) {
-  const uint16_t* half = static_cast<const uint16_t*>(base);
+}  // namespace
+
+void kv_widen_rows(int type, const void* base, const int64_t* at, int64_t rows, int64_t n, float* dst) {
 #if defined(__x86_64__)
-  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (f16c) return widen_rows_f16c(half, at, rows, n, dst);
+  if (use_isa().load() >= kAvx2) return widen_rows_avx2(type, base, at, rows, n, dst);  // the ISA switch
 #endif
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < n; ++j) dst[i * n + j] = c10::detail::fp16_ieee_to_fp32_value(half[at[i] + j]);
+    float* out = dst + i * n;
+    if (type == kKvFloat16) {
+      const uint16_t* row = static_cast<const uint16_t*>(base) + at[i];
+      for (int64_t j = 0; j < n; ++j) out[j] = c10::detail::fp16_ieee_to_fp32_value(row[j]);
+      continue;
+    }
+    const uint8_t* block = static_cast<const uint8_t*>(base) + at[i];
+    for (int64_t j = 0; j < n; j += kKvBlock, block += kv_row_bytes(type, kKvBlock)) {
+      uint16_t bits;
+      std::memcpy(&bits, block, 2);
+      const float d = c10::detail::fp16_ieee_to_fp32_value(bits);
+      for (int64_t e = 0; e < kKvBlock; ++e) {
+        const int q = type == kKvQ8_0 ? static_cast<int8_t>(block[2 + e])
+                                      : (e < kKvBlock / 2 ? block[2 + e] & 0x0F : block[2 + e - kKvBlock / 2] >> 4) - 8;
+        out[j + e] = static_cast<float>(q) * d;
+      }
+    }
   }
 }
+
+namespace {
 
 // Queries of one sequence per task (see attend): 16 x SmolLM2's 3 query heads a KV head = 48 rows.
 constexpr int64_t kQuerySlice = 16;
@@ -226,48 +273,60 @@ __attribute__((always_inline)) inline void span_offsets(const Problem& p, const 
   }
 }
 
-// Step 1, per span: find its keys and values in the cache; a float16 cache's are widened once,
-// for every query row of the task, and the next span's offsets found for prefetching. Returns
-// how many rows of the next span there are to prefetch (0 for a float32 cache).
+// The bytes of one element of a pool of `type` (a block pool's offsets count bytes).
+__attribute__((always_inline)) inline int64_t element_bytes(int type) {
+  return type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1;
+}
+
+// Step 1, per span: find its keys and values in the cache; a cache of another type than float32
+// (float16, q8_0, q4_0) has them widened once, for every query row of the task, and the next
+// span's offsets found for prefetching. Returns how many rows of the next span there are to
+// prefetch (0 for a float32 cache).
 __attribute__((always_inline)) inline int64_t load_span(const Problem& p, const Task& task, const int64_t* table,
                                                         int64_t key0, int64_t keys, Scratch& scratch, Span& span) {
   span_offsets(p, table, task.h, key0, keys, span.k_at, span.v_at);
-  int64_t ahead = 0;
-  if (p.half_kv) {
-    widen_rows(p.k, span.k_at, keys, p.dim, scratch.wide_k.data());
-    widen_rows(p.v, span.v_at, keys, p.dim_v, scratch.wide_v.data());
-    for (int64_t t = 0; t < keys; ++t) {
-      span.key_rows[t] = scratch.wide_k.data() + t * p.dim;
-      span.value_rows[t] = scratch.wide_v.data() + t * p.dim_v;
-    }
-    ahead = std::min(kSpan, std::max<int64_t>(0, task.visible - key0 - kSpan));
-    span_offsets(p, table, task.h, key0 + kSpan, ahead, span.next_k_at, span.next_v_at);
-  } else {
-    for (int64_t t = 0; t < keys; ++t) {
-      span.key_rows[t] = static_cast<const float*>(p.k) + span.k_at[t];
-      span.value_rows[t] = static_cast<const float*>(p.v) + span.v_at[t];
-    }
+  const bool wide_k = p.k_type != kKvFloat32, wide_v = p.v_type != kKvFloat32;
+  if (wide_k) kv_widen_rows(p.k_type, p.k, span.k_at, keys, p.dim, scratch.wide_k.data());
+  if (wide_v) kv_widen_rows(p.v_type, p.v, span.v_at, keys, p.dim_v, scratch.wide_v.data());
+  for (int64_t t = 0; t < keys; ++t) {
+    span.key_rows[t] = wide_k ? scratch.wide_k.data() + t * p.dim : static_cast<const float*>(p.k) + span.k_at[t];
+    span.value_rows[t] =
+        wide_v ? scratch.wide_v.data() + t * p.dim_v : static_cast<const float*>(p.v) + span.v_at[t];
   }
+  if (!wide_k && !wide_v) return 0;
+  const int64_t ahead = std::min(kSpan, std::max<int64_t>(0, task.visible - key0 - kSpan));
+  span_offsets(p, table, task.h, key0 + kSpan, ahead, span.next_k_at, span.next_v_at);
   return ahead;
 }
 
-// While keys t0 .. t0 + 7 are scored: a float16 span's rows are widened already, so fetch the
-// next span's; a float32 cache streams from memory, so fetch these keys' values and the keys 16 ahead.
+// Fetch the rows of a widened type for the next span (a line of 64 bytes at a time).
+__attribute__((always_inline)) inline void prefetch_rows(const void* pool, int type, const int64_t* at, int64_t t0,
+                                                         int64_t t1, int64_t dim) {
+  const char* base = static_cast<const char*>(pool);
+  const int64_t bytes = kv_row_bytes(type, dim), size = element_bytes(type);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(base + at[t] * size + c, 0, 2);
+  }
+}
+
+// While keys t0 .. t0 + 7 are scored: a widened span's rows are in working memory already, so
+// fetch the next span's; a float32 cache streams from memory, so fetch these keys' values and
+// the keys 16 ahead.
 __attribute__((always_inline)) inline void prefetch_for_scores(const Problem& p, const Span& span, int64_t keys,
                                                                int64_t ahead, int64_t t0) {
-  if (p.half_kv) {
-    const uint16_t* half_k = static_cast<const uint16_t*>(p.k);
-    const uint16_t* half_v = static_cast<const uint16_t*>(p.v);
-    for (int64_t t = t0; t < std::min(t0 + 8, ahead); ++t) {
-      for (int64_t c = 0; c < p.dim; c += 32) __builtin_prefetch(half_k + span.next_k_at[t] + c, 0, 2);
-      for (int64_t c = 0; c < p.dim_v; c += 32) __builtin_prefetch(half_v + span.next_v_at[t] + c, 0, 2);
-    }
+  const int64_t t1 = std::min(t0 + 8, keys);
+  if (p.k_type != kKvFloat32) {
+    prefetch_rows(p.k, p.k_type, span.next_k_at, t0, std::min(t0 + 8, ahead), p.dim);
   } else {
-    for (int64_t t = t0; t < std::min(t0 + 8, keys); ++t) {
+    for (int64_t t = t0; t + 16 < keys && t < t1; ++t) {
+      for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(span.key_rows[t + 16] + c, 0, 3);
+    }
+  }
+  if (p.v_type != kKvFloat32) {
+    prefetch_rows(p.v, p.v_type, span.next_v_at, t0, std::min(t0 + 8, ahead), p.dim_v);
+  } else {
+    for (int64_t t = t0; t < t1; ++t) {
       for (int64_t c = 0; c < p.dim_v; c += 16) __builtin_prefetch(span.value_rows[t] + c, 0, 2);
-      if (t + 16 < keys) {
-        for (int64_t c = 0; c < p.dim; c += 16) __builtin_prefetch(span.key_rows[t + 16] + c, 0, 3);
-      }
     }
   }
 }
@@ -446,10 +505,8 @@ void attend_task(const Problem& p, const Task task, const int64_t* table, Scratc
   scratch.l.assign(rows, 0.f);
   scratch.acc.assign(rows * p.dim_v, 0.f);
   scratch.s.resize(rows * kSpan);
-  if (p.half_kv) {
-    scratch.wide_k.resize(kSpan * p.dim);
-    scratch.wide_v.resize(kSpan * p.dim_v);
-  }
+  if (p.k_type != kKvFloat32) scratch.wide_k.resize(kSpan * p.dim);
+  if (p.v_type != kKvFloat32) scratch.wide_v.resize(kSpan * p.dim_v);
   const bool plain_rules = p.key_padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
                            p.slopes == nullptr;
   Span span;
@@ -486,6 +543,11 @@ std::vector<Task> attention_tasks(int64_t sequences, const int64_t* starts, cons
 
 namespace {
 
+// The values' Dv: a float pool's last dim, a block pool's D (its rows hold D values' blocks).
+int64_t value_dim(const at::Tensor& v_pool, int64_t dim) {
+  return v_pool.scalar_type() == at::kByte ? dim : v_pool.size(-1);
+}
+
 // Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
 // with a contiguous last dim, and each of the S sequences' block table (max_blocks entries), key
 // count and first query row. Writes out (T, Hq, Dv) and lse (T, Hq): tensors whose memory is laid
@@ -496,18 +558,22 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
                                           bool causal, const std::optional<at::Tensor>& alibi_slopes,
                                           const std::optional<at::Tensor>& key_padding, int64_t window_left,
                                           int64_t window_right, at::Tensor& out, at::Tensor& lse) {
-  const bool half_kv = k_pool.scalar_type() == at::kHalf;
-  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.scalar_type() == v_pool.scalar_type() &&
-                  (half_kv || k_pool.scalar_type() == at::kFloat),
-              "k, v: expected float32 (or both float16) tensors of 4 dims, got ", k_pool.sizes(), " ",
-              k_pool.scalar_type(), " and ", v_pool.sizes(), " ", v_pool.scalar_type());
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "k, v: expected tensors of 4 dims, got ", k_pool.sizes(),
+              " and ", v_pool.sizes());
+  const int64_t dim = q.size(2), dim_v = value_dim(v_pool, dim);
+  const int k_type = kv_type_of(k_pool.scalar_type(), k_pool.size(3), dim);
+  const int v_type = kv_type_of(v_pool.scalar_type(), v_pool.size(3), dim_v);
+  TORCH_CHECK(k_type >= 0 && v_type >= 0, "k, v: expected float32, float16 or uint8 q8_0 / q4_0 rows for D = ", dim,
+              " (", kv_row_bytes(kKvQ8_0, dim), " or ", kv_row_bytes(kKvQ4_0, dim), " bytes, D a multiple of 32), got ",
+              k_pool.sizes(), " ", k_pool.scalar_type(), " and ", v_pool.sizes(), " ", v_pool.scalar_type());
   const at::Tensor k = k_pool.stride(3) == 1 ? k_pool : k_pool.contiguous();
   const at::Tensor v = v_pool.stride(3) == 1 ? v_pool : v_pool.contiguous();
   const int64_t tokens = q.size(0);
   Problem p{};
-  p.q_heads = q.size(1), p.dim = q.size(2);
+  p.q_heads = q.size(1), p.dim = dim;
   p.kv_heads = k.size(0), p.block_size = k.size(2);
-  p.dim_v = v.size(3);
+  p.dim_v = dim_v;
+  p.k_type = k_type, p.v_type = v_type;
   p.k_head_stride = k.stride(0), p.k_block_stride = k.stride(1), p.k_pos_stride = k.stride(2);
   p.v_head_stride = v.stride(0), p.v_block_stride = v.stride(1), p.v_pos_stride = v.stride(2);
   at::Tensor slopes, padding;
@@ -523,7 +589,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     p.key_padding = padding.data_ptr<bool>();
     p.padding_len = padding.size(1);
   }
-  p.q = q.data_ptr<float>(), p.q_row_stride = p.q_heads * p.dim, p.k = k.data_ptr(), p.v = v.data_ptr(), p.half_kv = half_kv;
+  p.q = q.data_ptr<float>(), p.q_row_stride = p.q_heads * p.dim, p.k = k.data_ptr(), p.v = v.data_ptr();
   p.out = out.data_ptr<float>(), p.lse = lse.data_ptr<float>();
   p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap), p.causal = causal;
   p.window_left = window_left, p.window_right = window_right;
@@ -564,7 +630,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, c
                   static_cast<int64_t>(starts.size()) == sequences + 1,
               "seq_lens (S,) and q_starts (S + 1,) must match block_tables (S, max_blocks)");
   const at::Tensor q = q_in.contiguous();
-  at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
+  at::Tensor out = at::empty({q.size(0), q.size(1), value_dim(v_pool, q.size(2))}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options());
   attend(q, k_pool, v_pool, sequences, tables.data(), block_tables.size(1), lengths.data(), starts.data(), scale,
          softcap, causal, alibi_slopes, key_padding, window_left, window_right, out, lse);
@@ -593,7 +659,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
     starts[b] = b * q_len;
   }
   const at::Tensor packed = q.transpose(1, 2).reshape({batch * q_len, q.size(1), q.size(3)}).contiguous();
-  const int64_t heads = q.size(1), dim_v = v.size(3);
+  const int64_t heads = q.size(1), dim_v = value_dim(v, q.size(3));
   at::Tensor out = at::empty_strided({batch, heads, q_len, dim_v}, {q_len * heads * dim_v, dim_v, heads * dim_v, 1},
                                      q.options());
   at::Tensor lse = at::empty_strided({batch, heads, q_len}, {q_len * heads, 1, heads}, q.options());
