@@ -110,6 +110,15 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
                 "transformers' sliding-window convention: windows of --context tokens, --stride apart; each "
                 "token scored once, with the window's earlier tokens as its context.",
             ),
+            "kld": Command(
+                "flashformer.cli.kld",
+                "KL divergence of a model from a base model's log-probabilities, as llama-perplexity measures it",
+                "--save-base FILE --data TEXT writes MODEL's log-probabilities in llama-perplexity's "
+                "--kl-divergence-base format; --base FILE (ours or llama-perplexity's) runs MODEL on the file's "
+                "tokens and prints PPL(Q)/PPL(base), the KLD's mean and percentiles, Δp and the same-top rate. "
+                "llama-perplexity's chunks: --ctx tokens each (default 512), BOS first where the model adds one, "
+                "the second half of each chunk scored.",
+            ),
         },
     ),
     "cost": Command(
