@@ -9,9 +9,16 @@ import argparse
 import json
 from pathlib import Path
 
-from flashformer.cli.arguments import add_model_arguments, load_model
+from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments, load_model
 from flashformer.eval.base_logits import read_base_logits
-from flashformer.eval.kld import DEFAULT_CTX, KLDResult, chunk_logits, kl_divergence, save_base
+from flashformer.eval.kld import (
+    DEFAULT_CTX,
+    KLDResult,
+    cached_chunk_logits,
+    chunk_logits,
+    kl_divergence,
+    save_base,
+)
 from flashformer.files import write_json
 from flashformer.train.corpus import read_text, resolve_corpus
 
@@ -37,11 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --save-base: text files, folders or glob patterns (quote globs), read as one text",
     )
     parser.add_argument(
+        "--tokens-of",
+        type=Path,
+        metavar="FILE",
+        help="with --save-base: the chunks of this base file (its tokens) instead of --data, so that two "
+        "bases (a float KV cache's and llama.cpp's, say) hold the very same tokens",
+    )
+    parser.add_argument(
         "--ctx",
         type=int,
         help=f"tokens per chunk, as llama-perplexity's -c (default {DEFAULT_CTX}; --base: the file's)",
     )
     parser.add_argument("--chunks", type=int, help="at most this many chunks (default: all)")
+    add_cache_type_arguments(parser)
     parser.add_argument("--out", type=Path, help="also write the result as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -56,8 +71,10 @@ def main_from_args(args, logits=chunk_logits) -> dict:
     """logits: how a chunk's logits are computed (flashformer.eval.kld.ChunkLogits)."""
     from tqdm import tqdm
 
-    if args.save_base is not None and not args.data:
-        raise ValueError("--save-base needs the text to run over: give --data FILES")
+    if args.save_base is not None and bool(args.data) == (args.tokens_of is not None):
+        raise ValueError("--save-base needs the text to run over: give --data FILES or --tokens-of BASE")
+    if args.tokens_of is not None and args.save_base is None:
+        raise ValueError("--tokens-of goes with --save-base")
     if args.base is not None and args.data:
         raise ValueError("--data goes with --save-base; with --base the tokens are the base file's")
     base = read_base_logits(args.base) if args.base is not None else None
@@ -66,12 +83,15 @@ def main_from_args(args, logits=chunk_logits) -> dict:
             f"--ctx {args.ctx} differs from {args.base}'s chunks of {base.ctx} tokens (leave it out)"
         )
     model, tokenizer = load_model(args)
+    if args.cache_type_k is not None or args.cache_type_v is not None:  # each chunk through such a cache
+        logits = cached_chunk_logits(args.cache_type_k, args.cache_type_v)
     with tqdm(desc="scoring", unit="tok", disable=args.no_progress) as bar:
         if base is None:
-            text = read_data(args.data)
+            text = read_data(args.data) if args.data else read_base_logits(args.tokens_of).tokens
             ctx = DEFAULT_CTX if args.ctx is None else args.ctx
             saved = save_base(model, tokenizer, text, args.save_base, ctx, args.chunks, logits, bar.update)
-            payload = dict(model=str(args.model), data=list(args.data), **saved.to_dict())
+            data = list(args.data) if args.data else [f"the tokens of {args.tokens_of}"]
+            payload = dict(model=str(args.model), data=data, **saved.to_dict())
             print(
                 f"{args.save_base}: {saved.chunks} chunks of {saved.ctx} tokens, {saved.tokens} scored, "
                 f"vocabulary {saved.vocab}; PPL(base) {saved.perplexity:.4f}"
@@ -114,9 +134,7 @@ def report(result: KLDResult) -> list[str]:
         "====== Token probability statistics ======",
         f"Mean    Δp: {100 * p_diff['mean']:6.3f} ± {100 * p_diff['error']:5.3f} %",
     ]
-    lines += [
-        f"{label(k)} Δp: {100 * v:6.3f}%" for k, v in p_diff["percentiles"].items()
-    ]
+    lines += [f"{label(k)} Δp: {100 * v:6.3f}%" for k, v in p_diff["percentiles"].items()]
     lines += [
         f"RMS Δp    : {100 * p_diff['rms']:6.3f} ± {100 * p_diff['rms_error']:5.3f} %",
         f"Same top p: {100 * s['same_top']['mean']:6.3f} ± {100 * s['same_top']['error']:5.3f} %",

@@ -40,6 +40,8 @@ from flashformer.eval.base_logits import (
     scored_rows,
     write_base_logits,
 )
+from flashformer.generate.sampling import settings_from
+from flashformer.generate.session import make_session
 
 DEFAULT_CTX = 512  # llama-perplexity's -c default
 SKIP_BELOW = (
@@ -57,6 +59,27 @@ def chunk_logits(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
     """(keep, vocab) float32 logits of the last `keep` positions of one chunk run from scratch."""
     device = next(model.parameters()).device
     return model(ids.to(device)[None], logits_to_keep=keep).logits[0].float()  # (keep, V)
+
+
+def cached_chunk_logits(cache_type_k: str | None, cache_type_v: str | None) -> ChunkLogits:
+    """A ChunkLogits that runs the chunk through a KV cache of these element types (f32, f16, q8_0,
+    q4_0; kernels/kv_blocks.py), as llama-perplexity with -ctk / -ctv does: the chunk's first part as
+    a prompt, then its last `keep` tokens in one forward over the cache (the native decoder's, where
+    the model has one), so that every scored position attends to keys and values as the cache
+    stores them, its own included."""
+
+    @torch.no_grad()
+    def run(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        device = next(model.parameters()).device
+        ids = ids.to(device)[None]  # (1, ctx)
+        settings = settings_from(
+            model, max_new_tokens=keep, cache_type_k=cache_type_k, cache_type_v=cache_type_v
+        )
+        session = make_session(model, ids[:, :-keep], None, settings)
+        session.prefill()
+        return session.extend(ids[:, -keep:])[0].float()  # (keep, V)
+
+    return run
 
 
 def bos_to_add(tokenizer) -> int | None:
@@ -133,7 +156,7 @@ class BaseResult:
 def save_base(
     model,
     tokenizer,
-    text: str,
+    text: str | np.ndarray,
     path: str | Path,
     ctx: int = DEFAULT_CTX,
     chunks: int | None = None,
@@ -142,12 +165,18 @@ def save_base(
 ) -> BaseResult:
     """Run `model` over `text` in llama-perplexity's chunks and write its log-probabilities to `path`.
 
-    progress: a callable given each chunk's scored token count (a progress bar's update).
+    text: a text, or the chunks' tokens (n, ctx) themselves (another base file's: two bases of the
+    very same tokens; at most `chunks` of them). progress: a callable given each chunk's scored
+    token count (a progress bar's update).
     """
-    _check_model(model, ctx)
     if chunks is not None and chunks < 1:
         raise ValueError(f"chunks must be >= 1 (or None: all); got {chunks}")
-    tokens = text_chunks(tokenizer.encode(text), ctx, chunks)  # (n, ctx)
+    if isinstance(text, np.ndarray):
+        ctx, tokens = text.shape[1], text[:chunks]  # (n, ctx)
+        _check_model(model, ctx)
+    else:
+        _check_model(model, ctx)
+        tokens = text_chunks(tokenizer.encode(text), ctx, chunks)  # (n, ctx)
     vocab, bos = model.config.vocab_size, bos_to_add(tokenizer)
     nll = 0.0
 

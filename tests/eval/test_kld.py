@@ -15,7 +15,14 @@ import torch
 
 import flashformer
 from flashformer.eval.base_logits import read_base_logits, row_width, scored_rows, write_base_logits
-from flashformer.eval.kld import bos_to_add, chunk_logits, kl_divergence, save_base, text_chunks
+from flashformer.eval.kld import (
+    bos_to_add,
+    cached_chunk_logits,
+    chunk_logits,
+    kl_divergence,
+    save_base,
+    text_chunks,
+)
 
 NO_BOS = SimpleNamespace(bos_token_id=None)
 
@@ -233,3 +240,19 @@ def test_text_chunks_follow_llama_perplexity():
     assert text_chunks(ids, 32, 2).tolist() == [list(range(32)), list(range(32, 64))]
     with pytest.raises(ValueError, match="the text has 100 tokens; a context of 64 needs at least 128"):
         text_chunks(ids, 64, None)
+
+
+def test_a_chunk_through_a_cache_of_blocks_is_what_the_cache_stores():
+    """cached_chunk_logits runs the scored half over a KV cache of the types asked for: in f32 it is
+    the plain forward's logits (up to the order of float sums); in q8_0 / q4_0 it moves them, a little."""
+    torch.manual_seed(0)
+    model = flashformer.build("llama-tiny", d_model=128, n_heads=4, n_kv_heads=2).eval()  # heads of 32
+    ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    plain = chunk_logits(model, ids, 11)
+    floats = cached_chunk_logits("f32", "f32")(model, ids, 11)
+    assert floats.shape == plain.shape and torch.allclose(floats, plain, atol=1e-5, rtol=1e-5)
+    blocks = cached_chunk_logits("q8_0", "q4_0")(model, ids, 11)
+    kld = torch.nn.functional.kl_div(
+        blocks.log_softmax(-1), plain.log_softmax(-1), log_target=True, reduction="none"
+    )
+    assert not torch.equal(blocks, floats) and 0 < float(kld.sum(-1).mean()) < 0.05
