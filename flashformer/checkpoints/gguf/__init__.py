@@ -5,6 +5,7 @@
     checkpoint.tensors     # {transformers name: float32 tensor}, equal to transformers' GGUF load
     checkpoint.quantized   # {transformers name: QuantizedTensor}, the file's raw blocks, never re-rounded
     checkpoint.metadata    # every metadata key, as Python values (the tokenizer reads its part)
+    checkpoint.mapping     # the file's memory map, whose bytes the blocks are views of
 
 Writing goes the other way through the same tables: writer.write_gguf (and loading.export_gguf,
 `flashformer export`) turns config.json's values and transformers' tensors into a file llama.cpp
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from flashformer.checkpoints.gguf import architectures
 from flashformer.checkpoints.gguf.architectures import TensorSpec, rope_row_permutation
 from flashformer.checkpoints.gguf.gemma import GEMMAS
+from flashformer.checkpoints.gguf.header import FileMapping
 from flashformer.checkpoints.gguf.qwen3 import Qwen3
 from flashformer.checkpoints.gguf.reader import (
     BLOCK_TYPES,
@@ -82,6 +84,7 @@ class GGUFCheckpoint:
     tensors: dict[str, Tensor]
     quantized: dict[str, QuantizedTensor]
     metadata: dict[str, Any]
+    mapping: FileMapping | None = None  # the file's map (None: a checkpoint made another way)
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """config.json + model.safetensors, the folder transformers and flashformer.from_pretrained read."""
@@ -145,7 +148,7 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
         if rows is not None:
             values = values[rows]
         tensors[spec.hf] = values.t().contiguous() if spec.conv1d else values  # Conv1D: (in, out)
-    return GGUFCheckpoint(file.path, name, config, tensors, quantized, file.metadata)
+    return GGUFCheckpoint(file.path, name, config, tensors, quantized, file.metadata, file.mapping)
 
 
 def _check_tensor_table(file: GGUFFile, specs: list[TensorSpec], summary: str) -> None:
