@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
@@ -132,14 +134,12 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
                 f"must be F32, F16 or BF16 (llama.cpp writes norms as floats)"
             )
         if raw.is_quantized:
-            blocks = raw.to_blocks()  # (out, bytes per row) uint8
-            quantized[spec.hf] = QuantizedTensor(
-                raw.ggml_type,
-                raw.shape,
-                blocks if rows is None else blocks[rows],
-                rows,
-                spec.conv1d,
-            )
+            if rows is None:
+                blocks = raw.to_blocks()  # (out, bytes per row) uint8, a view of the map
+            else:  # a copy, its rows reordered: numpy's take copies whole rows (0.5 ms for the
+                # 1B-shape file's 2.4 MB q, where torch's indexing took 20-30 ms)
+                blocks = torch.from_numpy(np.take(raw.data, rows.numpy(), axis=0))
+            quantized[spec.hf] = QuantizedTensor(raw.ggml_type, raw.shape, blocks, rows, spec.conv1d)
             if not dequantize:
                 continue
         values = raw.to_float()
