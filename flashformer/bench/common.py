@@ -110,6 +110,22 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+def memory_status() -> dict[str, int]:
+    """The process's memory now, in bytes: VmRSS (resident), VmHWM (its peak), RssAnon (the
+    heap's and tensors' own pages) and RssFile (pages of mapped files: code, and weights used
+    in place from a GGUF file's map), with the part of each on huge pages (AnonHugePages,
+    FilePmdMapped: smaps_rollup; absent where the kernel lacks it)."""
+    found = {key: _status_kib(key) * 1024 for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("AnonHugePages", "FilePmdMapped"):
+                found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found
+
+
 def peak_memory() -> int:
     """Peak RSS in bytes since the last reset (device memory on CUDA)."""
     if torch.cuda.is_available():

@@ -27,7 +27,10 @@ tokens/s at each batch size (the same prompt in every row) too, every size
 (batch 1 included) timed in the same turns: their ratios are the batch gains.
 The cold start is flashformer's first answer in the fresh process: the seconds from the
 process's start (imports included) to the end of the load, and to its first token (the chat
-prompt's prefill, the decoder's first call), before anything else ran.
+prompt's prefill, the decoder's first call), before anything else ran. The process's memory
+(/proc/self/status: VmRSS, VmHWM, RssAnon, RssFile; smaps_rollup's huge pages) is read before
+the load, after it and after that first token: weights used in place from the file's map are
+RssFile, and resident only once a first step has read them.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import peak_memory, rss_bytes, time_in_turns
+from flashformer.bench.common import memory_status, peak_memory, rss_bytes, time_in_turns
 from flashformer.bench.llama_cpp_binaries import llama_bench_binary, run_llama_bench
 from flashformer.kernels.machine import process_seconds
 
@@ -136,6 +139,7 @@ def timing_worker(point: dict) -> dict:
     path = Path(point["model"])
     quantize = point.get("quantize")
     result = {"load_before": os.getloadavg()[0], "threads": threads, "quantize": quantize}
+    status_before = memory_status()
     rss_before = rss_bytes()
     started = time.perf_counter()
     ours, tokenizer = flashformer.load(path, quantize=quantize, activations=point.get("activations", "int8"))
@@ -152,6 +156,7 @@ def timing_worker(point: dict) -> dict:
         "rss_after_load": rss_bytes(),
         "peak_rss_during_load": peak_memory(),
         "file_bytes": path.stat().st_size if path.is_file() else None,
+        "status": {"before_load": status_before, "after_load": memory_status()},
     }
     new = point["new_tokens"]
     if getattr(tokenizer, "chat_template", None) is not None:
@@ -171,6 +176,7 @@ def timing_worker(point: dict) -> dict:
 
     flashformer_generate(1)  # the first token, cold: nothing ran before it
     result["cold_start_s"]["first_token"] = process_seconds()
+    result["memory"]["status"]["after_first_token"] = memory_status()
     result["native"] = ours.native_decoder() is not None
 
     # flashformer's batch sizes first, before the other contenders share the process
@@ -434,6 +440,10 @@ def table(payload: dict) -> str:
             f"{held / 1e6:.0f} MB more than before it = {held / memory['file_bytes']:.2f}x the file "
             f"({memory['file_bytes'] / 1e6:.0f} MB); peak {memory['peak_rss_during_load'] / 1e6:.0f} MB"
         )
+        for when, status in memory.get("status", {}).items():
+            text += f"\n- {when.replace('_', ' ')}: " + ", ".join(
+                f"{key} {value / 1e6:.0f} MB" for key, value in status.items()
+            )
     if "batch_decode_tokens_per_s" in p:
         rates = p["batch_decode_tokens_per_s"]
         batches = "flashformer" if "native" in p else "flashformer compiled"

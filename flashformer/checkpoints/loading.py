@@ -71,8 +71,9 @@ def from_pretrained(
 
     dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
     quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
-    file's own Q4/Q8 blocks, repacked once from the file's memory map with no float32 copy of
-    them: the model holds about the file's size); see flashformer.model.quantize. activations: what a quantized layer does
+    file's own blocks with no float32 copy of them: K-quants used in place from the file's
+    memory map, Q4/Q5/Q8 blocks repacked once from it; the model holds about the file's size);
+    see flashformer.model.quantize. activations: what a quantized layer does
     with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
     with respect to the quantized weights, slower). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
@@ -200,7 +201,10 @@ def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, w
         else:
             model = _finish(_model_from_gguf(checkpoint), dtype, quantize_mode, activations, checkpoint)
     tokenizer = tokenizer_from_metadata(checkpoint.metadata, source=str(path)) if with_tokenizer else None
-    del checkpoint  # the file's map and the blocks' copies, before the heap is trimmed
+    # the pages read to repack or dequantize leave the RSS; a layer's own (the K-quants' blocks,
+    # in place) come back at its first read. The map itself lives on while a layer uses it.
+    checkpoint.mapping.drop_resident_pages()
+    del checkpoint  # the blocks' copies, before the heap is trimmed
     _return_freed_memory()
     return model, tokenizer
 
@@ -243,8 +247,8 @@ def _quantized_model_from_gguf(checkpoint: GGUFCheckpoint, dtype, activations: s
     (kernels.quantized.GGUF_TYPES) with layers holding the repacked blocks, and only what it
     left behind (types no kernel reads, or a fused projection it did not take) is dequantized
     then, with the same family rule and the same dequantizer as the float load: the same
-    weights, bit for bit. The blocks are read from the file's memory map once, by the repacking;
-    the map is released with the checkpoint.
+    weights, bit for bit. The K-quants' blocks stay in the file's memory map, used in place; the
+    other types are read from it once, by the repacking.
     """
     source = str(checkpoint.path)
     placeholders = {

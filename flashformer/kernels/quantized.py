@@ -54,6 +54,9 @@ BLOCK = 32  # values per quantization block along the input dim (GGUF's QK4_0, Q
 GROUP_ROWS = {"int4": 8, "int8": 4, "int5": 8, "q4_k": 1, "q5_k": 1, "q6_k": 1}
 FORMATS = ("int4", "int8")  # what a float weight is quantized to
 PACKED_FORMATS = tuple(GROUP_ROWS)  # what a layer holds
+# formats whose layout is GGUF's own, row after row: a layer holds the file's bytes, mapped, not a
+# copy. The others interleave rows (8 or 4 to a group) for their kernels: repacked at load.
+IN_PLACE_FORMATS = tuple(KQUANT_FORMATS.values())
 BLOCK_VALUES = {fmt: SUPER_BLOCK if fmt in KQUANT_FORMATS.values() else BLOCK for fmt in PACKED_FORMATS}
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 ACTIVATIONS = ("int8", "float32")
@@ -266,9 +269,10 @@ def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str,
             f"bytes ({n} x {blocks} blocks of {block_bytes}), got {data.numel()} (shape {tuple(data.shape)})"
         )
     if type_name in KQUANT_FORMATS:
-        # a copy: the layer owns its bytes (a view of a memory-mapped file would keep the map, and
-        # every page of it read while the other tensors were repacked, resident beside the copies)
-        return KQUANT_FORMATS[type_name], gguf_blocks.parse_kquant(type_name, data, n, k).clone(), None
+        # the bytes as given, not a copy: a GGUF file's own, used in place from its map (the
+        # loader unmaps the pages it read to repack the other types, which a copy once did:
+        # checkpoints.gguf.header.FileMapping.drop_resident_pages)
+        return KQUANT_FORMATS[type_name], gguf_blocks.parse_kquant(type_name, data, n, k), None
     if type_name in ("Q5_0", "Q5_1"):
         return ("int5", *pack_int5(*gguf_blocks.parse_int5(type_name, data, n, blocks)))
     data = data.reshape(n, blocks, block_bytes)
@@ -430,9 +434,11 @@ class QuantizedLinear(nn.Module):
         stacked, the same bytes. One call instead of several saves a call's fixed cost and a pass
         over x (docs/benchmarks.md, "Packed layouts"); torch.split the output to get the parts.
         Every part but the last needs out_features a multiple of the rows per packed group
-        (8 for int4 and int5, 4 for int8, 1 for the K-quants). Parts of different formats (a
-        Q4_K_M file's Q5_0 q and k beside a Q8_0 v) cannot share a kernel: each run of one format
-        is fused, and a ConcatenatedLinear joins the runs' outputs."""
+        (8 for int4 and int5, 4 for int8). Parts of different formats (a Q4_K_M file's Q5_0 q
+        and k beside a Q8_0 v) cannot share a kernel: each run of one format is fused, and a
+        ConcatenatedLinear joins the runs' outputs. K-quant parts are never stacked: their bytes
+        are a GGUF file's own, used in place from its map, and a stack would copy them (the
+        native decoder runs a ConcatenatedLinear's parts as one projection all the same)."""
         first = linears[0]
         for i, lin in enumerate(linears):
             if (lin.in_features, lin.int8_activations) != (first.in_features, first.int8_activations):
@@ -441,12 +447,14 @@ class QuantizedLinear(nn.Module):
                 )
         runs = [[first]]
         for lin in linears[1:]:
-            if _packing(lin) == _packing(runs[-1][-1]):
+            if _packing(lin) == _packing(runs[-1][-1]) and lin.fmt not in IN_PLACE_FORMATS:
                 runs[-1].append(lin)
             else:
                 runs.append([lin])
         if len(runs) > 1:
             return ConcatenatedLinear([run[0] if len(run) == 1 else cls.cat(run) for run in runs])
+        if first.fmt in IN_PLACE_FORMATS:
+            return first
         for i, lin in enumerate(linears[:-1]):
             if lin.out_features % GROUP_ROWS[lin.fmt]:
                 raise ValueError(

@@ -7,10 +7,12 @@ weight-only int8 / int4 layers (kernels.quantized), for decoding on the CPU.
 Modes:
 - "gguf": a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and K-quant (Q4_K,
   Q5_K, Q6_K) tensors are used as they are (repacked or kept, never re-rounded):
-  the weights multiplied are llama.cpp's, bit for bit. Projections fused here
-  (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K
-  q and k) run as one layer per run of a type, their outputs joined. Tensors the
-  file stores otherwise (F16, F32, other K-quants) stay float32.
+  the weights multiplied are llama.cpp's, bit for bit. The K-quants are the
+  file's own bytes, used in place from its memory map; the others are repacked
+  (docs/models.md, "Memory-mapped weights"). Projections fused here (q/k/v,
+  gate/up) run as one layer per run of a packed type, their outputs joined, and
+  as one layer per K-quant part (stacking would copy them). Tensors the file
+  stores otherwise (F16, F32, other K-quants) stay float32.
 - "int8": symmetric int8 per output row; "int4": 4-bit groups of 32 with a
   scale and a minimum (GGUF's Q4_1), quantized from the float weights with
   llama.cpp's rounding.
@@ -30,7 +32,7 @@ import warnings
 import torch
 from torch import nn
 
-from flashformer.kernels.quantized import GGUF_TYPES, QuantizedEmbedding, QuantizedLinear
+from flashformer.kernels.quantized import GGUF_TYPES, ConcatenatedLinear, QuantizedEmbedding, QuantizedLinear
 from flashformer.model import hf
 
 MODES = ("int8", "int4", "gguf")
@@ -136,7 +138,13 @@ class _from_gguf:
         ]
         merged = parts[0] if len(parts) == 1 else QuantizedLinear.cat(parts)
         if bias is not None:
-            merged.bias = bias.detach().float().contiguous()
+            bias = bias.detach().float()
+            if isinstance(merged, ConcatenatedLinear):  # each part its slice (the native decoder's form)
+                sizes = [part.out_features for part in merged.parts]
+                for part, piece in zip(merged.parts, bias.split(sizes)):
+                    part.bias = piece.contiguous()
+            else:
+                merged.bias = bias.contiguous()
         return merged
 
 

@@ -16,12 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers.gguf import llama_metadata, llama_tensors, tiny_llama, write_gguf
+from helpers.gguf import k_quant_blocks, llama_metadata, llama_tensors, tiny_llama, write_gguf
 
 import flashformer
 from flashformer.checkpoints.gguf import read_gguf, smollm2_path
 from flashformer.checkpoints.loading import _model_from_gguf
-from flashformer.kernels.quantized import GGUF_TYPES, QuantizedLinear
+from flashformer.kernels.quantized import GGUF_TYPES, ConcatenatedLinear, QuantizedLinear
 from flashformer.model.quantize import quantize
 
 
@@ -167,3 +167,151 @@ def test_quantized_load_holds_at_most_1_3x_the_file(tmp_path):
     print(f"file {size / 2**20:.1f} MiB: RSS +{held / size:.2f}x its size, peak +{peak / size:.2f}x")
     assert held <= 1.3 * size, f"RSS grew by {held / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
     assert not figures["mapped"], "the file is still mapped after the load: a view of it was kept"
+
+
+# ---- memory-mapped weights: the K-quants' blocks are the file's bytes, used in place ----
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps `path` (/proc/self/maps: independent of how
+    the loader keeps its map)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def _in_ranges(tensor: torch.Tensor, ranges) -> bool:
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.untyped_storage().nbytes()
+    return any(lo <= start and end <= hi for lo, hi in ranges)
+
+
+def _kquant_types(name: str) -> str:
+    part = name.split(".")[-2]
+    return {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}.get(part, "Q4_K")
+
+
+def test_kquant_blocks_are_used_in_place_and_the_file_stays_unchanged(tmp_path):
+    model = tiny_llama(hidden=256, ff=512, tie=True)
+    path = write_gguf(tmp_path / "k.gguf", "llama", llama_metadata(model), llama_tensors(model, _kquant_types))
+    before = path.read_bytes()
+    ours = flashformer.from_pretrained(path, quantize="gguf")
+    ranges = _mapped_ranges(path)
+    assert ranges, "the file is not mapped: its blocks were copied"
+    attn, ffn = ours.decoder.blocks[0].attn, ours.decoder.blocks[0].ffn
+    # q and k: rows put back in transformers' order for its RoPE, a copy; v: the file's own bytes
+    assert isinstance(attn.qkv, ConcatenatedLinear)
+    q, k, v = attn.qkv.parts
+    assert not _in_ranges(q.qweight, ranges) and not _in_ranges(k.qweight, ranges)
+    assert _in_ranges(v.qweight, ranges)
+    assert _in_ranges(attn.out.qweight, ranges)
+    gated = [module for module in ffn.modules() if isinstance(module, QuantizedLinear)]
+    assert len(gated) == 3 and all(_in_ranges(layer.qweight, ranges) for layer in gated)
+    assert _in_ranges(ours.embeddings.tokens.qweight, ranges)
+    assert ours.lm_head.qweight.data_ptr() == ours.embeddings.tokens.qweight.data_ptr()
+
+    # the same bits as the float path's model (its layers quantized from the same blocks), natively too
+    reference = _float_path(path)
+    _assert_same_model(ours, reference, model.config.vocab_size)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    assert ours.native_decoder() is not None
+    assert torch.equal(
+        ours.generate(ids, max_new_tokens=6, eos_token_id=[]),
+        reference.generate(ids, max_new_tokens=6, eos_token_id=[], native=False),
+    )
+
+    # a write to a mapped weight stays in this process: no fault, the file unchanged
+    v.qweight.view(-1)[:16].fill_(7)
+    assert v.qweight.view(-1)[:16].eq(7).all()
+    del ours, reference, v, q, k, attn, ffn, gated
+    assert path.read_bytes() == before
+
+
+def _random_kquant_file(path: Path, layers: int, d: int, ff: int, vocab: int) -> Path:
+    """A llama GGUF of Q4_K and Q6_K blocks (random codes, small scales) and F32 norms."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {
+        "llama.block_count": layers,
+        "llama.context_length": 256,
+        "llama.embedding_length": d,
+        "llama.feed_forward_length": ff,
+        "llama.attention.head_count": d // 64,
+        "llama.vocab_size": vocab,
+    }.items():
+        writer.add_uint32(key, value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tensor("token_embd.weight", k_quant_blocks("Q6_K", vocab, d), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    for i in range(layers):
+        for name, type_name, rows, cols in (
+            ("attn_q", "Q4_K", d, d),
+            ("attn_k", "Q4_K", d, d),
+            ("attn_v", "Q6_K", d, d),
+            ("attn_output", "Q4_K", d, d),
+            ("ffn_gate", "Q4_K", ff, d),
+            ("ffn_up", "Q4_K", ff, d),
+            ("ffn_down", "Q6_K", d, ff),
+        ):
+            qtype = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(f"blk.{i}.{name}.weight", k_quant_blocks(type_name, rows, cols, seed=i), raw_dtype=qtype)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+MEASURE_MAPPED = r"""
+import gc, json, sys
+import torch
+import flashformer
+from flashformer.kernels.quantized import load_kernels
+
+def status():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+load_kernels()
+model = flashformer.from_pretrained(sys.argv[1], quantize="gguf")  # code loaded at a first load: baseline
+model(torch.tensor([[1, 2]]))
+del model
+gc.collect()
+before = status()
+model = flashformer.from_pretrained(sys.argv[2], quantize="gguf")
+gc.collect()
+loaded = status()
+with torch.no_grad():
+    model(torch.tensor([[1, 2, 3]]))  # every weight read once
+ran = status()
+print(json.dumps({"before": before, "loaded": loaded, "ran": ran}))
+"""
+
+
+def test_kquant_load_maps_the_file_and_holds_about_its_size(tmp_path):
+    """In a fresh process: after the load, the K-quant file's blocks are not yet resident (only
+    q and k, reordered, and the norms are copies); after a forward that read every weight, the
+    RSS grew by at most 1.1x the file (its pages, mapped, and the q/k copies)."""
+    small = _random_kquant_file(tmp_path / "small.gguf", layers=1, d=256, ff=512, vocab=512)
+    large = _random_kquant_file(tmp_path / "large.gguf", layers=12, d=768, ff=2048, vocab=16384)
+    size = large.stat().st_size
+    assert size > 50e6
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE_MAPPED, str(small), str(large)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    loaded = figures["loaded"]["VmRSS"] - figures["before"]["VmRSS"]
+    ran = figures["ran"]["VmRSS"] - figures["before"]["VmRSS"]
+    copied = figures["loaded"]["RssAnon"] - figures["before"]["RssAnon"]
+    print(f"file {size / 2**20:.1f} MiB: RSS +{loaded / size:.2f}x after the load, +{ran / size:.2f}x after a forward")
+    qk = 12 * 2 * 768 * 768 // 256 * 144  # the reordered q and k blocks
+    assert copied <= qk + 0.05 * size, f"the load copied {copied / 2**20:.1f} MiB for {qk / 2**20:.1f} MiB of q/k"
+    assert loaded <= qk + 0.1 * size
+    assert ran <= 1.1 * size, f"RSS grew by {ran / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"

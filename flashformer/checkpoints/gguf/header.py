@@ -12,7 +12,8 @@ header). The layout is the GGUF specification's (versions 2 and 3, little-endian
     padding to `general.alignment` (32 by default), then the tensor data
     string: length u64, UTF-8 bytes; array: element type u32, count u64, elements
 
-The tensor data is not read: each tensor becomes a numpy view of the map. A read past
+The tensor data is not read: each tensor becomes a numpy view of the map, which the model's
+layers may then use in place (docs/models.md, "Memory-mapped weights"). A read past
 the end raises ShortRead (the tensor whose data is cut, or None in the header); a table entry
 that cannot describe a tensor raises BadTensor; any other malformation, HeaderError.
 """
@@ -76,11 +77,43 @@ class TensorEntry:
     data: np.ndarray  # a view of the map: values (F32, F16) or (*shape[:-1], bytes per row) uint8
 
 
+class FileMapping:
+    """The file's memory map, copy-on-write: its pages are the page cache's own until written,
+    and a write (nothing in flashformer writes a weight) lands in a private page of this process,
+    never in the file and never as a fault: a read-only map (ACCESS_READ) would make any in-place
+    write to a weight a segmentation fault, and torch.from_numpy warn on every view.
+
+    The map lives as long as a view of it does (a layer using its bytes in place) and is unmapped
+    with the last one."""
+
+    def __init__(self, data: mmap.mmap):
+        self.data = data
+        self.start = np.frombuffer(data, np.uint8).ctypes.data  # the map's first address
+        self.end = self.start + len(data)
+        # the page cache's 2 MB folios mapped whole (ext4 and XFS on Linux 6.x give them when
+        # the file is read ahead), so a decode step's weights stream through huge pages as the
+        # copies on the allocator's huge pages did; a hint only, where the kernel ignores it
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            data.madvise(mmap.MADV_HUGEPAGE)
+
+    def holds(self, address: int) -> bool:
+        """Whether `address` (a tensor's data_ptr) lies in the map."""
+        return self.start <= address < self.end
+
+    def drop_resident_pages(self) -> None:
+        """Unmap every page this process has touched (MADV_DONTNEED): the pages the loader read
+        to repack stop counting in its RSS, and those a layer uses in place come back from the
+        page cache when it first reads them (minor faults, no I/O while the file stays cached).
+        Only at load, before anything could have written a private page (it would be lost)."""
+        self.data.madvise(mmap.MADV_DONTNEED)
+
+
 @dataclass(frozen=True)
 class Header:
     version: int
     metadata: dict[str, Any]
     tensors: list[TensorEntry]
+    mapping: FileMapping
 
 
 def read_header(path: Path) -> Header:
@@ -88,9 +121,7 @@ def read_header(path: Path) -> Header:
     with open(path, "rb") as f:
         if f.seek(0, 2) == 0:
             raise ShortRead(4)
-        # copy-on-write, so that numpy and torch see writable arrays (a read-only one makes
-        # torch.from_numpy warn); a write would stay in this process. The map outlives the
-        # descriptor and is unmapped when the last view of it is freed.
+        # copy-on-write (FileMapping says why); the map outlives the descriptor
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     return _Parser(data).header()
 
@@ -180,7 +211,7 @@ class _Parser:
         if alignment < 1 or alignment & (alignment - 1):
             raise HeaderError(f"general.alignment={alignment} is not a power of two")
         data_start = -(-self.at // alignment) * alignment
-        return Header(version, metadata, self.tensors(table, data_start))
+        return Header(version, metadata, self.tensors(table, data_start), FileMapping(self.data))
 
     def tensors(self, table, data_start: int) -> list[TensorEntry]:
         """Each table entry as a view of its bytes, in table order (the first one cut is named)."""

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor
 
-from flashformer.checkpoints.gguf.header import BadTensor, HeaderError, ShortRead, read_header
+from flashformer.checkpoints.gguf.header import BadTensor, FileMapping, HeaderError, ShortRead, read_header
 
 # Tensor types read here: plain floats, the legacy block types and the K-quants. The others that
 # gguf knows (IQ*, TQ*, MXFP4, integers) are refused by name rather than half-supported.
@@ -88,7 +88,8 @@ class RawTensor:
 
     def to_blocks(self) -> Tensor:
         """The quantized blocks as a view of the mapped file, not a copy: (*shape[:-1], bytes per
-        row) uint8. The map is copy-on-write: writing to the view would never reach the file."""
+        row) uint8, at the file's alignment (32 bytes by default; the kernels load unaligned).
+        The map is copy-on-write: writing to the view would never reach the file."""
         return torch.from_numpy(self.data)
 
 
@@ -99,6 +100,7 @@ class GGUFFile:
     path: Path
     metadata: dict[str, Any]
     tensors: dict[str, RawTensor]
+    mapping: FileMapping  # the map the tensors' data are views of
 
     def value(self, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
         """A metadata value of the expected kind; a missing key without a default is an error."""
@@ -154,4 +156,4 @@ def read_file(path: str | Path) -> GGUFFile:
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
         tensors[entry.name] = RawTensor(entry.name, entry.ggml_type, entry.shape, entry.data)
-    return GGUFFile(path, header.metadata, tensors)
+    return GGUFFile(path, header.metadata, tensors, header.mapping)
