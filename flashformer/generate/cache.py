@@ -81,10 +81,10 @@ class KVCache:
             self.k[:, :, cache_position:end] = k  # (rounded to a float16 cache)
             self.v[:, :, cache_position:end] = v
             return self.k[:, :, :end], self.v[:, :, :end]
-        self.k[:, :, cache_position:end] = kv_blocks.store(k, self.k_type)
-        self.v[:, :, cache_position:end] = kv_blocks.store(v, self.v_type)
-        keys = kv_blocks.load(self.k[:, :, :end], self.k_type, self.head_dim).to(k.dtype)
-        values = kv_blocks.load(self.v[:, :, :end], self.v_type, self.head_dim).to(v.dtype)
+        self.k[:, :, cache_position:end] = kv_blocks.store(k, self.k_type, keys=True)
+        self.v[:, :, cache_position:end] = kv_blocks.store(v, self.v_type, keys=False)
+        keys = kv_blocks.load(self.k[:, :, :end], self.k_type, self.head_dim, keys=True).to(k.dtype)
+        values = kv_blocks.load(self.v[:, :, :end], self.v_type, self.head_dim, keys=False).to(v.dtype)
         return keys, values
 
     @property

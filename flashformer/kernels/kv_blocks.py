@@ -18,9 +18,21 @@ The rules are ggml's reference quantizers (what llama.cpp's file format holds): 
 nibble and j + 16 in its high one; a value is q * d and (q - 8) * d. The C++ kernels
 (csrc/kv_blocks.h) write and read the same bytes; this module is their Python side: allocating
 pools and the reference the tests compare against (and gguf-py's quantizers against it).
+
+Rotation (llama.cpp's since its PR #21038, after QuaRot): a block's error grows with its largest
+value, and keys and values have outlier channels. Before quantizing, an orthonormal
+Walsh-Hadamard rotation H spreads each outlier over its block: keys are stored as H k (the
+queries rotated alike: H q . H k = q . k), values as H v (the attention output rotated back; H
+is its own inverse). Where D is a multiple of 64: keys in blocks of the largest power of two
+dividing D, values in blocks of 64 (llama.cpp's measured choices); float types are not rotated.
+On SmolLM2 it halves q4_0's KL-divergence (docs/benchmarks.md). `store` and `load` rotate and
+rotate back, so the eager modules see plain keys and values; the native decoder rotates q, k, v
+and its attention output itself (csrc/kv_blocks.h).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -126,11 +138,44 @@ def dequantize(blocks: Tensor, name: str, dim: int) -> Tensor:
     return (q * d).reshape(*blocks.shape[:-1], dim)
 
 
-def store(x: Tensor, name: str) -> Tensor:
-    """x (..., D) as a pool of `name` holds it: a float dtype, or blocks."""
-    return quantize(x, name) if is_block_type(name) else x.to(_FLOAT_DTYPES[name])
+def rotation(name: str, dim: int, keys: bool) -> int:
+    """The rotation's block for keys (or values) of type `name` and head size `dim`; 0: none."""
+    if not is_block_type(name) or dim % 64:
+        return 0
+    if not keys:
+        return 64
+    block = 64
+    while dim % (2 * block) == 0:
+        block *= 2
+    return block
 
 
-def load(stored: Tensor, name: str, dim: int) -> Tensor:
-    """The float32 values a pool's rows of `name` stand for (the reference the kernels widen to)."""
-    return dequantize(stored, name, dim) if is_block_type(name) else stored.float()
+def rotate(x: Tensor, block: int) -> Tensor:
+    """x (..., D) float32 rotated by the orthonormal Walsh-Hadamard matrix in blocks of `block` (0:
+    x itself): the butterflies a + b, a - b in order of span, then 1 / sqrt(block), as the C++."""
+    if block == 0:
+        return x
+    lead, dim = x.shape[:-1], x.shape[-1]
+    y = x.float().reshape(-1, dim // block, block)
+    span = 1
+    while span < block:
+        pairs = y.reshape(*y.shape[:2], block // (2 * span), 2, span)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([low + high, low - high], dim=-2).reshape(*y.shape[:2], block)
+        span *= 2
+    scale = torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32)
+    return (y * scale).reshape(*lead, dim)
+
+
+def store(x: Tensor, name: str, keys: bool) -> Tensor:
+    """x (..., D), keys or values, as a pool of `name` holds them: a float dtype, or (rotated) blocks."""
+    if not is_block_type(name):
+        return x.to(_FLOAT_DTYPES[name])
+    return quantize(rotate(x.float(), rotation(name, x.shape[-1], keys)), name)
+
+
+def load(stored: Tensor, name: str, dim: int, keys: bool) -> Tensor:
+    """The float32 keys or values a pool's rows of `name` stand for, rotated back."""
+    if not is_block_type(name):
+        return stored.float()
+    return rotate(dequantize(stored, name, dim), rotation(name, dim, keys))

@@ -199,21 +199,24 @@ def test_a_model_may_ask_for_its_own_cache_dtype():
 # ---- the cache's element types (kernels/kv_blocks.py) ----
 
 
-def model_with_blocks_of_32():
-    """A tiny LLaMA (GQA) whose heads hold 32 values: one q8_0 / q4_0 block a head."""
+def model_with_heads_of(dim: int):
+    """A tiny LLaMA (GQA) whose heads hold `dim` values: 32, one q8_0 / q4_0 block a head; 64,
+    keys and values rotated before they are quantized (kernels/kv_blocks.py)."""
     torch.manual_seed(0)
-    model = flashformer.build("llama-tiny", d_model=128, n_heads=4, n_kv_heads=2, vocab_size=97)
+    model = flashformer.build("llama-tiny", d_model=4 * dim, n_heads=4, n_kv_heads=2, vocab_size=97)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
 
 
+@pytest.mark.parametrize("dim", [32, 64])
 @pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0"), ("f16", "q4_0")], ids="/".join)
-def test_block_caches_decode_natively_as_the_eager_modules_do(pair):
-    """The native decoder writes and reads the blocks in place; the eager modules quantize in
-    update() and attend over the values: the same greedy tokens. The blocks cost their bytes."""
-    model = model_with_blocks_of_32()
+def test_block_caches_decode_natively_as_the_eager_modules_do(pair, dim):
+    """The native decoder writes and reads the blocks in place (rotating q, k, v and the output
+    itself); the eager modules quantize in update() and attend over the values rotated back: the
+    same greedy tokens. The blocks cost their bytes."""
+    model = model_with_heads_of(dim)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     options = dict(max_new_tokens=16, do_sample=False, cache_type_k=pair[0], cache_type_v=pair[1])
     native = model.generate(ids, **options)

@@ -64,7 +64,36 @@ def test_row_bytes_and_types_are_checked():
         kv_blocks.row_bytes("q4_0", 48)
 
 
+def test_the_rotation_is_the_orthonormal_hadamard_matrix_block_by_block():
+    hadamard = np.array([[1.0]])
+    while hadamard.shape[0] < 64:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])  # Sylvester's construction
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    rotated = kv_blocks.rotate(x, 64)
+    expected = (x.double().reshape(5, 2, 64) @ torch.from_numpy(hadamard / 8)).reshape(5, 128)
+    assert torch.allclose(rotated.double(), expected, atol=1e-6)
+    assert torch.allclose(kv_blocks.rotate(rotated, 64), x, atol=1e-6)  # its own inverse
+    assert [kv_blocks.rotation("q4_0", d, keys) for d, keys in [(64, True), (256, True), (256, False)]] == [
+        64,
+        256,
+        64,
+    ]
+    assert kv_blocks.rotation("q8_0", 96, True) == kv_blocks.rotation("f16", 128, True) == 0
+
+
 # ---- attention over blocks ----
+
+
+def stored_as(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x as a pool of `name` stores it, unrotated (the operator reads whatever values it is given)."""
+    return (
+        kv_blocks.quantize(x, name) if kv_blocks.is_block_type(name) else x.to(kv_blocks.storage(name, 1)[0])
+    )
+
+
+def values_of(stored: torch.Tensor, name: str, dim: int) -> torch.Tensor:
+    return kv_blocks.dequantize(stored, name, dim) if kv_blocks.is_block_type(name) else stored.float()
+
 
 PAIRS = [("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"), ("f16", "q4_0"), ("q4_0", "f32")]
 
@@ -80,8 +109,8 @@ def test_paged_attention_over_blocks_gives_the_bits_of_their_values(pair, isa):
     torch.manual_seed(1)
     heads, kv_heads, blocks, block_size, dim = 6, 2, 9, 16, 64
     k, v = torch.randn(kv_heads, blocks, block_size, dim), torch.randn(kv_heads, blocks, block_size, dim)
-    k_stored, v_stored = kv_blocks.store(k, pair[0]), kv_blocks.store(v, pair[1])
-    k_values, v_values = kv_blocks.load(k_stored, pair[0], dim), kv_blocks.load(v_stored, pair[1], dim)
+    k_stored, v_stored = stored_as(k, pair[0]), stored_as(v, pair[1])
+    k_values, v_values = values_of(k_stored, pair[0], dim), values_of(v_stored, pair[1], dim)
     q = torch.randn(7, heads, dim)  # sequence 0: 4 queries (a prompt chunk), sequence 1: 3
     tables = torch.tensor([[3, 1, 4, 0, 2, 8], [5, 6, 7, 0, 0, 0]], dtype=torch.int32)
     lengths = torch.tensor([77, 40], dtype=torch.int32)
@@ -101,11 +130,11 @@ def test_paged_attention_over_blocks_gives_the_bits_of_their_values(pair, isa):
 def test_the_static_operator_reads_block_caches_in_place():
     torch.manual_seed(2)
     q, k, v = torch.randn(2, 4, 3, 32), torch.randn(2, 2, 50, 32), torch.randn(2, 2, 50, 32)
-    k_stored, v_stored = kv_blocks.store(k, "q8_0"), kv_blocks.store(v, "q4_0")
+    k_stored, v_stored = stored_as(k, "q8_0"), stored_as(v, "q4_0")
     args = (0.17, 0.0, True, None, None, -1, -1)
     out, lse = torch.ops.flashformer.attention_cpu(q, k_stored, v_stored, *args)
     expected = torch.ops.flashformer.attention_cpu(
-        q, kv_blocks.load(k_stored, "q8_0", 32), kv_blocks.load(v_stored, "q4_0", 32), *args
+        q, values_of(k_stored, "q8_0", 32), values_of(v_stored, "q4_0", 32), *args
     )
     assert out.shape == (2, 4, 3, 32) and torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
 
@@ -124,10 +153,10 @@ def test_pools_of_no_known_type_are_refused_by_name():
 # ---- the native decoder writes blocks ----
 
 
-def model_with_blocks_of_32(seed: int = 0):
-    """A tiny LLaMA (GQA) whose heads hold 32 values, one block."""
+def model_with_heads_of(dim: int, seed: int = 0):
+    """A tiny LLaMA (GQA, 4 query heads, 2 KV heads) whose heads hold `dim` values."""
     torch.manual_seed(seed)
-    model = flashformer.build("llama-tiny", d_model=128, n_heads=4, n_kv_heads=2, vocab_size=97)
+    model = flashformer.build("llama-tiny", d_model=4 * dim, n_heads=4, n_kv_heads=2, vocab_size=97)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -135,13 +164,13 @@ def model_with_blocks_of_32(seed: int = 0):
 
 
 @needs_cpp
-@pytest.mark.parametrize("pair", [("q8_0", "q4_0"), ("q4_0", "q8_0")], ids=lambda p: "/".join(p))
-def test_the_native_decoder_writes_the_blocks_quantize_gives(pair):
+@pytest.mark.parametrize("dim", [32, 64])  # 64: keys and values rotated before they are quantized
+@pytest.mark.parametrize("pair", [("q8_0", "q4_0"), ("q4_0", "q8_0")], ids="/".join)
+def test_the_native_decoder_writes_the_blocks_store_gives(pair, dim):
     """Layer 0's keys and values do not depend on the cache: the block cache holds exactly the
-    float cache's rows quantized."""
-    model = model_with_blocks_of_32()
+    float cache's rows as kv_blocks.store writes them (rotated where D is a multiple of 64)."""
+    model = model_with_heads_of(dim)
     ids = torch.randint(3, 97, (2, 21), generator=torch.Generator().manual_seed(3))
-
     caches = {}
     for types in [("f32", "f32"), pair]:
         settings = settings_from(model, max_new_tokens=2, cache_type_k=types[0], cache_type_v=types[1])
@@ -151,8 +180,8 @@ def test_the_native_decoder_writes_the_blocks_quantize_gives(pair):
         caches[types] = session.caches
     decoder = native_decoder(model)
     floats, blocks = caches[("f32", "f32")][0], caches[pair][0]
-    assert torch.equal(blocks.k[:, :, :21], kv_blocks.quantize(floats.k[:, :, :21], pair[0]))
-    assert torch.equal(blocks.v[:, :, :21], kv_blocks.quantize(floats.v[:, :, :21], pair[1]))
+    assert torch.equal(blocks.k[:, :, :21], kv_blocks.store(floats.k[:, :, :21], pair[0], keys=True))
+    assert torch.equal(blocks.v[:, :, :21], kv_blocks.store(floats.v[:, :, :21], pair[1], keys=False))
     pools = [c.k.transpose(0, 1)[..., :-2] for c in caches[pair]]  # rows 2 bytes short
     with pytest.raises(RuntimeError, match=r"bind_cache: layer 0: expected key and value pools"):
         decoder.forward(None, NativeCache(pools, pools))

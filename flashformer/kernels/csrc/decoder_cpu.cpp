@@ -311,7 +311,9 @@ class NativeDecoder : public torch::CustomClassHolder {
     });
     // 2. q, k, v
     project(w, kQkv, l.qkv, hx, a.qkv.data(), qkv_width, isa);
-    // 3. the head norms and RoPE on q and k; k and v into the cache
+    // 3. the head norms and RoPE on q and k; a block cache's rotations (kv_blocks.h): q and k
+    // rotated alike, v before it is stored; k and v into the cache
+    const int64_t k_rotation = kv_rotation(cache.k_type, D, true), v_rotation = kv_rotation(cache.v_type, D, false);
     w.each(kRope, T, [&](int64_t t) {
       float* row = a.qkv.data() + t * qkv_width;
       const float* cs = l.rope >= 0 ? rope_row(l.rope, t, T) : nullptr;
@@ -320,7 +322,9 @@ class NativeDecoder : public torch::CustomClassHolder {
         const Norm& norm = h < n_heads_ ? l.q_norm : l.k_norm;
         if (norm.kind != kNoNorm) norm.apply(head, head);
         if (cs) rows::rotate(head, cs, cs + rotary_half_, rotary_half_);
+        kv_rotate(head, D, k_rotation);
       }
+      for (int64_t h = 0; h < n_kv_heads_; ++h) kv_rotate(row + q_width + kv_width + h * D, D, v_rotation);
       const int64_t slot = c.slots[t];
       const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
       for (int64_t h = 0; h < n_kv_heads_; ++h) {
@@ -346,7 +350,10 @@ class NativeDecoder : public torch::CustomClassHolder {
     // 5. the output projection
     ProductX attn_x = product_x(a.attn.data(), T, q_width);
     const unsigned out_forms = l.out.forms(T, isa);
-    w.each(kPrepare, T, [&](int64_t t) { prepare_row(out_forms, attn_x, t); });
+    w.each(kPrepare, T, [&](int64_t t) {
+      for (int64_t h = 0; h < n_heads_ && v_rotation; ++h) kv_rotate(a.attn.data() + (t * n_heads_ + h) * D, D, v_rotation);
+      prepare_row(out_forms, attn_x, t);
+    });
     project(w, kOut, l.out, attn_x, a.o.data(), d, isa);
     // 6. x += attn_out_norm(o); h = ffn_norm(x)
     const unsigned up_forms = l.up.forms(T, isa);

@@ -11,6 +11,14 @@
 // (decoder_cpu.cpp) quantizes a row as it is computed; attention (paged_attention_cpu.cpp)
 // dequantizes a span of 64 keys at a time into its working memory: no float copy of the cache.
 // kernels/kv_blocks.py is the Python side (the same rules in torch ops: the tests compare bytes).
+//
+// Rotation (llama.cpp's since its PR #21038, QuaRot's idea): a block type's error grows with a
+// block's largest value, and keys and values have outlier channels. An orthonormal Walsh-Hadamard
+// rotation H spreads each outlier over its block before quantizing: keys are stored as H k and
+// the queries rotated alike (H q . H k = q . k), values as H v and the attention output rotated
+// back (H is its own inverse). Applied where a head's D is a multiple of 64: to keys in blocks of
+// the largest power of two dividing D, to values in blocks of 64 (llama.cpp's choices, measured
+// there); float types are never rotated.
 
 #pragma once
 
@@ -54,6 +62,35 @@ inline int kv_type_of(at::ScalarType dtype, int64_t last, int64_t dim) {
 inline const char* kv_type_name(int type) {
   static const char* names[] = {"float32", "float16", "q8_0", "q4_0"};
   return type >= 0 && type < 4 ? names[type] : "none";
+}
+
+// The rotation's block for keys (or values) of `type` and head size `dim`, or 0 for none.
+inline int64_t kv_rotation(int type, int64_t dim, bool keys) {
+  if (!kv_quantized(type) || dim % 64 != 0) return 0;
+  if (!keys) return 64;
+  int64_t block = 64;
+  while (dim % (2 * block) == 0) block *= 2;
+  return block;
+}
+
+// x (dim values) rotated in place by the orthonormal Walsh-Hadamard matrix, block by block
+// (block a power of two; 0: unchanged): the butterflies a + b, a - b in order of span, then one
+// multiply by 1 / sqrt(block) (rounded from double; kv_blocks.py does the same operations).
+inline void kv_rotate(float* x, int64_t dim, int64_t block) {
+  if (block == 0) return;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)));
+  for (int64_t start = 0; start < dim; start += block) {
+    float* b = x + start;
+    for (int64_t span = 1; span < block; span *= 2) {
+      for (int64_t i = 0; i < block; i += 2 * span) {
+        for (int64_t j = i; j < i + span; ++j) {
+          const float low = b[j], high = b[j + span];
+          b[j] = low + high, b[j + span] = low - high;
+        }
+      }
+    }
+    for (int64_t j = 0; j < block; ++j) b[j] *= scale;
+  }
 }
 
 // One row of `dim` float32 values into `dst` as `type` (the element offset of a float pool, the
