@@ -180,6 +180,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "peer_runs": peers,
     }
     write_json(out_dir / "kv_cache.json", payload)
+    plot(payload, out_dir / "kv_cache.png")
     return payload
 
 
@@ -213,6 +214,36 @@ def table(payload: dict) -> str:
             ]
         )
     return markdown_table(header, rows)
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Each type's KV bytes and decode speed against the first type's, ours and llama.cpp's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["types"]
+    names = list(rows)
+    series = {
+        "KV bytes": [rows[n]["kv_bytes_ratio"] for n in names],
+        "decode tok/s, flashformer": [rows[n]["speed_ratio"] for n in names],
+    }
+    if all("peer_speed_ratio" in rows[n] for n in names):
+        series["decode tok/s, llama.cpp"] = [rows[n]["peer_speed_ratio"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=name)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))], names)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_ylabel(f"against {names[0]}")
+    config = payload["config"]
+    ax.set_title(f"{Path(payload['model']).name}: {config['new_tokens']} tokens after {config['context']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
