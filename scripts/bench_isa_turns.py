@@ -8,7 +8,7 @@ tokens/s (512 tokens), 2 threads; the best of --repeats fresh processes per cont
 Contenders: flashformer (quantize="gguf", its default path: the native decoder, nothing
 compiled, as `bench generate` runs it; --isa sets FLASHFORMER_CPU_ISA and ATEN_CPU_CAPABILITY
 in its processes),
-llama.cpp's `llama-bench -p 512 -n 128 -r 3` when --llama-bench is given, else
+llama.cpp's `llama-bench -p 512 -n 128 -r 3` (-r: --llama-bench-repetitions) when --llama-bench is given, else
 llama-cpp-python (native only). Prints one line per process with the load average, then each
 contender's best, median and range (and --out writes them, every process's rates and the
 machine as JSON, which flashformer/bench/turns.py tables in docs/benchmarks.md).
@@ -82,8 +82,9 @@ def llama_cpp_python_worker(path: str, threads: int) -> dict:
     }
 
 
-def llama_bench(binary: str, path: str, threads: int) -> dict:
-    cmd = [binary, "-m", path, "-t", str(threads), "-p", str(PROMPT), "-n", str(NEW), "-r", "3", "-o", "json"]
+def llama_bench(binary: str, path: str, threads: int, repetitions: int = 3) -> dict:
+    cmd = [binary, "-m", path, "-t", str(threads), "-p", str(PROMPT), "-n", str(NEW), "-r", str(repetitions),
+           "-o", "json"]  # fmt: skip
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     rates = {("prompt" if row["n_prompt"] else "decode"): row["avg_ts"] for row in rows}
     return rates
@@ -99,6 +100,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--llama-bench-repetitions",
+        type=int,
+        default=3,
+        help="llama-bench's -r (fewer at 8B: its pp512 is slow)",
+    )
     parser.add_argument("--only", default=None, help="flashformer or llama.cpp")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -112,7 +119,7 @@ def main() -> None:
         for name in names if repeat % 2 == 0 else names[::-1]:
             load = os.getloadavg()[0]
             if name == "llama.cpp" and args.llama_bench:
-                rates = llama_bench(args.llama_bench, args.file, args.threads)
+                rates = llama_bench(args.llama_bench, args.file, args.threads, args.llama_bench_repetitions)
             else:
                 env = dict(os.environ)
                 if name == "flashformer" and args.isa:
@@ -149,6 +156,7 @@ def main() -> None:
             "isa": args.isa,
             "llama_bench": args.llama_bench,
             "threads": args.threads,
+            "llama_bench_repetitions": args.llama_bench_repetitions,
         }
         write_json(args.out, {"machine": machine_info(), "config": config, "runs": runs, "summary": summary})
 

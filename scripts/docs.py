@@ -113,6 +113,11 @@ MEASURED = {
         "--no-transformers --new-tokens 128 --llama-cpp-dir build-native",
         "generate_model",
     ),
+    "generate-llama8b-shape-gguf": (
+        "flashformer bench generate --write-shape llama-3.1-8b llama-8b-shape.q4_k_m.gguf --threads 2 "
+        "--new-tokens 128 --llama-cpp-dir build-native --cold-starts 3 --llama-bench-repetitions 2",
+        "generate_model",
+    ),
     "generate-smollm2-gguf-llama-bench": (
         'OMP_WAIT_POLICY=passive flashformer bench generate --model "$SMOLLM2" --quantize gguf --threads 2 '
         "--new-tokens 128 --no-transformers --llama-cpp-dir build-native",
@@ -195,6 +200,11 @@ MEASURED = {
         )
         for isa, flag, build in (("native", "", "native"), ("avx2", " --isa avx2", "avx2"))
     },
+    "turns-llama8b-shape-native": (
+        "PYTHONPATH=. python scripts/bench_isa_turns.py llama-8b-shape.q4_k_m.gguf --llama-bench "
+        "build-native/bin/llama-bench --repeats 3 --llama-bench-repetitions 1",
+        "turns",
+    ),
     "quality-smollm2": ('flashformer bench quality "$SMOLLM2" --run runs/gpt-mini --files 3', "quality"),
     "quality-gemma3": ('flashformer bench quality "$GEMMA3" --files 3 --threads 2', "quality"),
 }

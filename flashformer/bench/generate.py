@@ -29,7 +29,8 @@ import torch
 
 from flashformer.bench import generate_model
 from flashformer.bench.common import add_run_arguments, bench_main, names, numbers, run_worker, time_in_turns
-from flashformer.bench.llama_1b_shape import write_llama_1b_shape
+from flashformer.bench.llama_cpp_binaries import REPETITIONS
+from flashformer.bench.model_shapes import SHAPES, shape_named, write_shape
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
@@ -206,11 +207,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with random weights: batch 1, --new-tokens (default 256), against transformers on the same weights",
     )
     parser.add_argument(
+        "--write-shape",
+        nargs=2,
+        metavar=("NAME", "PATH"),
+        help="the memory-bound case: write (unless PATH exists) a random-weight model of NAME's shapes ("
+        + ", ".join(SHAPES)
+        + ") as Q4_K_M with flashformer's exporter (bench/model_shapes.py), then benchmark it as --model PATH "
+        "(--quantize gguf unless given; transformers left out: its float32 copy is 4 bytes a weight)",
+    )
+    parser.add_argument(
         "--write-1b-shape",
         type=Path,
         metavar="PATH",
-        help="the memory-bound case: write (unless PATH exists) a random-weight model of Llama-3.2-1B's shapes as "
-        "Q4_K_M with flashformer's exporter (bench/llama_1b_shape.py), then benchmark it as --model PATH",
+        help="--write-shape llama-3.2-1b PATH",
+    )
+    parser.add_argument(
+        "--cold-starts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --model and --llama-cpp-dir: also load to first token in N fresh processes each, `flashformer "
+        "generate` against the first build's llama-simple, in turns, with their peak RSS (bench/cold_start.py)",
+    )
+    parser.add_argument(
+        "--llama-bench-repetitions",
+        type=int,
+        default=REPETITIONS,
+        metavar="R",
+        help="with --llama-cpp-dir: llama-bench's -r (fewer for a model whose pp512 takes minutes)",
     )
     parser.add_argument("--question", default=generate_model.QUESTION, help="with --model: the chat message")
     parser.add_argument("--quantize", choices=MODES, help="with --model: flashformer's model quantized so")
@@ -279,14 +303,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args: argparse.Namespace) -> dict:
     if args.write_1b_shape is not None:
-        if args.model is not None:
-            raise ValueError("give --model or --write-1b-shape, not both")
-        if not args.write_1b_shape.exists():
-            written = write_llama_1b_shape(args.write_1b_shape)
-            print(
-                f"wrote {args.write_1b_shape} ({written['bytes'] / 1e9:.2f} GB) in {written['seconds']:.0f} s"
-            )
-        args.model = str(args.write_1b_shape)
+        if args.write_shape is not None:
+            raise ValueError("give --write-shape or --write-1b-shape, not both")
+        args.write_shape = ["llama-3.2-1b", str(args.write_1b_shape)]
+    if args.write_shape is not None:
+        args.model = write_shape_once(args)
     if args.cache_types is not None:
         if args.model is None:
             raise ValueError("--cache-types needs --model")
@@ -307,7 +328,11 @@ def main_from_args(args: argparse.Namespace) -> dict:
             "llama_cpp_dirs": args.llama_cpp_dir or [],
             "isa": args.isa,
             "compile": args.compile,
+            "cold_starts": args.cold_starts,
+            "llama_bench_repetitions": args.llama_bench_repetitions,
         }
+        if getattr(args, "written", None):  # the export's own time, when this run wrote the file
+            config["written"] = args.written
         print(
             f"generate benchmark: {args.model}, {config['new_tokens']} new tokens after a chat message "
             "(plain text for a base model), greedy"
@@ -330,6 +355,23 @@ def main_from_args(args: argparse.Namespace) -> dict:
         print(f"  {name}: {value:.3g}")
     print(f"\nwrote {args.out / 'generate.json'} and {args.out / 'generate.png'}")
     return payload
+
+
+def write_shape_once(args: argparse.Namespace) -> str:
+    """--write-shape NAME PATH: the file written unless PATH exists (whole or not at all), then
+    benchmarked as --model PATH from its own blocks; returns PATH."""
+    name, path = args.write_shape
+    shape_named(name)  # refused by name before anything is written
+    if args.model is not None:
+        raise ValueError("give --model or --write-shape, not both")
+    if not Path(path).exists():
+        written = write_shape(name, path)
+        print(f"wrote {path} ({written['bytes'] / 1e9:.2f} GB) in {written['seconds']:.0f} s")
+        args.written = {"shape": name, "bytes": written["bytes"], "seconds": written["seconds"]}
+    if args.quantize is None:
+        args.quantize = "gguf"
+    args.transformers = False
+    return path
 
 
 def run_speculative(args: argparse.Namespace) -> dict:

@@ -41,8 +41,9 @@ from pathlib import Path
 
 import torch
 
+from flashformer.bench import cold_start
 from flashformer.bench.common import memory_status, peak_memory, rss_bytes, time_in_turns
-from flashformer.bench.llama_cpp_binaries import llama_bench_binary, run_llama_bench
+from flashformer.bench.llama_cpp_binaries import REPETITIONS, llama_bench_binary, run_llama_bench
 from flashformer.kernels.machine import process_seconds
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -298,17 +299,21 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
     for folder in folders:  # refused before any work when missing
         llama_bench_binary(folder)
     bench_threads = threads or torch.get_num_threads()
-    before = {folder: run_llama_bench(folder, point["model"], bench_threads) for folder in folders}
+    repetitions = config.get("llama_bench_repetitions", REPETITIONS)
+
+    def llama_bench(folder: str) -> dict:
+        return run_llama_bench(folder, point["model"], bench_threads, repetitions=repetitions)
+
+    before = {folder: llama_bench(folder) for folder in folders}
     env = {"ATEN_CPU_CAPABILITY": ISAS[point["isa"]]} if ISAS[point["isa"]] else None
     # memory=False: it only times
     point.update(run_worker("flashformer.bench.generate", point, timeout_s, memory=False, env=env))
     if folders:
         point["llama_bench"] = {
-            build_name(folder): best_run(
-                before[folder], run_llama_bench(folder, point["model"], bench_threads)
-            )
-            for folder in folders
+            build_name(folder): best_run(before[folder], llama_bench(folder)) for folder in folders
         }
+    if folders and config.get("cold_starts"):  # after the worker: the C++ extension is built by then
+        point["cold_starts"] = cold_start.run(point["model"], folders[0], config["cold_starts"])
     payload = {"benchmark": "generate-model", "machine": machine_info(), "config": config, "points": [point]}
     stem = "generate-model" + (f"-{config['quantize']}" if config.get("quantize") else "")
     stem += "" if point["isa"] == "best" else f"-{point['isa']}"
@@ -444,6 +449,23 @@ def table(payload: dict) -> str:
             text += f"\n- {when.replace('_', ' ')}: " + ", ".join(
                 f"{key} {value / 1e6:.0f} MB" for key, value in status.items()
             )
+    starts = p.get("cold_starts", {}).get("summary", {})
+    if len(starts) == 2:
+        runs = len(p["cold_starts"]["runs"]["flashformer"])
+        text += (
+            f"\n\nLoad to first token, {runs} fresh processes each in turns (cold_start.py), seconds "
+            + "; ".join(
+                f"{name}: best {s['best']:.2f}, median {s['median']:.2f} ({s['best']:.2f}-{s['worst']:.2f}), "
+                f"peak RSS {s['max_rss_of_best'] / 1e6:.0f} MB"
+                for name, s in starts.items()
+            )
+        )
+    found = targets(p)
+    if found:
+        text += "\n\nTargets: " + "; ".join(
+            f"{name} {value:.2f} ({'<=' if below else '>='} {limit}: {'reached' if (value <= limit) == below else 'not reached'})"
+            for name, (value, limit, below) in found.items()
+        )
     if "batch_decode_tokens_per_s" in p:
         rates = p["batch_decode_tokens_per_s"]
         batches = "flashformer" if "native" in p else "flashformer compiled"
@@ -452,6 +474,38 @@ def table(payload: dict) -> str:
         )
         text += f"; the same tokens at every batch size: {p['same_tokens_every_batch']}"
     return text
+
+
+def targets(p: dict) -> dict[str, tuple[float, float, bool]]:
+    """The memory-bound targets (issue "memory at the sizes people run"), where this run measured
+    them, in the runs that timed cold starts (--cold-starts: the ones asked for these figures):
+    name -> (value, limit, True where the value must be at most the limit)."""
+    found = {}
+    if "cold_starts" not in p:
+        return found
+    starts = p["cold_starts"]["summary"]
+    if len(starts) == 2:
+        found["load to first token, ours / llama.cpp's (best)"] = (
+            starts["flashformer"]["best"] / starts["llama.cpp"]["best"], 1.5, True)  # fmt: skip
+    memory = p.get("memory") or {}
+    if memory.get("file_bytes") and "after_first_token" in memory.get("status", {}):
+        after = memory["status"]["after_first_token"]["VmRSS"] - memory["rss_before_load"]
+        found["RSS the model holds after its first token / the file"] = (
+            after / memory["file_bytes"],
+            1.1,
+            True,
+        )
+    for name, bench in p.get("llama_bench", {}).items():
+        if "error" not in bench and "flashformer" in p.get("decode_tokens_per_s", {}):
+            found[f"decode / tg128 of {name}"] = (
+                p["decode_tokens_per_s"]["flashformer"] / bench["tg128"]["tokens_per_s"], 1.1, False)  # fmt: skip
+    if "flashformer" in p.get("achieved_gb_s", {}):
+        found["decode GB/s / the bandwidth measured"] = (
+            p["achieved_gb_s"]["flashformer"] / p["bandwidth_gb_s"],
+            0.75,
+            False,
+        )
+    return found
 
 
 def _ratio(rate: float, peer: float | None) -> str:

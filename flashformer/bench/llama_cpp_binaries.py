@@ -61,9 +61,9 @@ def llama_bench_binary(folder: str | os.PathLike) -> Path:
     return executable(inside if inside.is_file() else folder / "llama-bench", "--llama-cpp-dir")
 
 
-def llama_bench_command(binary: Path, model: str, threads: int) -> list[str]:
+def llama_bench_command(binary: Path, model: str, threads: int, repetitions: int = REPETITIONS) -> list[str]:
     return [str(binary), "-m", str(model), "-t", str(threads), "-p", str(PROMPT_TOKENS),
-            "-n", str(GENERATED_TOKENS), "-r", str(REPETITIONS), "-o", "json"]  # fmt: skip
+            "-n", str(GENERATED_TOKENS), "-r", str(repetitions), "-o", "json"]  # fmt: skip
 
 
 def parse_llama_bench(text: str) -> dict:
@@ -101,10 +101,17 @@ def parse_llama_bench(text: str) -> dict:
     }
 
 
-def run_llama_bench(folder: str | os.PathLike, model: str, threads: int, timeout_s: float = 900) -> dict:
-    """llama-bench of DIR on MODEL: its pp512 and tg128 (parse_llama_bench), or {"error": ...}."""
+def run_llama_bench(
+    folder: str | os.PathLike,
+    model: str,
+    threads: int,
+    timeout_s: float = 900,
+    repetitions: int = REPETITIONS,
+) -> dict:
+    """llama-bench of DIR on MODEL: its pp512 and tg128 (parse_llama_bench), or {"error": ...};
+    `repetitions` of each (-r: fewer for a model whose pp512 takes minutes)."""
     binary = llama_bench_binary(folder)
-    command = llama_bench_command(binary, model, threads)
+    command = llama_bench_command(binary, model, threads, repetitions)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

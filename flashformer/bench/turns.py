@@ -20,6 +20,8 @@ def table(payload: dict) -> str:
     path = next((r["isa"] for r in payload["runs"].get("flashformer", []) if r.get("isa")), config.get("isa"))
     binary = config.get("llama_bench")
     peer = f"llama-bench of {Path(binary).parent.parent.name}" if binary else "llama-cpp-python"
+    if binary and config.get("llama_bench_repetitions", 3) != 3:  # its -r, where fewer than its usual 3
+        peer += f" (-r {config['llama_bench_repetitions']})"
     head = (
         f"{Path(config['file']).name}, {config['threads']} threads, our kernels' path {path or 'best'}, "
         f"llama.cpp: {peer}; {len(payload['runs'].get('flashformer', []))} fresh processes each, in turns\n\n"
