@@ -23,7 +23,9 @@ from flashformer.kernels.quantized import QuantizedEmbedding, QuantizedLinear
 
 def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     lines = Path("/proc/self/maps").read_text().splitlines()
-    return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in lines if line.endswith(str(path))]
+    return [
+        tuple(int(x, 16) for x in line.split()[0].split("-")) for line in lines if line.endswith(str(path))
+    ]
 
 
 def main() -> None:
@@ -48,7 +50,11 @@ def main() -> None:
     first = time_in_turns({"mapped": generate(mapped, 1), "copied": generate(copied, 1)}, rounds=5)
     assert torch.equal(generate(mapped, 8)(), generate(copied, 8)())
     rates = {name: (new - 1) / (full[name] - first[name]) for name in full}
-    print(json.dumps({"decode_tokens_per_s": rates, "full_s": full, "first_s": first, "memory": memory_status()}))
+    print(
+        json.dumps(
+            {"decode_tokens_per_s": rates, "full_s": full, "first_s": first, "memory": memory_status()}
+        )
+    )
 
 
 if __name__ == "__main__":

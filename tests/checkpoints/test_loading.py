@@ -195,7 +195,9 @@ def _kquant_types(name: str) -> str:
 
 def test_kquant_blocks_are_used_in_place_and_the_file_stays_unchanged(tmp_path):
     model = tiny_llama(hidden=256, ff=512, tie=True)
-    path = write_gguf(tmp_path / "k.gguf", "llama", llama_metadata(model), llama_tensors(model, _kquant_types))
+    path = write_gguf(
+        tmp_path / "k.gguf", "llama", llama_metadata(model), llama_tensors(model, _kquant_types)
+    )
     before = path.read_bytes()
     ours = flashformer.from_pretrained(path, quantize="gguf")
     ranges = _mapped_ranges(path)
@@ -242,7 +244,9 @@ def _random_kquant_file(path: Path, layers: int, d: int, ff: int, vocab: int) ->
     }.items():
         writer.add_uint32(key, value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_tensor("token_embd.weight", k_quant_blocks("Q6_K", vocab, d), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.add_tensor(
+        "token_embd.weight", k_quant_blocks("Q6_K", vocab, d), raw_dtype=gguf.GGMLQuantizationType.Q6_K
+    )
     writer.add_tensor("output_norm.weight", np.ones(d, np.float32))
     for i in range(layers):
         for name, type_name, rows, cols in (
@@ -255,7 +259,9 @@ def _random_kquant_file(path: Path, layers: int, d: int, ff: int, vocab: int) ->
             ("ffn_down", "Q6_K", d, ff),
         ):
             qtype = gguf.GGMLQuantizationType[type_name]
-            writer.add_tensor(f"blk.{i}.{name}.weight", k_quant_blocks(type_name, rows, cols, seed=i), raw_dtype=qtype)
+            writer.add_tensor(
+                f"blk.{i}.{name}.weight", k_quant_blocks(type_name, rows, cols, seed=i), raw_dtype=qtype
+            )
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32))
     writer.write_header_to_file()
@@ -310,8 +316,12 @@ def test_kquant_load_maps_the_file_and_holds_about_its_size(tmp_path):
     loaded = figures["loaded"]["VmRSS"] - figures["before"]["VmRSS"]
     ran = figures["ran"]["VmRSS"] - figures["before"]["VmRSS"]
     copied = figures["loaded"]["RssAnon"] - figures["before"]["RssAnon"]
-    print(f"file {size / 2**20:.1f} MiB: RSS +{loaded / size:.2f}x after the load, +{ran / size:.2f}x after a forward")
+    print(
+        f"file {size / 2**20:.1f} MiB: RSS +{loaded / size:.2f}x after the load, +{ran / size:.2f}x after a forward"
+    )
     qk = 12 * 2 * 768 * 768 // 256 * 144  # the reordered q and k blocks
-    assert copied <= qk + 0.05 * size, f"the load copied {copied / 2**20:.1f} MiB for {qk / 2**20:.1f} MiB of q/k"
+    assert copied <= qk + 0.05 * size, (
+        f"the load copied {copied / 2**20:.1f} MiB for {qk / 2**20:.1f} MiB of q/k"
+    )
     assert loaded <= qk + 0.1 * size
     assert ran <= 1.1 * size, f"RSS grew by {ran / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
