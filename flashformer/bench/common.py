@@ -169,3 +169,11 @@ def _sync() -> None:
 
 
 # ---- results ----
+
+
+def grouped_bars(ax, names: list[str], series: dict[str, list[float]]) -> None:
+    """One group of bars per name, one bar per series in each (a figure's axes, matplotlib)."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))], names)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import run_worker
+from flashformer.bench.common import grouped_bars, run_worker
 from flashformer.kernels import kv_blocks
 
 TEXT = (
@@ -232,10 +232,7 @@ def plot(payload: dict, path: Path) -> None:
     if all("peer_speed_ratio" in rows[n] for n in names):
         series["decode tok/s, llama.cpp"] = [rows[n]["peer_speed_ratio"] for n in names]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / len(series)
-    for i, (name, values) in enumerate(series.items()):
-        ax.bar([x + i * width for x in range(len(names))], values, width, label=name)
-    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))], names)
+    grouped_bars(ax, names, series)
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_ylabel(f"against {names[0]}")
     config = payload["config"]

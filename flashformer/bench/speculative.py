@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import run_worker
+from flashformer.bench.common import grouped_bars, run_worker
 
 CODE = """def parse_range(text):
     start, _, end = text.partition("-")
@@ -421,10 +421,7 @@ def plot(payload: dict, path: Path) -> None:
     if all("peer_tokens_per_s" in summary[n] for n in names):
         series[theirs] = [summary[n]["peer_tokens_per_s"]["best"] for n in names]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series.items()):
-        ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
-    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))], names)
+    grouped_bars(ax, names, series)
     ax.set_ylabel("decode tokens/s (best process)")
     ax.set_title(
         f"{Path(payload['point']['model']).name}: {ours}, up to {payload['point']['prompt_lookup']} drafts"

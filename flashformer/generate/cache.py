@@ -65,7 +65,7 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
-        return kv_blocks.is_block_type(self.k_type) or kv_blocks.is_block_type(self.v_type)
+        return kv_blocks.holds_blocks(self.k_type, self.v_type)
 
     def update(self, k: Tensor, v: Tensor, cache_position: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, Hk, L, D) at positions cache_position .. cache_position + L - 1;

@@ -56,6 +56,11 @@ def is_block_type(name: str) -> bool:
     return name in _BLOCK_BYTES
 
 
+def holds_blocks(k_type: str, v_type: str) -> bool:
+    """Whether a cache of these key and value types holds q8_0 / q4_0 blocks (the native decoder's only)."""
+    return is_block_type(k_type) or is_block_type(v_type)
+
+
 def type_of_dtype(dtype: torch.dtype) -> str:
     """The float type a cache of `dtype` stores."""
     for name, float_dtype in _FLOAT_DTYPES.items():

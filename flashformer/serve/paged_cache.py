@@ -230,7 +230,7 @@ class PagedKVCache:
 
     @property
     def quantized(self) -> bool:
-        return kv_blocks.is_block_type(self.k_type) or kv_blocks.is_block_type(self.v_type)
+        return kv_blocks.holds_blocks(self.k_type, self.v_type)
 
     @property
     def block_bytes(self) -> int:

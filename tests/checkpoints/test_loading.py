@@ -146,6 +146,18 @@ def _random_llama_file(path: Path, layers: int, d: int, ff: int, vocab: int) -> 
     return path
 
 
+def measured_in_a_fresh_process(script: str, small, large) -> dict:
+    """The figures `script` prints (its last line, JSON) run in a fresh Python with the two files."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(small), str(large)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def test_quantized_load_holds_at_most_1_3x_the_file(tmp_path):
     """RSS after the load minus the RSS before it, in a process that has already loaded a small
     file of the same kind (so the baseline holds Python, torch, the kernels and the code a first
@@ -154,14 +166,7 @@ def test_quantized_load_holds_at_most_1_3x_the_file(tmp_path):
     large = _random_llama_file(tmp_path / "large.gguf", layers=12, d=768, ff=2048, vocab=16384)
     size = large.stat().st_size
     assert size > 50e6
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(small), str(large)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = measured_in_a_fresh_process(MEASURE, small, large)
     held = figures["after"]["VmRSS"] - figures["before"]["VmRSS"]
     peak = figures["after"]["VmHWM"] - figures["before"]["VmRSS"]
     print(f"file {size / 2**20:.1f} MiB: RSS +{held / size:.2f}x its size, peak +{peak / size:.2f}x")
@@ -305,14 +310,7 @@ def test_kquant_load_maps_the_file_and_holds_about_its_size(tmp_path):
     large = _random_kquant_file(tmp_path / "large.gguf", layers=12, d=768, ff=2048, vocab=16384)
     size = large.stat().st_size
     assert size > 50e6
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE_MAPPED, str(small), str(large)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = measured_in_a_fresh_process(MEASURE_MAPPED, small, large)
     loaded = figures["loaded"]["VmRSS"] - figures["before"]["VmRSS"]
     ran = figures["ran"]["VmRSS"] - figures["before"]["VmRSS"]
     copied = figures["loaded"]["RssAnon"] - figures["before"]["RssAnon"]

@@ -437,8 +437,7 @@ class NativeDecoder : public torch::CustomClassHolder {
   static void write_cache(const void* pool, int type, const int64_t* strides, int64_t h, int64_t block,
                           int64_t offset, const float* values, int64_t dim) {
     const int64_t at = h * strides[0] + block * strides[1] + offset * strides[2];  // the pool's elements
-    const int64_t bytes = type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1;
-    kv_write_row(type, values, dim, static_cast<char*>(const_cast<void*>(pool)) + at * bytes);
+    kv_write_row(type, values, dim, static_cast<char*>(const_cast<void*>(pool)) + at * kv_element_bytes(type));
   }
 
   // ---- building's helpers ----

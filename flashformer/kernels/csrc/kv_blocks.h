@@ -48,6 +48,9 @@ inline int64_t kv_row_bytes(int type, int64_t dim) {
   }
 }
 
+// The bytes of one element of a pool of `type`: offsets into a block pool count bytes.
+inline int64_t kv_element_bytes(int type) { return type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1; }
+
 // The type a pool of rows of `dim` values holds, from its dtype and last dim (a uint8 pool's row
 // of q8_0 or q4_0 blocks is told apart by its bytes), or -1 if it holds none of them.
 inline int kv_type_of(at::ScalarType dtype, int64_t last, int64_t dim) {

@@ -273,11 +273,6 @@ __attribute__((always_inline)) inline void span_offsets(const Problem& p, const 
   }
 }
 
-// The bytes of one element of a pool of `type` (a block pool's offsets count bytes).
-__attribute__((always_inline)) inline int64_t element_bytes(int type) {
-  return type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1;
-}
-
 // Step 1, per span: find its keys and values in the cache; a cache of another type than float32
 // (float16, q8_0, q4_0) has them widened once, for every query row of the task, and the next
 // span's offsets found for prefetching. Returns how many rows of the next span there are to
@@ -303,7 +298,7 @@ __attribute__((always_inline)) inline int64_t load_span(const Problem& p, const 
 __attribute__((always_inline)) inline void prefetch_rows(const void* pool, int type, const int64_t* at, int64_t t0,
                                                          int64_t t1, int64_t dim) {
   const char* base = static_cast<const char*>(pool);
-  const int64_t bytes = kv_row_bytes(type, dim), size = element_bytes(type);
+  const int64_t bytes = kv_row_bytes(type, dim), size = kv_element_bytes(type);
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(base + at[t] * size + c, 0, 2);
   }
