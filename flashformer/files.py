@@ -75,6 +75,18 @@ def publish_folder(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
+def remove_folder(folder: Path) -> None:
+    """Delete a folder so that it is whole or absent at every moment: renamed
+    out of sight first (one atomic step), then deleted file by file. A kill
+    during the deletion leaves a hidden `.old-*` folder, never a listed one
+    with files missing."""
+    folder = Path(folder)
+    old = folder.parent / f".old-{folder.name}-{os.getpid()}"
+    os.replace(folder, old)
+    fsync_dir(folder.parent)
+    shutil.rmtree(old)
+
+
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())

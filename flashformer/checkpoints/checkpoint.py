@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from flashformer.files import publish_folder
+from flashformer.files import publish_folder, remove_folder
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
@@ -61,8 +61,9 @@ def save_checkpoint(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / checkpoint_name(step)
-    for leftover in run_dir.glob(".tmp-*"):  # from a writer that was killed
-        shutil.rmtree(leftover, ignore_errors=True)
+    for pattern in (".tmp-*", ".old-*"):  # from a writer that was killed
+        for leftover in run_dir.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
     tmp = run_dir / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
@@ -73,7 +74,7 @@ def save_checkpoint(
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
     publish_folder(tmp, final)  # the same step saved again (e.g. after a resume) is replaced whole
     for stale in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(stale)
+        remove_folder(stale)  # hidden first: a kill mid-deletion leaves no listed half-folder
     return final
 
 

@@ -89,4 +89,27 @@ def test_kill_during_a_write_leaves_the_previous_checkpoint_loadable(tmp_path):
         ckpt.verify_checkpoint(folder)
         assert ckpt.load_trainer_state(folder)["step"] == int(folder.name[5:])
     save(tmp_path, 10_000, small_model())  # the next writer clears what the killed one left
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
+def test_an_interrupted_deletion_of_an_old_checkpoint_leaves_no_listed_half(tmp_path, monkeypatch):
+    model = small_model()
+    save(tmp_path, 1, model, keep_last=1)
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        first = sorted(p for p in path.iterdir() if p.is_file())[0]
+        first.unlink()  # one file gone, then the process is stopped
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", interrupted_rmtree)
+    from flashformer import files
+
+    monkeypatch.setattr(files.shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 2, model, keep_last=1)
+    monkeypatch.undo()
+    for folder in ckpt.list_checkpoints(tmp_path):
+        ckpt.verify_checkpoint(folder)
+    assert [f.name for f in ckpt.list_checkpoints(tmp_path)] == ["step-0000002"]
+    save(tmp_path, 3, model, keep_last=1)  # the leftover is cleared by the next writer
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
