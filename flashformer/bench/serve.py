@@ -403,13 +403,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-llama-cpp", action="store_true", help="leave llama-cpp-python's server out (no --llama-server)"
     )
+    parser.add_argument(
+        "--long-context",
+        type=int,
+        metavar="TOKENS",
+        help="instead of the workloads: one prompt of TOKENS tokens per KV type, a fresh server each "
+        "(bench/long_context.py): KV bytes per token, TTFT, decode, RSS; with --llama-server its too",
+    )
+    parser.add_argument(
+        "--cache-types",
+        help="with --long-context: KEYS[/VALUES] types, comma-separated (f16,q8_0,q8_0/q4_0,q4_0)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3600, help="with --long-context: seconds a request may take"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
+    if args.long_context is not None:
+        return _long_context(args)
+    if args.cache_types is not None:
+        raise ValueError("--cache-types is a --long-context option")
     payload = run(args.model, args)
     write_json(args.out / "serve.json", payload)
     plot(payload, args.out / "serve.png")
     print(table(payload))
     print(f"\nwrote {args.out / 'serve.json'} and {args.out / 'serve.png'}")
+    return payload
+
+
+def _long_context(args: argparse.Namespace) -> dict:
+    from flashformer.bench import long_context
+
+    if args.long_context < 1:
+        raise ValueError(f"--long-context must be a positive number of tokens; got {args.long_context}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = long_context.run(args.model, args)
+    write_json(args.out / "long-context.json", payload)
+    long_context.plot(payload, args.out / "long-context.png")
+    print(long_context.table(payload))
+    print(f"\nwrote {args.out / 'long-context.json'} and {args.out / 'long-context.png'}")
     return payload

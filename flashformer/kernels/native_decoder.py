@@ -69,6 +69,10 @@ class NativeBatch:
     slots: Tensor  # (T,) int64
     logit_rows: Tensor  # (R,) int64
     key_padding: Tensor | None = None  # (S, >= max seq_len) bool, False = a padding key
+    # the sliding-window layers' own tables and slots, when their pools hold only each sequence's
+    # window (serve/paged_cache.py's window group); None: every layer reads block_tables and slots
+    window_tables: Tensor | None = None  # (S, max_blocks) int32 or int64
+    window_slots: Tensor | None = None  # (T,) int64
 
 
 class NativeDecoder:
@@ -177,6 +181,8 @@ class NativeDecoder:
                 batch.slots,
                 batch.key_padding,
                 batch.logit_rows,
+                batch.window_tables,
+                batch.window_slots,
             )
 
     def set_profiling(self, on: bool) -> None:

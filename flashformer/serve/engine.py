@@ -48,7 +48,7 @@ from flashformer.generate.sampling import (
     needs_history,
 )
 from flashformer.serve.loop import Busy, ModelLoop
-from flashformer.serve.paged_cache import BlockPool
+from flashformer.serve.paged_cache import BlockPool, window_pool_for
 from flashformer.serve.runner import ModelRunner
 from flashformer.serve.scheduler import Scheduler
 from flashformer.serve.speculation import SpeculativeConfig, Speculator
@@ -146,6 +146,8 @@ class Sequence:
         self.computed = 0  # tokens whose keys and values are in the blocks
         self.block_hashes: list[bytes] = []  # the prefix cache's chain hashes of its full blocks
         self.registered = 0  # its first blocks registered in (or found in) the prefix cache
+        self.window_blocks: list[int] = []  # the window group's table (paged_cache.py), if any
+        self.window_registered = 0
         self.cached_tokens: int | None = None  # tokens reused at its first admission
         self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
         self.history: TokenHistory | None = None  # for the penalties; made at the first sample
@@ -209,6 +211,8 @@ class Engine(ModelLoop):
         self.model, self.tokenizer, self.max_batch = model.eval(), tokenizer, max_batch
         self.context = min(model.config.max_seq_len, context or model.config.max_seq_len)
         self.pool = BlockPool(num_blocks, block_size, reserved=-(-max_batch // block_size))
+        step_tokens = max(prefill_chunk, 1 + (speculative.num_speculative_tokens if speculative else 0))
+        self.window, self.window_pool = window_pool_for(model, self.pool, max_batch, step_tokens)
         self.runner = ModelRunner(
             model,
             self.pool,
@@ -217,6 +221,7 @@ class Engine(ModelLoop):
             native=native,
             cache_type_k=cache_type_k,
             cache_type_v=cache_type_v,
+            window_pool=self.window_pool,
         )
         self.device = self.runner.device
         rows_alone = not self.runner.pad_decode
@@ -228,8 +233,11 @@ class Engine(ModelLoop):
             on_waiting=self._count_waiting,
             prefix_cache=prefix_cache,
             rows_alone=rows_alone,
+            window_pool=self.window_pool,
+            window=self.window,
         )
         self.counts = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.kv_bytes_peak = 0  # the most bytes of KV blocks sequences held at a step's start or end
         # speculation verifies drafts in the packed step (rows computed alone)
         self.speculator = None
         if speculative is not None and not self.runner.pad_decode:
@@ -292,6 +300,7 @@ class Engine(ModelLoop):
             "kv_blocks_in_use": self.pool.in_use,
             "kv_blocks_total": self.pool.capacity,
             "kv_blocks_cached": self.pool.cached,
+            **self.runner.kv_metrics(self.kv_bytes_peak),
             "prefix_cache_hit_rate": self.scheduler.cache_hits / max(1, self.scheduler.cache_queries),
             "tokens_per_second": self._rate(),
             **self.stats,
@@ -345,12 +354,15 @@ class Engine(ModelLoop):
         """One scheduler iteration (see the module docstring)."""
         self._drop_cancelled()
         self.scheduler.admit()
+        self.kv_bytes_peak = max(self.kv_bytes_peak, self.runner.kv_bytes_held())
         self._step()
+        self.kv_bytes_peak = max(self.kv_bytes_peak, self.runner.kv_bytes_held())
         self.counts["steps"] += 1
 
     def _separate_step(self) -> None:
         """Prompt chunks one forward each (a batch of one), then one decode step for all."""
         for sequence, start, end in self.scheduler.prefill_plan(self.scheduler.budget()):
+            self.scheduler.prepare_windows([(sequence, start, end)])
             logits = self.runner.prefill(sequence, start, end)
             self.scheduler.remember([sequence])
             self.counts["prompt_tokens"] += end - start
@@ -362,6 +374,7 @@ class Engine(ModelLoop):
         """One decode step (runner.decode) for every decoding sequence with room for its token."""
         decoding = self._make_room(self.scheduler.decoding())
         if decoding:
+            self.scheduler.prepare_windows([(s, s.computed, s.computed + 1) for s in decoding])
             logits = self.runner.decode(decoding)  # (N, vocab)
             self.scheduler.remember(decoding)
             for sequence, row_logits in zip(decoding, logits):
@@ -381,6 +394,7 @@ class Engine(ModelLoop):
         work += plan  # (sequence, start, end)
         if not work:
             return
+        self.scheduler.prepare_windows(work)
         ready = self.runner.packed(work, every_row=set(drafts))
         for sequence, guesses in drafts.items():  # unverified: neither tokens nor computed yet
             del sequence.tokens[-len(guesses) :]

@@ -3,7 +3,7 @@ live in fixed-size blocks of one pool, preallocated once, found through the
 sequence's block table.
 
     pool = BlockPool(num_blocks=512, block_size=16)
-    caches, batch = make_paged_caches(model, pool)
+    caches, batch, _ = make_paged_caches(model, pool)
     blocks = pool.allocate(3)                         # a sequence grows by whole blocks
     batch.set(block_tables, seq_lens, slots)          # what the next forward reads and writes
     model(input_ids, position_ids=..., kv_caches=caches)
@@ -22,6 +22,13 @@ that begins with the same tokens holds those blocks too (reference counts)
 instead of computing them again, and blocks nobody holds stay findable,
 evicted least recently released first, until an allocation needs them.
 The scheduler decides which blocks may be registered and reused.
+
+Sliding-window layers (Gemma 2/3's local layers beside full ones) get a pool of their own, the
+window group: a sequence holds there only the blocks its next queries can still see, so a 32K
+chat costs those layers a window's worth of keys, not 32K (vLLM's hybrid KV cache manager does
+the same). A sequence's window table has the full table's width; entries left of its window are
+released (NO_BLOCK, read as the scratch block 0, never seen by a query). Their blocks are chain-
+hashed like the full group's, so a cached window serves a later prompt that begins the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from torch import Tensor
 from flashformer.attention.paged import packed_paged_attention, paged_attention, write_kv
 from flashformer.generate.cache import kv_types
 from flashformer.kernels import kv_blocks
+
+NO_BLOCK = -1  # a window table's entry left of the sequence's window: released, never read
 
 
 class BlockPool:
@@ -181,6 +190,50 @@ def extend_hashes(hashes: list[bytes], tokens: list[int], block_size: int, count
     return hashes
 
 
+def layer_windows(model) -> list[int | None]:
+    """Each decoder layer's window: how many keys before the query it sees (None: all). A model
+    with both kinds (and no global tokens, which a window would have to keep) splits its pools in
+    two groups (make_paged_caches); otherwise every layer is in the one group."""
+    config = model.config
+    windows = [model.decoder.block(i).attn.window for i in range(config.n_layers)]
+    lefts = [None if w is None else w[0] for w in windows]
+    if None not in lefts or config.global_tokens:
+        return [None] * config.n_layers
+    return lefts
+
+
+def window_of(model) -> int | None:
+    """The keys before the query the model's sliding-window layers see, when they have a group
+    of their own (layer_windows), else None. One window size per model (Gemma 2 and 3)."""
+    sizes = {w for w in layer_windows(model) if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"a paged cache takes one sliding-window size per model; this one has {sorted(sizes)}"
+        )
+    return sizes.pop() if sizes else None
+
+
+def window_blocks_held(window: int, step_tokens: int, block_size: int) -> int:
+    """The most window-group blocks a sequence holds at once: those of the `window` keys before a
+    step's first query and of the step's tokens (at most step_tokens), at block granularity."""
+    return (window + step_tokens - 1) // block_size + 2
+
+
+def window_pool_for(
+    model, pool: BlockPool, max_batch: int, step_tokens: int
+) -> tuple[int | None, BlockPool | None]:
+    """(the window, the window group's pool) for a model served from `pool`, or (None, None)
+    when it has no window group: room for max_batch sequences' windows (window_blocks_held, a
+    step computing at most step_tokens tokens of a sequence), never more blocks than `pool` (a
+    sequence's window blocks stand for some of its full ones), the same scratch blocks."""
+    window = window_of(model)
+    if window is None:
+        return None, None
+    held = window_blocks_held(window, step_tokens, pool.block_size)
+    blocks = min(pool.num_blocks, pool.reserved + max_batch * held)
+    return window, BlockPool(blocks, pool.block_size, pool.reserved)
+
+
 class PagedBatch:
     """What one forward pass reads and writes, shared by every layer's cache:
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (keys each row
@@ -247,8 +300,9 @@ class PagedKVCache:
         softcap: float | None = None,
     ) -> Tensor:
         """q (B, Hq, L, D), k and v (B, Hk, L, D) the new tokens -> (B, Hq, L, D); window and
-        softcap are the layer's (a sliding-window layer keeps every key in the pool and reads
-        only its window). (The batch's tables and slots were checked once, when set, not per layer.)"""
+        softcap are the layer's (a sliding-window layer reads only its window: of its group's pool
+        when it has one, else of the shared pool). (The batch's tables and slots were checked
+        once, when set, not per layer.)"""
         if self.quantized:
             raise ValueError(
                 f"a {self.k_type} / {self.v_type} KV cache is read by the native decoder only; this model runs "
@@ -283,10 +337,16 @@ class PagedKVCache:
 
 
 def make_paged_caches(
-    model, pool: BlockPool, cache_type_k: str | None = None, cache_type_v: str | None = None
-) -> tuple[list[PagedKVCache], PagedBatch]:
-    """One PagedKVCache per decoder layer of `model`, all sharing one PagedBatch; keys and values
-    of the types asked for (generate.cache.kv_types: the model's own float type by default)."""
+    model,
+    pool: BlockPool,
+    cache_type_k: str | None = None,
+    cache_type_v: str | None = None,
+    window_pool: BlockPool | None = None,
+) -> tuple[list[PagedKVCache], PagedBatch, PagedBatch | None]:
+    """One PagedKVCache per decoder layer of `model`: the full-attention layers' in `pool`, sharing
+    one PagedBatch, and, given window_pool, the sliding-window layers' there, sharing a second
+    (layer_windows); keys and values of the types asked for (generate.cache.kv_types: the model's
+    own float type by default). Returns (caches, batch, window batch or None)."""
     config = model.config
     if config.arch != "decoder":
         raise ValueError(f"a paged cache serves decoder models; got arch {config.arch!r}")
@@ -294,9 +354,23 @@ def make_paged_caches(
         raise ValueError(f"paged attention does not take {config.position} position biases")
     device = next(model.parameters()).device
     k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
+    windows = layer_windows(model) if window_pool is not None else [None] * config.n_layers
+    if window_pool is not None and all(w is None for w in windows):
+        raise ValueError(
+            "window_pool: this model has no sliding-window layers beside full ones to keep there"
+        )
     batch = PagedBatch()
+    window_batch = PagedBatch() if window_pool is not None else None
     caches = [
-        PagedKVCache(pool, batch, config.n_kv_heads, config.head_dim, k_type, v_type, device)
-        for _ in range(config.n_layers)
+        PagedKVCache(
+            pool if window is None else window_pool,
+            batch if window is None else window_batch,
+            config.n_kv_heads,
+            config.head_dim,
+            k_type,
+            v_type,
+            device,
+        )
+        for window in windows
     ]
-    return caches, batch
+    return caches, batch, window_batch

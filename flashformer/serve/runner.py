@@ -30,7 +30,7 @@ from flashformer.attention.paged import kv_slots
 from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.model.native import native_decoder
-from flashformer.serve.paged_cache import BlockPool, make_paged_caches
+from flashformer.serve.paged_cache import NO_BLOCK, BlockPool, make_paged_caches
 
 
 def pads_decode(model) -> bool:
@@ -48,7 +48,8 @@ class ModelRunner:
     max_batch: the rows of a padded decode step; context: the most tokens a sequence holds
     (the width of the block tables); native: run the native decoder where the model has one
     (False: the model's modules, eagerly); cache_type_k / cache_type_v: the pools' element types
-    (kernels/kv_blocks.py; q8_0 and q4_0 need the native decoder)."""
+    (kernels/kv_blocks.py; q8_0 and q4_0 need the native decoder); window_pool: the sliding-window
+    layers' own pool (paged_cache.py's window group; its tables are the sequences' window_blocks)."""
 
     def __init__(
         self,
@@ -60,9 +61,13 @@ class ModelRunner:
         native: bool = True,
         cache_type_k: str | None = None,
         cache_type_v: str | None = None,
+        window_pool: BlockPool | None = None,
     ):
         self.model, self.pool, self.max_batch = model, pool, max_batch
-        self.caches, self.batch = make_paged_caches(model, pool, cache_type_k, cache_type_v)
+        self.window_pool = window_pool
+        self.caches, self.batch, self.window_batch = make_paged_caches(
+            model, pool, cache_type_k, cache_type_v, window_pool
+        )
         self.native = native_decoder(model) if native else None
         if self.native is None and self.caches[0].quantized:
             raise ValueError(
@@ -80,8 +85,37 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        """The bytes of the KV pools, every layer's keys and values."""
-        return sum(c.block_bytes for c in self.caches) * self.pool.num_blocks
+        """The bytes of the KV pools, every layer's keys and values (both groups)."""
+        return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in self.caches)
+
+    def block_bytes(self, window: bool = False) -> int:
+        """The bytes of one block of the full group's pool (or the window group's), every layer
+        of the group, keys and values."""
+        batch = self.window_batch if window else self.batch
+        return sum(c.block_bytes for c in self.caches if c.batch is batch)
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of the KV blocks sequences hold now, both groups."""
+        held = self.pool.in_use * self.block_bytes()
+        if self.window_pool is not None:
+            held += self.window_pool.in_use * self.block_bytes(window=True)
+        return held
+
+    def kv_metrics(self, peak: int) -> dict:
+        """/metrics' KV figures (peak: the most bytes held at once, which the engine tracks)."""
+        found = {
+            "kv_bytes_in_use": self.kv_bytes_held(),
+            "kv_bytes_in_use_peak": peak,
+            "kv_bytes_total": self.kv_bytes,
+            "kv_block_bytes": self.block_bytes(),
+        }
+        if self.window_pool is not None:
+            found.update(
+                kv_window_blocks_in_use=self.window_pool.in_use,
+                kv_window_blocks_total=self.window_pool.capacity,
+                kv_window_block_bytes=self.block_bytes(window=True),
+            )
+        return found
 
     # ---- the separate steps (float matmuls, eagerly) ----
 
@@ -115,11 +149,19 @@ class ModelRunner:
             block, slots[r] = self.pool.scratch_slot(r)
             tables[r, 0] = block
         device = self.device
-        self.batch.set(
-            tables.to(device),
-            torch.tensor(lengths, dtype=torch.int32, device=device),
-            torch.tensor(slots, device=device)[:, None],
-        )
+        lengths = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.batch.set(tables.to(device), lengths, torch.tensor(slots, device=device)[:, None])
+        if self.window_batch is not None:  # the same rows in the window group's pool
+            tables = self._window_tables(sequences, rows)
+            window_slots = [0] * rows
+            for r, sequence in enumerate(sequences):
+                at = sequence.computed
+                window_slots[r] = sequence.window_blocks[at // size] * size + at % size
+            for r in range(len(sequences), rows):
+                tables[r, 0], window_slots[r] = self.window_pool.scratch_slot(r)
+            self.window_batch.set(
+                tables.to(device), lengths, torch.tensor(window_slots, device=device)[:, None]
+            )
         out = self.model(
             torch.tensor(tokens, device=device)[:, None],
             position_ids=torch.tensor(positions, device=device)[:, None],
@@ -146,8 +188,15 @@ class ModelRunner:
             positions += range(start, end)
             owners += [i] * (end - start)
             starts.append(starts[-1] + end - start)
-        tables = self._block_tables([sequence for sequence, _, _ in work], len(work))
+        sequences = [sequence for sequence, _, _ in work]
+        tables = self._block_tables(sequences, len(work))
         slots = kv_slots(tables[owners], torch.tensor(positions)[:, None], self.pool.block_size)  # (T, 1)
+        window_tables = window_slots = None
+        if self.window_batch is not None:
+            window_tables = self._window_tables(sequences, len(work))
+            window_slots = kv_slots(
+                window_tables[owners], torch.tensor(positions)[:, None], self.pool.block_size
+            )
         lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
         ready = []  # sequences whose last token of this step is their newest: they get a new one
         every_row = {id(sequence) for sequence in every_row or ()}
@@ -166,6 +215,8 @@ class ModelRunner:
                 block_tables=tables,
                 slots=slots.view(-1),
                 logit_rows=rows,
+                window_tables=window_tables,
+                window_slots=None if window_slots is None else window_slots.view(-1),
             )
             logits = self.native.forward(batch, self.native_cache)  # (rows, vocab)
             return _by_sequence(ready, logits, every_row)
@@ -176,6 +227,13 @@ class ModelRunner:
             slots.view(1, -1).to(device),  # (1, T)
             q_starts=torch.tensor(starts, device=device),
         )
+        if self.window_batch is not None:
+            self.window_batch.set(
+                window_tables.to(device),
+                lengths.to(device),
+                window_slots.view(1, -1).to(device),
+                q_starts=self.batch.q_starts,
+            )
         out = self.model(
             torch.tensor([tokens], device=device),  # (1, T)
             position_ids=torch.tensor([positions], device=device),
@@ -198,6 +256,19 @@ class ModelRunner:
         where = torch.tensor(positions, dtype=torch.int64)  # (rows, L)
         slots = kv_slots(tables, where, self.pool.block_size)  # (rows, L)
         self.batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device))
+        if self.window_batch is not None:
+            tables = self._window_tables(sequences, rows)
+            slots = kv_slots(tables, where, self.pool.block_size)  # (rows, L)
+            self.window_batch.set(tables.to(self.device), lengths.to(self.device), slots.to(self.device))
+
+    def _window_tables(self, sequences, rows: int) -> torch.Tensor:
+        """(rows, max_blocks) int32 of the sequences' window tables; released entries (NO_BLOCK)
+        read as block 0, a scratch block, which no query's window reaches."""
+        tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32)
+        for r, sequence in enumerate(sequences):
+            row = torch.tensor(sequence.window_blocks, dtype=torch.int32)
+            tables[r, : len(row)] = torch.where(row == NO_BLOCK, 0, row)
+        return tables
 
     def _block_tables(self, sequences, rows: int) -> torch.Tensor:
         """(rows, max_blocks) int32: row r lists sequence r's blocks; rows past them are zeros."""

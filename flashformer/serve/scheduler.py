@@ -31,11 +31,20 @@ its keys and values are what this sequence would compute itself:
   computed after it are the very chunks the sequence computes without the cache.
 A preempted or finished sequence's blocks stay cached for others, a cancelled one's too.
 
+The window group (paged_cache.py; a model whose sliding-window layers have a pool of their own):
+before each forward, a sequence's window blocks that its queries can no longer see are released
+and the blocks of the step's new tokens taken (prepare_windows). A sequence holds at most
+window_blocks_held of them, and at most max_batch sequences run, so the window pool (sized for
+that, engine.py) never runs short: nothing there is preempted. A prefix is reused only where the
+window pool still has the window before its end (the blocks that the next queries see).
+
 A sequence is anything with engine.Sequence's fields: tokens, prompt_len, blocks, computed
 (tokens whose keys and values are in the blocks), arrival (its place in arrival order),
 finish_reason, in_prefill and request.cancelled; for the prefix cache block_hashes (its full
 blocks' chain hashes, grown as needed), registered (its first blocks that are registered or
-were found cached) and cached_tokens (the tokens reused at its first admission; None before).
+were found cached) and cached_tokens (the tokens reused at its first admission; None before);
+for the window group window_blocks (its window table, NO_BLOCK where released) and
+window_registered.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from flashformer.serve.paged_cache import BlockPool, extend_hashes
+from flashformer.serve.paged_cache import NO_BLOCK, BlockPool, extend_hashes
 
 # A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
 # multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
@@ -69,8 +78,15 @@ class Scheduler:
         on_waiting: Callable[[int], None] = lambda change: None,
         prefix_cache: bool = True,
         rows_alone: bool = False,
+        window_pool: BlockPool | None = None,
+        window: int | None = None,
     ):
+        if (window_pool is None) != (window is None):
+            raise ValueError(
+                f"window_pool and window: give both or neither; got {window_pool!r} and {window!r}"
+            )
         self.pool, self.max_batch = pool, max_batch
+        self.window_pool, self.window = window_pool, window
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.on_waiting = on_waiting
         self.prefix_cache, self.rows_alone = prefix_cache, rows_alone
@@ -92,11 +108,16 @@ class Scheduler:
                 self._leave_queue()
                 continue
             reused = self._cached_prefix(sequence)
+            reused, window_start, window_reused = self._cached_window(sequence, reused)
             need = self.pool.blocks_for(len(sequence.tokens) + 1) - len(reused)
             if need > self.pool.free - self.pool.free_among(reused):
                 return
             self._leave_queue()
             self.pool.share(reused)
+            if self.window_pool is not None:
+                self.window_pool.share(window_reused)
+                sequence.window_blocks = [NO_BLOCK] * window_start + window_reused
+                sequence.window_registered = len(reused)
             sequence.blocks = reused + self.pool.allocate(need)
             sequence.computed = len(reused) * self.pool.block_size
             sequence.registered = len(reused)
@@ -122,6 +143,22 @@ class Scheduler:
         tokens = min(len(found) * size, limit) // self.reuse_step * self.reuse_step
         return found[: tokens // size]
 
+    def _cached_window(self, sequence, reused: list[int]) -> tuple[list[int], int, list[int]]:
+        """The window group's side of a prefix hit: (the full group's blocks cut to the longest
+        prefix whose window the window pool still caches, the index of that window's first block,
+        its cached blocks). Without a window group: (reused, 0, [])."""
+        if self.window_pool is None or not reused:
+            return reused, 0, []
+        size = self.pool.block_size
+        tokens = len(reused) * size
+        while tokens > 0:
+            first, end = max(0, tokens - self.window) // size, tokens // size
+            found = self.window_pool.lookup(sequence.block_hashes[first:end])
+            if len(found) == end - first:
+                return reused[:end], first, found
+            tokens -= self.reuse_step
+        return [], 0, []
+
     def _full_chunks(self, sequence) -> int:
         """The prompt tokens in full prefill chunks (their keys and values are computed with the
         same shapes by every sequence that shares them)."""
@@ -146,6 +183,45 @@ class Scheduler:
             for i in range(sequence.registered, count):
                 self.pool.register(sequence.blocks[i], hashes[i])
             sequence.registered = count
+            if self.window_pool is not None:
+                table = sequence.window_blocks
+                for i in range(sequence.window_registered, min(count, len(table))):
+                    if table[i] != NO_BLOCK:
+                        self.window_pool.register(table[i], hashes[i])
+                sequence.window_registered = count
+
+    def prepare_windows(self, work: list[tuple[object, int, int]]) -> None:
+        """Before a forward over work's (sequence, start, end): each sequence's window blocks left
+        of what its queries from `start` on can see are released, and the blocks of positions
+        start .. end - 1 taken (see the module docstring). `start` never moves back: a rewind
+        after lost drafts returns to the start of the step that fed them."""
+        if self.window_pool is None:
+            return
+        size = self.window_pool.block_size
+        for sequence, start, end in work:
+            table = sequence.window_blocks
+            first = max(0, start - self.window) // size  # the first block a query from start sees
+            gone = [block for block in table[:first] if block != NO_BLOCK]
+            table[: min(first, len(table))] = [NO_BLOCK] * min(first, len(table))
+            self.window_pool.release(gone)
+            table += [NO_BLOCK] * (self.window_pool.blocks_for(end) - len(table))
+            missing = [j for j in range(first, len(table)) if table[j] == NO_BLOCK]
+            taken = self.window_pool.allocate(len(missing))
+            if taken is None:  # the sizing rule of window_blocks_held was broken
+                raise RuntimeError(
+                    f"the window pool has {self.window_pool.free} free blocks; a sequence needs {len(missing)} "
+                    f"more for tokens {start}..{end - 1} (the pool is smaller than max_batch windows)"
+                )
+            for j, block in zip(missing, taken):
+                table[j] = block
+
+    def _release(self, sequence) -> None:
+        """Give back every block the sequence holds, in both groups."""
+        self.pool.release(sequence.blocks)
+        sequence.blocks = []
+        if self.window_pool is not None:
+            self.window_pool.release([block for block in sequence.window_blocks if block != NO_BLOCK])
+            sequence.window_blocks, sequence.window_registered = [], 0
 
     def drop_cancelled_waiting(self) -> None:
         """Waiting sequences whose client went away leave the queue."""
@@ -213,8 +289,8 @@ class Scheduler:
 
     def preempt(self, sequence) -> None:
         """Free the sequence's blocks and put it first in the queue (it replays when readmitted)."""
-        self.pool.release(sequence.blocks)
-        sequence.blocks, sequence.computed, sequence.registered = [], 0, 0
+        self._release(sequence)
+        sequence.computed, sequence.registered = 0, 0
         self.running.remove(sequence)
         self.waiting.appendleft(sequence)
         self.on_waiting(1)
@@ -225,8 +301,7 @@ class Scheduler:
         ones stay findable until then)."""
         if sequence in self.running:
             self.running.remove(sequence)
-            self.pool.release(sequence.blocks)
-            sequence.blocks = []
+            self._release(sequence)
 
     def clear(self) -> list:
         """Every sequence held (running, then waiting), their blocks released and the queue and
@@ -234,8 +309,7 @@ class Scheduler:
         held = self.running + list(self.waiting)
         for sequence in held:
             if sequence.blocks:
-                self.pool.release(sequence.blocks)
-                sequence.blocks = []
+                self._release(sequence)
         self.running, self.waiting = [], deque()
         return held
 

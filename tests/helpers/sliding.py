@@ -14,7 +14,7 @@ WINDOW = 4
 
 def sliding_model(**changes) -> flashformer.DecoderModel:
     torch.manual_seed(0)
-    config = ModelConfig(
+    fields = dict(
         arch="decoder",
         vocab_size=300,
         d_model=64,
@@ -41,6 +41,5 @@ def sliding_model(**changes) -> flashformer.DecoderModel:
         layer_types=("sliding_attention", "sliding_attention", "full_attention"),
         dropout=0.0,
         attention_dropout=0.0,
-        **changes,
     )
-    return flashformer.build(config).eval()
+    return flashformer.build(ModelConfig(**{**fields, **changes})).eval()

@@ -20,6 +20,9 @@ namespace {
 struct Call {
   int64_t T = 0, S = 0, max_blocks = 0;
   std::vector<int64_t> tokens, positions, starts, lengths, tables, slots, logit_rows;
+  // the sliding-window layers' own tables and slots (empty: they use tables and slots above)
+  int64_t window_max_blocks = 0;
+  std::vector<int64_t> window_tables, window_slots;
   const bool* padding = nullptr;
   int64_t padding_len = 0;
   at::Tensor padding_tensor;
@@ -97,6 +100,35 @@ inline Call check_call(const CallLimits& limits, const at::Tensor& tokens, const
   }
   c.tasks = attention_tasks(c.S, c.starts.data(), c.lengths.data(), limits.kv_heads, true);
   return c;
+}
+
+// The sliding-window layers' block tables (S, window_max_blocks) and slots (T,), checked against their
+// pools (`cache`, every windowed layer's shape): they hold only the blocks of each sequence's window
+// (serve/paged_cache.py's window group), entries before it point anywhere in the pool (never read).
+inline void check_window(Call& c, const CacheView& cache, const at::Tensor& window_tables,
+                         const at::Tensor& window_slots) {
+  TORCH_CHECK(window_tables.dim() == 2 && window_tables.size(0) == c.S,
+              "window_tables: expected (S, max_blocks) with S = ", c.S, ", got ", window_tables.sizes());
+  c.window_max_blocks = window_tables.size(1);
+  c.window_tables = index_values(window_tables, "window_tables");
+  c.window_slots = index_values(window_slots, "window_slots");
+  TORCH_CHECK(static_cast<int64_t>(c.window_slots.size()) == c.T, "window_slots: expected (", c.T,
+              ",) like tokens, got ", window_slots.sizes());
+  for (int64_t s = 0; s < c.S; ++s) {
+    const int64_t used = (c.lengths[s] + cache.block_size - 1) / cache.block_size;
+    TORCH_CHECK(used <= c.window_max_blocks, "window_tables: sequence ", s, " holds ", c.lengths[s],
+                " keys, more than ", c.window_max_blocks, " blocks of ", cache.block_size);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t block = c.window_tables[s * c.window_max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < cache.blocks, "window_tables: block ", block, " of sequence ", s,
+                  " is outside the sliding-window layers' cache of ", cache.blocks);
+    }
+  }
+  for (int64_t t = 0; t < c.T; ++t) {
+    TORCH_CHECK(c.window_slots[t] >= 0 && c.window_slots[t] < cache.blocks * cache.block_size, "window_slots: ",
+                c.window_slots[t], " is outside the sliding-window layers' ", cache.blocks * cache.block_size,
+                " slots");
+  }
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 //   seq_lens (S,)                the keys sequence s holds after this call (its new ones the last)
 //   block_tables (S, max_blocks) its blocks of the cache, in order; slots (T,) where each new key goes
 //   key_padding (S, >= seq_len)  optional: False drops a key (a left-padded batch)
+//   window_tables, window_slots  optional: the sliding-window layers' own block tables and slots, when
+//                                their pools hold only each sequence's window (the server's window group)
 //   logit_rows (R,)              the rows whose logits are returned: (R, vocab) float32
 //
 // The cache is one pool per layer (Hk, blocks, block_size, D), float32, float16 or q8_0 / q4_0
@@ -203,12 +205,26 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_starts,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables, const at::Tensor& slots,
-                     const std::optional<at::Tensor>& key_padding, const at::Tensor& logit_rows) {
+                     const std::optional<at::Tensor>& key_padding, const at::Tensor& logit_rows,
+                     const std::optional<at::Tensor>& window_tables, const std::optional<at::Tensor>& window_slots) {
     TORCH_CHECK(ready_, "NativeDecoder: finish() was not called");
     TORCH_CHECK(cache_bound_, "NativeDecoder: no KV cache bound (bind_cache)");
-    const CallLimits limits{vocab_, n_kv_heads_, caches_[0], embedding_};
+    TORCH_CHECK(window_tables.has_value() == window_slots.has_value(),
+                "window_tables and window_slots: give both or neither");
+    // the layers block_tables serve: all of them, or the full-attention ones when windows have their own
+    size_t main = 0, windowed = layers_.size();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (layers_[i].window_left >= 0 && windowed == layers_.size()) windowed = i;
+    }
+    if (window_tables) {
+      while (main < layers_.size() && layers_[main].window_left >= 0) ++main;
+      TORCH_CHECK(windowed < layers_.size() && main < layers_.size(),
+                  "window_tables: given for a model without both sliding-window and full-attention layers");
+    }
+    const CallLimits limits{vocab_, n_kv_heads_, caches_[main], embedding_};
     Call call =
         check_call(limits, tokens, positions, q_starts, seq_lens, block_tables, slots, key_padding, logit_rows);
+    if (window_tables) check_window(call, caches_[windowed], *window_tables, *window_slots);
     at::Tensor logits = at::empty({static_cast<int64_t>(call.logit_rows.size()), vocab_}, at::kFloat);
     call.logits = logits.data_ptr<float>();
     run(call);
@@ -314,6 +330,10 @@ class NativeDecoder : public torch::CustomClassHolder {
     // 3. the head norms and RoPE on q and k; a block cache's rotations (kv_blocks.h): q and k
     // rotated alike, v before it is stored; k and v into the cache
     const int64_t k_rotation = kv_rotation(cache.k_type, D, true), v_rotation = kv_rotation(cache.v_type, D, false);
+    // a sliding-window layer reads its own tables when the call gives them (check_window)
+    const bool own_tables = l.window_left >= 0 && !c.window_tables.empty();
+    const int64_t* tables = own_tables ? c.window_tables.data() : c.tables.data();
+    const int64_t table_width = own_tables ? c.window_max_blocks : c.max_blocks;
     w.each(kRope, T, [&](int64_t t) {
       float* row = a.qkv.data() + t * qkv_width;
       const float* cs = l.rope >= 0 ? rope_row(l.rope, t, T) : nullptr;
@@ -325,7 +345,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         kv_rotate(head, D, k_rotation);
       }
       for (int64_t h = 0; h < n_kv_heads_; ++h) kv_rotate(row + q_width + kv_width + h * D, D, v_rotation);
-      const int64_t slot = c.slots[t];
+      const int64_t slot = own_tables ? c.window_slots[t] : c.slots[t];
       const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
       for (int64_t h = 0; h < n_kv_heads_; ++h) {
         write_cache(cache.k, cache.k_type, cache.k_strides, h, block, offset, row + q_width + h * D, D);
@@ -345,7 +365,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     p.window_left = l.window_left, p.window_right = -1;
     w.each(kAttention, static_cast<int64_t>(c.tasks.size()), [&](int64_t i) {
       const Task& task = c.tasks[i];
-      attend_task(p, task, c.tables.data() + task.b * c.max_blocks, scratch);
+      attend_task(p, task, tables + task.b * table_width, scratch);
     });
     // 5. the output projection
     ProductX attn_x = product_x(a.attn.data(), T, q_width);
