@@ -6,17 +6,20 @@ sizes people run.
     flashformer bench generate --write-shape llama-3.1-8b /tmp/llama-8b-shape.q4_k_m.gguf --llama-cpp-dir DIR
 
 The shapes are those of the published config.json files (meta-llama/Llama-3.2-1B, -3B and
-Llama-3.1-8B on the Hugging Face hub), read from them:
+Llama-3.1-8B, Qwen/Qwen2.5-0.5B on the Hugging Face hub), read from them:
 
 | name         | hidden | layers | heads / KV heads x head_dim | intermediate | vocab   | embedding | RoPE scaling (llama3) | parameters    |
 |--------------|--------|--------|-----------------------------|--------------|---------|-----------|-----------------------|---------------|
 | llama-3.2-1b | 2048   | 16     | 32 / 8 x 64                 | 8192         | 128,256 | tied      | factor 32             | 1,235,814,400 |
 | llama-3.2-3b | 3072   | 28     | 24 / 8 x 128                | 8192         | 128,256 | tied      | factor 32             | 3,212,749,824 |
 | llama-3.1-8b | 4096   | 32     | 32 / 8 x 128                | 14336        | 128,256 | untied    | factor 8              | 8,030,261,248 |
+| qwen2.5-0.5b | 896    | 24     | 14 / 2 x 64                 | 4864         | 151,936 | tied      | none (theta 1e6)      | 494,032,768   |
 
-All three: SiLU gated feed-forward, RMSNorm eps 1e-5, RoPE theta 500,000 with Llama 3's scaling
+The Llamas: SiLU gated feed-forward, RMSNorm eps 1e-5, RoPE theta 500,000 with Llama 3's scaling
 (low_freq_factor 1, high_freq_factor 4, original context 8192; written as rope_freqs.weight, as
-llama.cpp's converter does), 131,072 positions, no biases. The parameter counts are the models'
+llama.cpp's converter does), 131,072 positions, no biases. Qwen2.5-0.5B (Qwen/Qwen2.5-0.5B's
+config.json), a qwen2 file: biases on q, k and v, RMSNorm eps 1e-6, RoPE theta 1,000,000 unscaled,
+32,768 positions (the long-context case of bench serve --long-context). The parameter counts are the models'
 published ones; tests/bench/test_model_shapes.py counts them from the file's tensor table.
 
 The weights are N(0, 0.02) (norms: ones), drawn tensor by tensor from a generator seeded by the
@@ -63,9 +66,27 @@ class Shape:
     rope_factor: float  # Llama 3's RoPE scaling: 32 for 3.2, 8 for 3.1
     vocab: int = 128256
     positions: int = 131072
+    family: str = "llama"  # or "qwen2": biases on q, k, v, RoPE theta 1e6 unscaled
 
     def hf_config(self) -> dict:
-        """config.json's values, as transformers' LlamaConfig names them."""
+        """config.json's values, as transformers' LlamaConfig (or Qwen2Config) names them."""
+        if self.family == "qwen2":
+            return {
+                "model_type": "qwen2",
+                "vocab_size": self.vocab,
+                "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim,
+                "hidden_act": "silu",
+                "max_position_embeddings": self.positions,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0,
+                "tie_word_embeddings": self.tied,
+                "use_sliding_window": False,
+            }
         rope = {
             "rope_type": "llama3",
             "rope_theta": 500000.0,
@@ -99,6 +120,9 @@ SHAPES = {
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 64, 8192, tied=True, rope_factor=32.0),
     "llama-3.2-3b": Shape(3072, 28, 24, 8, 128, 8192, tied=True, rope_factor=32.0),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 128, 14336, tied=False, rope_factor=8.0),
+    "qwen2.5-0.5b": Shape(
+        896, 24, 14, 2, 64, 4864, tied=True, rope_factor=1.0, vocab=151936, positions=32768, family="qwen2"
+    ),
 }
 
 
@@ -110,7 +134,7 @@ def shape_named(name: str) -> Shape:
 
 def weight_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     """transformers' name -> (out, in) shape of every weight the file holds (rope_freqs aside)."""
-    specs = ARCHITECTURES["llama"].tensors(shape.hf_config())  # a tied model has no lm_head.weight
+    specs = ARCHITECTURES[shape.family].tensors(shape.hf_config())  # a tied model has no lm_head.weight
     return {spec.hf: spec.shape for spec in specs if spec.hf is not None}
 
 
@@ -119,9 +143,9 @@ def parameter_count(shape: Shape) -> int:
 
 
 def random_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """N(0, 0.02) weights (norms: ones), the same for a name on every machine."""
+    """N(0, 0.02) weights (norms: ones; biases: zeros), the same for a name on every machine."""
     if len(shape) == 1:
-        return torch.ones(shape)
+        return torch.zeros(shape) if name.endswith(".bias") else torch.ones(shape)
     generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     return torch.randn(shape, generator=generator).mul_(STD)  # in place: the 8B head is 2.1 GB
 

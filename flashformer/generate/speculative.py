@@ -77,6 +77,30 @@ class PromptLookup:
                 self.after[n][tuple(self.context[at - n : at])] = at
             self.context.append(token)
 
+    LONGEST_MATCH = 8  # match() counts matching tokens back to this many
+
+    def match(self, context: list[int]) -> int:
+        """How long a run of tokens ending the context (which continues the one seen so far) also
+        ends at the place the drafts would come from: 0 when its last min_ngram tokens occur
+        nowhere earlier, else the n-gram found, lengthened backwards while the tokens before both
+        agree, up to LONGEST_MATCH. A longer match copies more surely (DraftLength counts each
+        length's kept drafts apart): at the end of a line of copied code it is long, after a
+        common word it is 1."""
+        self.extend(context[len(self.context) :])
+        context = self.context
+        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            start = self.after[n].get(tuple(context[-n:]))
+            if start is not None:
+                length = n
+                while (
+                    length < self.LONGEST_MATCH
+                    and start - length - 1 >= 0
+                    and context[start - length - 1] == context[-length - 1]
+                ):
+                    length += 1
+                return length
+        return 0
+
     def propose(self, k: int) -> list[int]:
         """Up to k drafts after the context as extended so far."""
         context = self.context
@@ -104,6 +128,10 @@ class DraftModel:
         self.session = DecoderSession(model, input_ids, None, draft_settings)
         self.cached: list[int] = []  # the tokens whose keys the draft's cache holds
         self.do_sample, self.temperature, self.generator = s.do_sample, s.temperature, generator
+
+    def match(self, context: list[int]) -> int:
+        """Every context is alike to a draft model (one class of drafts for DraftLength)."""
+        return 1
 
     def draft(self, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
         """k drafts after `context`, and with sampling their distributions q (k, V)."""
@@ -182,7 +210,7 @@ def speculative_tokens(
     speed = DraftLength(limit, row_cost(session, proposer, limit))
     drafts: list[int] = []
     q: Tensor | None = None
-    index = kept = 0
+    index = kept = match = 0
     base = None
     try:
         while True:
@@ -212,9 +240,10 @@ def speculative_tokens(
             if chooser.all_ended or index == s.max_new_tokens:
                 return
             if drafts:
-                speed.observe(len(drafts), kept)
+                speed.observe(len(drafts), kept, match)
             room = s.max_new_tokens - index - 1  # drafts beyond the last token to emit are wasted
-            k = min(speed.next(), room)
+            match = proposer.match(context)
+            k = min(speed.next(match=match), room)
             drafts, q = proposer.draft(context, k) if k > 0 else ([], None)
             counters.forwards += 1
             counters.drafted += len(drafts)
@@ -229,28 +258,49 @@ class DraftLength:
     most expected tokens per unit of cost, from the acceptance counted over recent rounds
     (forgetting 10 % a round, starting from one kept and one lost) and the cost c of a row.
 
+    Acceptance is counted apart for each match length (the proposer's match(): how much of the
+    context's end agrees with where the drafts come from). One rate for all mixes drafts that copy
+    a line being reproduced with drafts after a lone common token: SmolLM2 rewriting code kept
+    most drafts after matches of 3 and few after matches of 1, and the mixed rate held every draft
+    to one token. A length's rate starts from the rate over all of them (worth PRIOR rounds' counts
+    of its own), so a short copying answer need not learn each length apart. With no match (0)
+    nothing is drafted.
+
     In a server's step of B sequences a draft row lengthens everyone's step: with s = c / (1 - c)
     a row's cost over the forward's fixed part (the weights read once), a row costs s / (1 + B s)
     of the step, and k drafts pay when (B + expected extra tokens) / (1 + that k) beats B. At B = 1
     this is the rule above; at B = 16 and c = 0.25 a draft pays only where nearly all are kept."""
 
     PROBE_EVERY = 8  # rounds without drafts between one-draft probes
+    PRIOR = 2.0  # drafts' worth of the overall rate in each match length's own
 
     def __init__(self, limit: int, cost: float):
         self.limit = limit
         self.per_row = cost / (1 - min(cost, 0.99))  # s
-        self.kept, self.tried = 1.0, 2.0
-        self.idle = 0
+        self.kept_all, self.tried_all = 1.0, 2.0  # every round's drafts, recent ones weighed more
+        self.kept: dict[int, float] = {}  # match length -> its rounds' drafts kept, and tried
+        self.tried: dict[int, float] = {}
+        self.idle: dict[int, int] = {}
 
-    def observe(self, drafted: int, kept: int) -> None:
-        """A round checked `drafted` drafts and kept the first `kept`: kept + 1 were tried (one
-        lost), or all of them kept."""
-        self.kept = 0.9 * self.kept + kept
-        self.tried = 0.9 * self.tried + min(drafted, kept + 1)
+    def observe(self, drafted: int, kept: int, match: int = 1) -> None:
+        """A round checked `drafted` drafts, proposed after a match of `match`, and kept the first
+        `kept`: kept + 1 were tried (one lost), or all of them kept."""
+        tried = min(drafted, kept + 1)
+        self.kept_all, self.tried_all = 0.9 * self.kept_all + kept, 0.9 * self.tried_all + tried
+        self.kept[match] = 0.9 * self.kept.get(match, 0.0) + kept
+        self.tried[match] = 0.9 * self.tried.get(match, 0.0) + tried
 
-    def next(self, batch: int = 1) -> int:
-        """k for a forward of `batch` sequences (this one's drafts the only ones counted)."""
-        a = self.kept / self.tried
+    def rate(self, match: int) -> float:
+        """The chance a draft after a match of `match` is kept."""
+        overall = self.kept_all / self.tried_all
+        return (self.kept.get(match, 0.0) + self.PRIOR * overall) / (self.tried.get(match, 0.0) + self.PRIOR)
+
+    def next(self, batch: int = 1, match: int = 1) -> int:
+        """k for a forward of `batch` sequences (this one's drafts the only ones counted), after a
+        match of `match` (0: nothing to draft from)."""
+        if match <= 0:
+            return 0
+        a = self.rate(match)
         cost = self.per_row / (1 + batch * self.per_row)
         best, best_rate, tokens, chance = 0, float(batch), float(batch), 1.0
         for k in range(1, self.limit + 1):
@@ -260,8 +310,8 @@ class DraftLength:
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
-            self.idle += 1
-            if self.idle % self.PROBE_EVERY == 0:
+            self.idle[match] = self.idle.get(match, 0) + 1
+            if self.idle[match] % self.PROBE_EVERY == 0:
                 return 1
         return best
 

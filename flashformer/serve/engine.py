@@ -155,6 +155,7 @@ class Sequence:
         self.matcher = None if constraint is None else constraint.matcher()
         self.finish_reason: str | None = None
         self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)
+        self.draft_match = 0  # how well its last drafts' source matched (DraftLength's classes)
         self.arrival = next(Sequence._order)
         seed = request.params.seed
         if seed is None:

@@ -129,11 +129,12 @@ class Speculator:
                     self.draft, prompt, request.settings, None, request.params.max_tokens + limit
                 )
             sequence.draft_length = DraftLength(limit, self.cost)
-        k = min(room, sequence.draft_length.next(batch))
+        sequence.draft_match = sequence.proposer.match(sequence.tokens)
+        k = min(room, sequence.draft_length.next(batch, sequence.draft_match))
         return sequence.proposer.draft(sequence.tokens, k)[0] if k > 0 else []
 
     def observe(self, sequence, drafted: int, kept: int) -> None:
-        sequence.draft_length.observe(drafted, kept)
+        sequence.draft_length.observe(drafted, kept, sequence.draft_match)
 
 
 def _measured_row_cost(model, limit: int, draft=None) -> float:

@@ -25,6 +25,7 @@ PUBLISHED_PARAMETERS = {
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248,
+    "qwen2.5-0.5b": 494_032_768,  # 0.49B, of which 0.36B not the embedding (its card)
 }
 # sizes of the Q4_K_M files llama-quantize makes of them, as the hub lists them (GB, rounded):
 # the tensors and a 128,256-token tokenizer (a few MB of strings that our small one lacks)
@@ -54,7 +55,7 @@ def test_the_tensor_tables_have_each_models_weights():
         assert f"model.layers.{layers}.input_layernorm.weight" not in shapes
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", list(PUBLISHED_Q4_K_M_GB))
 def test_our_q4_k_m_mix_is_the_size_of_llama_quantizes(name):
     """The types the writer picks (writer.tensor_type) for every tensor, summed as ggml's block
     sizes: within 2% below the published file (which adds its tokenizer)."""
@@ -89,6 +90,19 @@ def test_a_tiny_shape_is_written_whole_and_read_back(tmp_path):
     assert model.config.rope_scaling.factor == 8.0 and model.config.max_seq_len == 1024
     ids = torch.tensor([tokenizer.encode("Once upon a time")])
     assert model.generate(ids, max_new_tokens=2, eos_token_id=[]).shape == (1, ids.shape[1] + 2)
+
+
+def test_a_tiny_qwen2_shape_has_its_biases_and_is_read_back(tmp_path):
+    tiny = Shape(
+        128, 2, 4, 2, 32, 256, tied=True, rope_factor=1.0, vocab=4096, positions=2048, family="qwen2"
+    )
+    path = tmp_path / "tiny-qwen2.gguf"
+    model_shapes.write_shape("tiny-qwen2", path, show_progress=False, shape=tiny)
+    file = read_file(path)
+    assert file.metadata["general.architecture"] == "qwen2" and file.metadata["qwen2.context_length"] == 2048
+    assert "blk.1.attn_k.bias" in file.tensors and "output.weight" not in file.tensors  # tied
+    model, _ = flashformer.load(path, quantize="gguf")
+    assert model.config.attention_bias and model.config.rope_theta == 1e6 and model.config.max_seq_len == 2048
 
 
 def parse(*flags: str) -> argparse.Namespace:

@@ -51,6 +51,31 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     assert speculative.PromptLookup([4, 4, 4], max_ngram=3).propose(5) == [4]  # (4, 4) at 0
 
 
+def test_a_match_is_the_agreeing_run_before_the_drafts_source():
+    lookup = speculative.PromptLookup([], max_ngram=3)
+    line = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    assert lookup.match([5, 6, 20]) == 0  # 20 occurred nowhere before
+    assert lookup.match([5, 6, 20, 7, 8, 20]) == 1  # (8, 20) no; (20,) at 2: preceded by 6, not 8
+    copied = [1] + line + [2] + line[:9]  # the line again, up to its last token
+    lookup = speculative.PromptLookup([], max_ngram=3)
+    assert lookup.match(copied) == 8  # counted back to LONGEST_MATCH, past the 3-gram found
+    assert lookup.propose(2) == [29, 2]
+    assert speculative.DraftModel.match(None, [1, 2]) == 1
+
+
+def test_draft_length_counts_each_match_length_apart():
+    speed = speculative.DraftLength(limit=8, cost=0.25)
+    assert speed.next(match=0) == 0  # nothing to draft from
+    first = speed.next(match=3)
+    assert first >= 1  # one kept and one lost assumed: a draft pays at this cost
+    for _ in range(20):
+        speed.observe(4, 4, match=3)  # after matches of 3 every draft is kept
+        speed.observe(1, 0, match=1)  # after matches of 1 none is
+    assert speed.next(match=3) == 8
+    assert [speed.next(match=1) for _ in range(speed.PROBE_EVERY)][-1] == 1  # only a probe
+    assert speed.next(match=1) == 0
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_greedy_lookup_gives_plain_greedy_tokens(decoder_pair, native):
     _, _, model = decoder_pair
