@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -120,7 +121,8 @@ def ours(model: str, pair, prompt: list[int], args) -> dict:
     """One fresh flashformer server for KV types `pair`, one long request."""
     need = -(-(len(prompt) + args.max_tokens + 1) // BLOCK_SIZE) + 1  # + the scratch block
     port = free_port()
-    command = ["flashformer", "serve", model, "--port", str(port), "--threads", str(args.threads)]
+    command = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", str(port)]
+    command += ["--threads", str(args.threads)]
     command += ["--max-batch", "1", "--kv-blocks", str(need), "--block-size", str(BLOCK_SIZE)]
     command += ["--cache-type-k", pair[0], "--cache-type-v", pair[1], "--api-key", "bench"]
     if args.quantize:
