@@ -1,0 +1,71 @@
+"""Replay a model's greedy answers to bench generate's speculative workloads under draft-length rules,
+with a cost model instead of a clock: how far prompt lookup could go on each answer, and how close a
+rule comes (docs/benchmarks.md, "Speculative decoding").
+
+    python scripts/speculative_replay.py MODEL.gguf [--costs 0.1,0.15,0.25]
+
+Each workload's plain greedy answer (128 tokens) is computed once. A round feeds the last token and
+k drafts and costs 1 + c * k one-row forwards (c: what a row adds, as DraftLength measures it);
+it emits the drafts kept and one more token. "perfect" drafts exactly the lookup's tokens that will
+be kept (no row wasted): no causal rule can beat it with this proposer. The ratio is the tokens
+emitted after the first over the cost (plain decoding: one forward a token), the speedup a rule
+would have if rows cost exactly c and nothing else did.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flashformer
+from flashformer.bench.speculative import WORKLOADS, prompt_text
+from flashformer.generate import speculative
+
+
+def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
+    """rule(lookup, context, room) -> drafts, and afterwards rule.observe(drafted, kept); or None:
+    the perfect draft length."""
+    lookup = speculative.PromptLookup(prompt, 3)
+    speed = speculative.DraftLength(10, cost)
+    at, spent = 0, 0.0  # answer[at] is the newest token; answer[0] came from the prompt's forward
+    while at < len(answer) - 1:
+        context = prompt + answer[: at + 1]
+        room = len(answer) - 2 - at
+        if rule == "perfect":
+            drafts = lookup.draft(context, room)[0]
+        else:
+            match = lookup.match(context) if rule == "per match" else min(1, lookup.match(context))
+            k = min(speed.next(match=match), room)
+            drafts = lookup.draft(context, k)[0] if k > 0 else []
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == answer[at + 1 + kept]:
+            kept += 1
+        if rule == "perfect":
+            drafts = drafts[:kept]
+        elif drafts:
+            speed.observe(len(drafts), kept, match)
+        spent += 1 + cost * len(drafts)
+        at += kept + 1
+    return (len(answer) - 1) / spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--costs", default="0.1,0.15,0.25")
+    args = parser.parse_args()
+    model, tokenizer = flashformer.load(args.model, quantize="gguf")
+    answers = {}
+    for name, (_, message, base) in WORKLOADS.items():
+        prompt = tokenizer.encode(prompt_text(tokenizer, message, base))
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=128, do_sample=False, eos_token_id=[])
+        answers[name] = (prompt, out[0, len(prompt) :].tolist())
+    for cost in (float(c) for c in args.costs.split(",")):
+        for rule in ("perfect", "one rate", "per match"):
+            ratios = {name: replay(p, a, cost, rule) for name, (p, a) in answers.items()}
+            print(f"c={cost:<5} {rule:10s} " + "  ".join(f"{n} {r:.2f}x" for n, r in ratios.items()))
+
+
+if __name__ == "__main__":
+    main()
