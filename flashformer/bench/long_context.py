@@ -71,7 +71,10 @@ def metrics(port: int) -> dict[str, float]:
 
 
 def stream_completion(port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> dict:
-    """One streamed greedy completion: seconds to the first token, then the decode rate."""
+    """One streamed greedy completion of max_tokens tokens (eos ignored): seconds to the first
+    event, then the decode rate over the events after it. Events, not text, are counted: a random
+    model's tokens may have no text in one server's vocabulary (llama.cpp writes pad tokens as
+    nothing); the tokens are the usage's completion_tokens."""
     models = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer bench"}
     )
@@ -83,6 +86,7 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int, timeout_s: 
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
     request = urllib.request.Request(
@@ -91,7 +95,7 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int, timeout_s: 
         headers={"Content-Type": "application/json", "Authorization": "Bearer bench"},
     )
     sent = time.perf_counter()
-    arrivals, text = [], ""
+    arrivals, text, tokens = [], "", None
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         for raw in reply:
             line = raw.decode().strip()
@@ -100,19 +104,21 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int, timeout_s: 
             event = json.loads(line[5:])
             if "error" in event:
                 raise RuntimeError(f"the server answered an error: {event['error']}")
-            piece = event["choices"][0].get("text", "")
-            if piece:
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices"):
                 arrivals.append(time.perf_counter())
-                text += piece
+                text += event["choices"][0].get("text", "")
     if not arrivals:
-        raise RuntimeError("the server streamed no text")
+        raise RuntimeError("the server streamed no token")
+    tokens = tokens or max_tokens
     ttft = arrivals[0] - sent
     decode_s = arrivals[-1] - arrivals[0]
     return {
         "ttft_s": ttft,
         "prompt_tokens_per_s": len(prompt) / ttft,
-        "text_pieces": len(arrivals),
-        "decode_tokens_per_s": (len(arrivals) - 1) / decode_s if decode_s > 0 else None,
+        "completion_tokens": tokens,
+        "decode_tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 else None,
         "text": text,
     }
 
@@ -171,7 +177,10 @@ def theirs(binary: str, model: str, pair, prompt: list[int], args) -> dict:
     process = start(command, f"http://127.0.0.1:{port}/health")
     try:
         idle = server_status(process.pid)
-        found = stream_completion(port, prompt, args.max_tokens, args.timeout)
+        try:
+            found = stream_completion(port, prompt, args.max_tokens, args.timeout)
+        except (RuntimeError, OSError) as error:  # its KV size is still worth reading
+            found = {"error": str(error)}
         status = server_status(process.pid)
     finally:
         process.terminate()

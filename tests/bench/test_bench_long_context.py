@@ -40,6 +40,7 @@ def test_a_long_prompt_per_type_through_fresh_servers(tiny_gemma3, tmp_path):
         assert found["window_blocks"] > 0  # the sliding layers had a pool of their own
         assert 0 < found["kv_bytes_peak"] < found["kv_bytes_if_every_key_kept"]
         assert found["ttft_s"] > 0 and found["decode_tokens_per_s"] > 0 and found["rss_peak"] > 0
+        assert found["completion_tokens"] == 8  # eos ignored: every token asked for
     # a q8_0 row of 32 values is 34 bytes, an f16 one 64: the same blocks held, in that ratio
     assert q8["kv_bytes_peak"] / f16["kv_bytes_peak"] == pytest.approx(34 / 64)
     assert "| f16 |" in long_context.table(payload)
