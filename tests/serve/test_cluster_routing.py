@@ -36,18 +36,18 @@ def test_the_key_names_the_blocks_an_engine_registers_in_its_prefix_cache(tmp_pa
     assert prefix_key(prompt[:15], block_size=16) == ()
 
 
-def test_the_index_finds_the_longest_known_prefix_among_live_replicas():
+def test_the_index_finds_the_replicas_holding_the_longest_known_prefix():
     index = PrefixIndex()
     first = prefix_key(list(range(64)), 16)  # 4 blocks
     index.record(first[:2], "a")
     index.record(first, "b")  # a longer prompt beginning the same way went to b
-    assert index.longest(first, {"a", "b"}) == ("b", 4)
-    assert index.longest(first[:2], {"a", "b"}) == ("b", 2)  # b holds it now too (the later record)
-    assert index.longest(first, {"a"}) == (None, 0)  # b is gone and a's record was overwritten
+    assert index.longest(first, {"a", "b"}) == ({"b"}, 4)
+    assert index.longest(first[:2], {"a", "b"}) == ({"a", "b"}, 2)  # both hold the first two blocks
+    assert index.longest(first, {"a"}) == ({"a"}, 2)  # b is gone: a holds the longest prefix left
     index.forget("b")
-    assert len(index) == 0
+    assert index.longest(first, {"a", "b"}) == ({"a"}, 2) and len(index) == 2
     unknown = prefix_key(list(range(1000, 1064)), 16)
-    assert index.longest(unknown, {"a", "b"}) == (None, 0)
+    assert index.longest(unknown, {"a", "b"}) == (set(), 0)
 
 
 def test_the_index_forgets_the_least_recently_used_hashes_past_its_capacity():
@@ -56,23 +56,26 @@ def test_the_index_forgets_the_least_recently_used_hashes_past_its_capacity():
     index.record(old, "a")
     index.record(new, "b")  # 8 hashes: old's first two are forgotten
     assert len(index) == 6
-    assert index.longest(old[:2], {"a", "b"}) == (None, 0)
-    assert index.longest(old, {"a", "b"}) == ("a", 4)
-    assert index.longest(new, {"a", "b"}) == ("b", 4)
+    assert index.longest(old[:2], {"a", "b"}) == (set(), 0)
+    assert index.longest(old, {"a", "b"}) == ({"a"}, 4)
+    assert index.longest(new, {"a", "b"}) == ({"b"}, 4)
 
 
-def test_choose_prefers_the_replica_holding_the_prefix_until_it_is_much_busier():
+def test_choose_prefers_the_replicas_holding_the_prefix_until_they_are_much_busier():
     index = PrefixIndex()
     key = prefix_key(list(range(320)), 16)
     index.record(key, "a")
     ranks, why = choose(index, key, {"a": 5, "b": 1, "c": 0}, imbalance=8)
-    assert why == "affinity" and ranks[0] == ["a"] and sorted(ranks[1]) != [] and "a" not in ranks[1]
+    assert why == "affinity" and ranks[0] == ["a"] and len(ranks[1]) == 2 and "a" not in ranks[1]
     ranks, why = choose(index, key, {"a": 9, "b": 1, "c": 0}, imbalance=8)  # 9 more than c's 0
     assert why == "balance" and len(ranks) == 1 and len(ranks[0]) == 2
     ranks, why = choose(index, key, {"a": None, "b": 3}, imbalance=2)  # a's depth not known yet
     assert why == "affinity" and ranks[0] == ["a"]
     ranks, why = choose(index, (), {"a": 0, "b": 0}, imbalance=8)  # nothing to go by: two at random
     assert why == "balance" and sorted(ranks[0]) == ["a", "b"]
+    index.record(key[:4], "c")  # a shared beginning on a and c: both come first, the caller takes the idler
+    ranks, why = choose(index, key[:4], {"a": 9, "b": 1, "c": 0}, imbalance=8)
+    assert why == "affinity" and sorted(ranks[0]) == ["a", "c"] and ranks[1] == ["b"]
 
 
 def test_new_conversations_spread_and_every_second_turn_goes_to_its_first_turns_replica():
@@ -93,6 +96,23 @@ def test_new_conversations_spread_and_every_second_turn_goes_to_its_first_turns_
         second = prompt + [7] * 40 + [8] * 9  # its answer and the next question
         ranks, why = choose(index, prefix_key(second, 16), queues, imbalance=8, rng=rng)
         assert why == "affinity" and ranks[0] == [placed[c]]
+
+
+def test_requests_sharing_a_system_prompt_spread_once_each_replica_holds_it():
+    """Twelve requests after one long system prompt, each still in flight: after the first one on
+    each replica, both hold the prompt, and the rest go to the less busy of them."""
+    rng = random.Random(1)
+    index, queues, counts = PrefixIndex(), {"a": 0, "b": 0}, {"a": 0, "b": 0}
+    system = list(range(2000, 2256))
+    for q in range(12):
+        key = prefix_key(system + [5000 + q] * 20, 16)
+        ranks, why = choose(index, key, queues, imbalance=2, rng=rng)
+        chosen = min(ranks[0], key=lambda r: queues[r])
+        index.record(key, chosen)
+        queues[chosen] += 1
+        counts[chosen] += 1
+    assert counts == {"a": 6, "b": 6}
+    assert index.longest(prefix_key(system, 16), {"a", "b"})[0] == {"a", "b"}
 
 
 def test_a_server_without_replicas_never_imports_ray(tmp_path):

@@ -6,10 +6,11 @@ and queue lengths to it.
 A prompt's key is the prefix cache's own: the chain hashes of its first full blocks
 (paged_cache.block_hash, the replicas' block size), so equal keys mean equal token prefixes,
 exactly as inside a replica's BlockPool. The index remembers, for every block hash it has seen,
-the replica a prompt holding that block was last sent to; the longest known hash of a new
-prompt names the replica whose prefix cache most likely holds the longest part of it. Turn 2 of
-a conversation re-sends turn 1's prompt (and answer), so its longest known prefix is turn 1's,
-on turn 1's replica.
+the replicas prompts holding that block were sent to; the longest known hash of a new prompt
+names the replicas whose prefix caches most likely hold the longest part of it, and the least
+busy of them is taken. Turn 2 of a conversation re-sends turn 1's prompt (and answer), so its
+longest known prefix is turn 1's, on turn 1's replica; a system prompt every request shares is
+soon on every replica, and such requests spread by load alone.
 
 It is a prediction, never a promise: a replica may have evicted the blocks since (its LRU), and
 the index forgets the oldest hashes past `capacity`. Nothing breaks when it is wrong; the
@@ -38,40 +39,43 @@ def prefix_key(prompt_ids: list[int], block_size: int, blocks: int = KEY_BLOCKS)
 
 
 class PrefixIndex:
-    """block chain hash -> the replica a prompt holding that block was last sent to, least
-    recently used first; at most `capacity` hashes (the oldest are forgotten)."""
+    """block chain hash -> the replicas prompts holding that block were sent to, least recently
+    used hash first; at most `capacity` hashes (the oldest are forgotten). Several replicas hold a
+    prefix many prompts share (a system prompt: each replica computes it once, then reuses it);
+    one holds a conversation's."""
 
     def __init__(self, capacity: int = 1 << 17):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1; got {capacity}")
         self.capacity = capacity
-        self._owner: OrderedDict[bytes, Hashable] = OrderedDict()
+        self._holders: OrderedDict[bytes, set] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._holders)
 
-    def longest(self, key: Sequence[bytes], live: set) -> tuple[Hashable | None, int]:
-        """(the replica, among `live`, holding the longest known prefix of `key`; how many blocks
-        long), or (None, 0). The hashes chain, so the longest known one wins whatever the
-        shorter ones say (a conversation that moved to another replica is found there)."""
+    def longest(self, key: Sequence[bytes], live: set) -> tuple[set, int]:
+        """(the replicas among `live` holding the longest known prefix of `key`; how many blocks
+        long), or (set(), 0). The hashes chain: a hash names the whole prefix up to its block."""
         for count in range(len(key), 0, -1):
-            owner = self._owner.get(key[count - 1])
-            if owner is not None and owner in live:
-                return owner, count
-        return None, 0
+            holders = self._holders.get(key[count - 1])
+            if holders and (found := holders & live):
+                return found, count
+        return set(), 0
 
     def record(self, key: Sequence[bytes], replica: Hashable) -> None:
         """The request with `key` went to `replica`: each of its blocks is now (most likely) there."""
         for block in key:
-            self._owner[block] = replica
-            self._owner.move_to_end(block)
-        while len(self._owner) > self.capacity:
-            self._owner.popitem(last=False)
+            self._holders.setdefault(block, set()).add(replica)
+            self._holders.move_to_end(block)
+        while len(self._holders) > self.capacity:
+            self._holders.popitem(last=False)
 
     def forget(self, replica: Hashable) -> None:
         """A replica died: its cache went with it (a restarted one starts empty)."""
-        for block in [b for b, owner in self._owner.items() if owner == replica]:
-            del self._owner[block]
+        for block, holders in list(self._holders.items()):
+            holders.discard(replica)
+            if not holders:
+                del self._holders[block]
 
 
 def choose(
@@ -81,21 +85,21 @@ def choose(
     imbalance: int,
     rng: random.Random | None = None,
 ) -> tuple[list[list[Hashable]], str]:
-    """Ranks of replicas to try, best first, and why ("affinity" or "balance").
+    """Ranks of replicas to try, best first (the caller takes the least busy replica of the first
+    rank that has room), and why ("affinity" or "balance").
 
     queues: every live replica's queue depth (requests in flight there; None: not known yet).
-    The replica holding the longest known prefix comes first unless its queue is more than
-    `imbalance` requests longer than the shortest; then (or with no known prefix) two replicas
-    drawn at random, of which the caller takes the less busy (power of two choices). After an
-    affinity rank, the two drawn from the others follow, for when that replica refuses (full)."""
+    The replicas holding the longest known prefix come first unless the least busy of them has
+    more than `imbalance` requests more than the least busy replica of all; then (or with no
+    known prefix) two replicas drawn at random (power of two choices). After an affinity rank,
+    two drawn from the others follow, for when the holders refuse (full)."""
     rng = rng or random
-    live = set(queues)
-    owner, _ = index.longest(key, live)
-    known = [depth for depth in queues.values() if depth is not None]
-    least = min(known, default=0)
-    if owner is not None and (queues[owner] or 0) - least <= imbalance:
-        others = [replica for replica in queues if replica != owner]
-        return [[owner], _two(others, rng)] if others else [[owner]], "affinity"
+    holders, _ = index.longest(key, set(queues))
+    least = min((depth for depth in queues.values() if depth is not None), default=0)
+    if holders and min(queues[h] or 0 for h in holders) - least <= imbalance:
+        others = [replica for replica in queues if replica not in holders]
+        first = rng.sample(sorted(holders, key=str), len(holders))  # ties at random
+        return ([first, _two(others, rng)] if others else [first]), "affinity"
     return [_two(list(queues), rng)], "balance"
 
 

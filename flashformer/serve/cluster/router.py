@@ -24,8 +24,8 @@ from flashformer.serve.cluster.affinity import PrefixIndex, choose
 
 
 class PrefixAffinityRouter(RequestRouter):
-    """Routes a Job to the replica holding its longest known prefix (affinity.choose), the less
-    busy of two otherwise. request_router_kwargs: imbalance (requests more in flight than the
+    """Routes a Job to the least busy of the replicas holding its longest known prefix
+    (affinity.choose), the less busy of two drawn at random otherwise. request_router_kwargs: imbalance (requests more in flight than the
     least busy replica before affinity gives way), capacity (block hashes remembered)."""
 
     def initialize_state(self, imbalance: int = 8, capacity: int = 1 << 17, **_) -> None:
