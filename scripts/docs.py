@@ -187,6 +187,11 @@ MEASURED = {
         "serve",
     ),
     "serve-smollm2-float": ('flashformer bench serve "$SMOLLM2"', "serve"),
+    "serve-smollm2-replicas": (
+        'flashformer bench serve "$SMOLLM2" --quantize gguf --threads 2 --clients 16 --requests 48 --chats 16 '
+        "--workloads shared-prefix,multi-turn --kv-blocks 2048 --no-llama-cpp --replicas 2 --kill-replica",
+        "serve",
+    ),
     **{
         f"turns-{name}-{isa}": (
             f"PYTHONPATH=. python scripts/bench_isa_turns.py {path}{flag} --llama-bench build-{build}/bin/llama-bench "

@@ -62,6 +62,13 @@ from flashformer.bench.serve_peers import (
     peers,
     start,
 )
+from flashformer.bench.serve_replicas import (
+    cache_counters,
+    hit_rate,
+    kill_drill,
+    replica_targets,
+    replicas_command,
+)
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
@@ -90,10 +97,21 @@ def servers(model: str, args) -> dict[str, Server]:
         "flashformer (one at a time)": Server(ours + ["--max-batch", "1"], chosen & {"mixed"}),
         **peers(model, args, chosen),
     }
+    if getattr(args, "replicas", None):  # bench/serve_replicas.py: the same engines on Ray Serve
+        found[replicas_name(args)] = Server(
+            replicas_command(batching, args.replicas, args.threads or 2),
+            chosen | ({"kill"} if args.kill_replica else set()),
+        )
     return {name: server for name, server in found.items() if server.workloads}
 
 
+def replicas_name(args) -> str:
+    return f"flashformer ({args.replicas} replicas x {max(1, (args.threads or 2) // args.replicas)} threads, Ray Serve)"
+
+
 def run(model: str, args) -> dict:
+    if getattr(args, "kill_replica", False) and not getattr(args, "replicas", None):
+        raise ValueError("--kill-replica needs --replicas N (the replicas to kill one of)")
     measured = servers(model, args)  # first: a missing --llama-server is refused before any work
     load_before = list(os.getloadavg())
     jobs = workload(args.requests, args.max_tokens, args.seed)
@@ -144,17 +162,25 @@ def run(model: str, args) -> dict:
                     flush=True,
                 )
             if "shared-prefix" in runs:
+                before = cache_counters(url)
                 result = asyncio.run(drive(url, served, shared, args.clients, "bench", None, completions))
+                result["prefix_hit_rate"] = hit_rate(before, cache_counters(url))
                 results[name]["shared_prefix"] = result
                 print(f"{name}: shared prefix, TTFT p50 {result['ttft_p50_s']:.3f} s", flush=True)
             if "multi-turn" in runs:
                 limit = args.turn_tokens
                 alone = asyncio.run(drive_chats(url, served, conversations[:1], limit, "bench"))
+                before = cache_counters(url)
                 loaded = asyncio.run(drive_chats(url, served, conversations, limit, "bench"))
+                loaded["prefix_hit_rate"] = hit_rate(before, cache_counters(url))
                 results[name]["multi_turn"] = {"alone": alone, "loaded": loaded}
                 print(
                     f"{name}: multi-turn, one chat's TTFT by turn {alone['ttft_p50_by_turn_s']}", flush=True
                 )
+            if "kill" in runs:
+                drill = asyncio.run(kill_drill(url, served, jobs, args.clients, args.replicas))
+                results[name]["kill_drill"] = drill
+                print(f"{name}: a replica killed: {drill}", flush=True)
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -178,6 +204,7 @@ def run(model: str, args) -> dict:
             "json_schema": str(args.json_schema) if getattr(args, "json_schema", None) else None,
             "api": "completions" if completions else "chat",
             "threads": args.threads,
+            "replicas": getattr(args, "replicas", None),
             "llama_server": None
             if args.llama_server is None
             else {
@@ -190,7 +217,13 @@ def run(model: str, args) -> dict:
             "load_average": list(os.getloadavg()),  # after the run
         },
         "servers": results,
-        "targets": targets(results, args.clients),
+        "targets": {
+            **targets(results, args.clients),
+            **replica_targets(
+                results.get(f"flashformer (max batch {args.clients})", {}),
+                results.get(replicas_name(args), {}) if getattr(args, "replicas", None) else {},
+            ),
+        },
     }
 
 
@@ -258,10 +291,14 @@ def table(payload: dict) -> str:
         )
     config = payload["config"]
     if not rows:
-        return workload_table(payload).lstrip("\n") + (
-            "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
-            if payload["targets"]
-            else ""
+        return (
+            workload_table(payload).lstrip("\n")
+            + drills(payload)
+            + (
+                "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
+                if payload["targets"]
+                else ""
+            )
         )
     header = [
         "server",
@@ -285,10 +322,31 @@ def table(payload: dict) -> str:
         + ".\n\n"
         + markdown_table(header, rows)
     )
-    text += workload_table(payload)
+    text += workload_table(payload) + drills(payload)
     if payload["targets"]:
         text += "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
     return text
+
+
+def drills(payload: dict) -> str:
+    """The kill drills (bench/serve_replicas.py) as sentences ("" if none ran)."""
+    found = []
+    for name, result in payload["servers"].items():
+        drill = result.get("kill_drill")
+        if drill is None:
+            continue
+        back = drill["replicas_back_s"]
+        first = drill["first_answer_after_kill_s"]
+        found.append(
+            f"{name}, one replica killed {drill['killed_after_s']:.0f} s into {drill['requests']} requests "
+            f"({drill['clients']} in flight): {drill['answered']} answered, {drill['errored']} ended with an "
+            f"error, {drill['hung']} hung; a request started after the kill answered "
+            + ("never" if first is None else f"{first:.1f} s after it")
+            + "; the replicas were back "
+            + ("never (300 s)" if back is None else f"after {back:.1f} s")
+            + "."
+        )
+    return "".join("\n\n" + line for line in found)
 
 
 def workload_table(payload: dict) -> str:
@@ -305,14 +363,16 @@ def workload_table(payload: dict) -> str:
                 continue
             loaded = measured.get("loaded", measured)
             by_turn = measured["alone"]["ttft_p50_by_turn_s"] if key == "multi_turn" else []
+            rate = loaded.get("prefix_hit_rate")
             rows.append([label, name, f"{loaded['output_tokens_per_s']:.1f}", ms(loaded["ttft_p50_s"]),
                          ms(loaded["ttft_p99_s"]), ms(loaded["itl_p50_s"]), ms(loaded["itl_p99_s"]),
-                         " / ".join(ms(t) for t in by_turn) or "-"])  # fmt: skip
+                         " / ".join(ms(t) for t in by_turn) or "-",
+                         "-" if rate is None else f"{100 * rate:.1f} %"])  # fmt: skip
     if not rows:
         return ""
     config = payload["config"]
     header = ["workload", "server", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-              "ITL p99 ms", "one chat: TTFT by turn ms"]  # fmt: skip
+              "ITL p99 ms", "one chat: TTFT by turn ms", "prefix-cache hit rate"]  # fmt: skip
     return (
         f"\n\nshared prefix: {config['requests']} requests after one {config['system_tokens']}-token system "
         f"prompt, {config['clients']} clients; multi-turn: {config['chats']} chats of {config['turns']} turns "
@@ -334,7 +394,15 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     measured = {name: r for name, r in payload["servers"].items() if "loaded" in r}
-    fig, (rate, latency) = plt.subplots(1, 2, figsize=(11, 3.8))
+    if not measured:  # only the shared-prefix and multi-turn workloads ran: one bar each
+        for name, result in payload["servers"].items():
+            for key, label in (("shared_prefix", "shared prefix"), ("multi_turn", "multi-turn")):
+                if key in result:
+                    measured[f"{label}: {name}"] = {"loaded": result[key].get("loaded", result[key])}
+    wide = max((len(name) for name in measured), default=0) > 40
+    fig, (rate, latency) = plt.subplots(
+        1, 2, figsize=(15 if wide else 11, max(3.8, 0.45 * len(measured) + 1.5)), sharey=wide
+    )
     names = list(measured)
     rate.barh(names, [measured[n]["loaded"]["output_tokens_per_s"] for n in names], color="tab:blue")
     rate.set_xlabel("output tokens/s")
@@ -416,6 +484,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=float, default=3600, help="with --long-context: seconds a request may take"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="also flashformer serve --replicas N (Ray Serve), --threads split between the replicas "
+        "(bench/serve_replicas.py), on the same workloads",
+    )
+    parser.add_argument(
+        "--kill-replica",
+        action="store_true",
+        help="with --replicas: then the mixed workload's questions again, one replica killed 5 s in "
+        "(hung and failed requests, seconds until the replicas are back)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
 

@@ -11,6 +11,9 @@ sentence-transformers files say.
 The server's root, http://127.0.0.1:8000/, is a chat page (an encoder's: two texts and
 their cosine similarity); `--no-webui` leaves only the API.
 
+`--replicas N` runs N engines on Ray Serve behind the same endpoint, each request sent to the
+replica most likely to hold its prompt's prefix in its cache (serve/cluster/, docs/serving.md).
+
 Nothing is compiled before the server listens: a decoder runs natively (model/native.py)
 from its first request. The seconds from the process's start to listening are printed and
 reported in /metrics (flashformer_start_seconds).
@@ -70,7 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"prompt_lookup_max": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 4}, or {"method": '
         '"draft_model", "model": PATH, "quantization": MODE, ...} (greedy requests draft)',
     )
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's; with --replicas: each replica's, default 1)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="N engine replicas on Ray Serve behind this one endpoint, each request sent to the replica "
+        "most likely to hold its prompt's prefix (pip install 'flashformer[cluster]'; docs/serving.md)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --replicas: the Ray cluster to run them on (`ray start --head` prints it; "
+        "default: a local one, started and stopped with the server)",
+    )
     parser.add_argument(
         "--tool-parser",
         choices=sorted(PARSERS),
@@ -96,6 +116,8 @@ def main_from_args(args) -> None:
     speculative = (
         None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config)
     )
+    if args.replicas is not None or args.ray_address is not None:
+        return serve_replicas(args, speculative)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,20 +129,7 @@ def main_from_args(args) -> None:
         what = f"sentence embeddings ({encoder.dimension} dimensions, max batch {args.max_batch})"
     else:
         engine = Engine(
-            model,
-            tokenizer,
-            max_batch=args.max_batch,
-            num_blocks=args.kv_blocks,
-            block_size=args.block_size,
-            context=args.context,
-            prefill_chunk=args.prefill_chunk,
-            prefill_budget=args.prefill_budget,
-            max_waiting=args.max_waiting,
-            prefix_cache=not args.no_prefix_cache,
-            speculative=speculative,
-            draft_model=draft_model(speculative, args),
-            cache_type_k=args.cache_type_k,
-            cache_type_v=args.cache_type_v,
+            model, tokenizer, **engine_options(args, speculative), draft_model=draft_model(speculative, args)
         )
         runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
         caches = engine.runner.caches[0]
@@ -142,6 +151,56 @@ def main_from_args(args) -> None:
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     if not run_beside(engine, http):
         raise SystemExit(f"the HTTP server on {args.host}:{args.port} stopped (see the error above)")
+
+
+def engine_options(args, speculative) -> dict:
+    """The Engine's keywords from the flags (a replica's too), the draft model aside."""
+    return dict(
+        max_batch=args.max_batch,
+        num_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        context=args.context,
+        prefill_chunk=args.prefill_chunk,
+        prefill_budget=args.prefill_budget,
+        max_waiting=args.max_waiting,
+        prefix_cache=not args.no_prefix_cache,
+        speculative=speculative,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
+    )
+
+
+def serve_replicas(args, speculative) -> None:
+    """--replicas N: the engines on Ray Serve (serve/cluster/launch.py), the only path that
+    imports Ray."""
+    if args.replicas is None:
+        raise SystemExit(
+            f"--ray-address {args.ray_address} needs --replicas N (how many engines to run there)"
+        )
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas must be at least 1; got {args.replicas}")
+    try:
+        from flashformer.serve.cluster.launch import serve_replicas as serve_on_ray
+    except ModuleNotFoundError as error:
+        if error.name != "ray" and not (error.name or "").startswith("ray."):
+            raise
+        raise SystemExit(
+            f"--replicas needs Ray Serve: pip install 'flashformer[cluster]' ({error})"
+        ) from None
+    serve_on_ray(
+        args.model,
+        name=args.served_model_name or Path(args.model).name.removesuffix(".gguf"),
+        host=args.host,
+        port=args.port,
+        replicas=args.replicas,
+        threads=args.threads or 1,
+        load_options={"quantize": args.quantize, "activations": args.activations},
+        engine_options=engine_options(args, speculative),
+        ray_address=args.ray_address,
+        api_key=args.api_key,
+        webui=args.webui,
+        tool_parser=args.tool_parser,
+    )
 
 
 def run_beside(engine, http) -> bool:
