@@ -54,7 +54,21 @@ from flashformer.serve.scheduler import Scheduler
 from flashformer.serve.speculation import SpeculativeConfig, Speculator
 from flashformer.text.detokenizer import Detokenizer
 
-__all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
+__all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams", "Thinking"]
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking model's tags as token ids, for a request whose answer, not its reasoning, is
+    constrained (structured outputs, forced tool calls) or whose reasoning has a budget: the
+    grammar starts after `end`; in state "before" the first token may be `start` instead of the
+    grammar's first (text.reasoning's states: "thinking" when the prompt opened the tag).
+    budget: the most tokens of reasoning, after which `end` is the next token."""
+
+    start: int
+    end: int
+    state: str  # "thinking" | "before" ("answer" needs no Thinking)
+    budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # the tokens that end a sequence (never part of its text)
     constraint: Constraint | None = None  # structured output: the grammar each choice follows
     speculative: bool = True  # False: never drafts, even on a server with a speculative config
+    thinking: Thinking | None = None  # the constraint and the budget wait for the reasoning's end
 
 
 @dataclass
@@ -94,7 +109,7 @@ class Event:
     the first None), before anything else; "delta": new text (and its tokens'
     log-probabilities) of choice `index`; "finish": choice `index` ended with `finish_reason`;
     "done": every choice ended (usage holds the token counts); "error": the request failed
-    (message)."""
+    (message). A "finish" that a stop string caused names it (stop)."""
 
     kind: str
     index: int = 0
@@ -103,6 +118,7 @@ class Event:
     finish_reason: str | None = None
     usage: dict | None = None
     message: str = ""
+    stop: str | None = None
 
 
 class Request:
@@ -151,6 +167,9 @@ class Sequence:
         self.history: TokenHistory | None = None  # for the penalties; made at the first sample
         constraint = request.params.constraint  # its own place in the grammar, if constrained
         self.matcher = None if constraint is None else constraint.matcher()
+        thinking = request.params.thinking  # None: the grammar (if any) from the first token
+        self.phase = None if thinking is None else thinking.state
+        self.thought = 0  # tokens of reasoning so far (for the budget)
         self.finish_reason: str | None = None
         self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)
         self.arrival = next(Sequence._order)
@@ -459,17 +478,28 @@ class Engine(ModelLoop):
         if sequence.history is None and needs_history(request.settings):
             sequence.history = _history(sequence, request.settings, logits.shape[-1], logits.device)
         generated = len(sequence.generated)
-        if sequence.matcher is None:
-            scores = request.process(logits[None], sequence.history, generated)  # (1, V)
-        else:  # only a constrained row is masked: the others pay nothing for it
-            masked = constrain(logits[None], [sequence.matcher], request.process.eos)
-            scores = request.process(masked, sequence.history, generated)
-            if generated < request.settings.min_new_tokens:
-                scores = keep_an_end(scores, masked)
-        token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
+        thinking, phase = request.params.thinking, sequence.phase
+        if phase == "thinking" and thinking.budget is not None and sequence.thought >= thinking.budget:
+            token = thinking.end  # the budget is spent: the reasoning ends here
+        else:
+            if sequence.matcher is None or phase == "thinking":
+                scores = request.process(logits[None], sequence.history, generated)  # (1, V)
+            else:  # only a constrained row is masked: the others pay nothing for it
+                masked = constrain(logits[None], [sequence.matcher], request.process.eos)
+                if phase == "before":  # the reasoning may open instead
+                    masked[0, thinking.start] = logits[thinking.start]
+                scores = request.process(masked, sequence.history, generated)
+                if generated < request.settings.min_new_tokens:
+                    scores = keep_an_end(scores, masked)
+            token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
         sequence.tokens.append(token)
-        if sequence.matcher is not None:
-            sequence.matcher.advance(token)
+        if phase == "thinking":
+            sequence.thought += 1
+            sequence.phase = None if token == thinking.end else "thinking"
+        elif phase == "before":
+            sequence.phase = "thinking" if token == thinking.start else None
+        if sequence.matcher is not None and phase != "thinking" and sequence.phase is None:
+            sequence.matcher.advance(token)  # an answer's token
         if sequence.history is not None:
             sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
@@ -525,7 +555,8 @@ class Engine(ModelLoop):
         """Tell the client that a choice ended; when its request is done, say so with the usage."""
         request = sequence.request
         if sequence.finish_reason != "cancelled":
-            request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason))
+            stop = sequence.detokenizer.stop_string if sequence.detokenizer is not None else None
+            request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason, stop=stop))
         if request.finished and not request.cancelled.is_set():
             prompt = len(request.prompt_ids)
             usage = {
