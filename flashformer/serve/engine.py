@@ -22,9 +22,8 @@ its own generator, seeded from the request's seed and the choice's index.
 A preempted sequence replays the tokens it had generated (scheduler.py); a
 token is sampled only once its sequence has caught up.
 
-Modules: loop.py (threads, inbox, Busy), scheduler.py (policy), runner.py
-(the model's forwards), paged_cache.py (the pool); this one holds the
-requests, their sequences and events, and the Engine that wires them.
+Modules: loop.py (threads, inbox, Busy), scheduler.py (policy), runner.py (the model's forwards),
+paged_cache.py (the pool); this one holds the requests, their sequences and events, and the Engine.
 """
 
 from __future__ import annotations
@@ -59,11 +58,8 @@ __all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams", "Thinking"]
 
 @dataclass(frozen=True)
 class Thinking:
-    """A thinking model's tags as token ids, for a request whose answer, not its reasoning, is
-    constrained (structured outputs, forced tool calls) or whose reasoning has a budget: the
-    grammar starts after `end`; in state "before" the first token may be `start` instead of the
-    grammar's first (text.reasoning's states: "thinking" when the prompt opened the tag).
-    budget: the most tokens of reasoning, after which `end` is the next token."""
+    """A thinking model's tags (token ids) for a request whose answer is constrained, the grammar
+    starting after `end` ("before": `start` may come first), or whose reasoning has a budget."""
 
     start: int
     end: int
@@ -167,9 +163,7 @@ class Sequence:
         self.history: TokenHistory | None = None  # for the penalties; made at the first sample
         constraint = request.params.constraint  # its own place in the grammar, if constrained
         self.matcher = None if constraint is None else constraint.matcher()
-        thinking = request.params.thinking  # None: the grammar (if any) from the first token
-        self.phase = None if thinking is None else thinking.state
-        self.thought = 0  # tokens of reasoning so far (for the budget)
+        self.phase, self.thought = request.params.thinking and request.params.thinking.state, 0  # reasoning
         self.finish_reason: str | None = None
         self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)
         self.arrival = next(Sequence._order)
@@ -479,25 +473,23 @@ class Engine(ModelLoop):
             sequence.history = _history(sequence, request.settings, logits.shape[-1], logits.device)
         generated = len(sequence.generated)
         thinking, phase = request.params.thinking, sequence.phase
-        if phase == "thinking" and thinking.budget is not None and sequence.thought >= thinking.budget:
-            token = thinking.end  # the budget is spent: the reasoning ends here
-        else:
-            if sequence.matcher is None or phase == "thinking":
-                scores = request.process(logits[None], sequence.history, generated)  # (1, V)
-            else:  # only a constrained row is masked: the others pay nothing for it
-                masked = constrain(logits[None], [sequence.matcher], request.process.eos)
-                if phase == "before":  # the reasoning may open instead
-                    masked[0, thinking.start] = logits[thinking.start]
-                scores = request.process(masked, sequence.history, generated)
-                if generated < request.settings.min_new_tokens:
-                    scores = keep_an_end(scores, masked)
-            token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
+        spent = phase == "thinking" and thinking.budget is not None and sequence.thought >= thinking.budget
+        if sequence.matcher is None or phase == "thinking":
+            scores = request.process(logits[None], sequence.history, generated)  # (1, V)
+        else:  # only a constrained row is masked: the others pay nothing for it
+            masked = constrain(logits[None], [sequence.matcher], request.process.eos)
+            if phase == "before":  # the reasoning may open instead
+                masked[0, thinking.start] = logits[thinking.start]
+            scores = request.process(masked, sequence.history, generated)
+            if generated < request.settings.min_new_tokens:
+                scores = keep_an_end(scores, masked)
+        token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
+        token = thinking.end if spent else token  # a spent budget ends the reasoning
         sequence.tokens.append(token)
-        if phase == "thinking":
-            sequence.thought += 1
-            sequence.phase = None if token == thinking.end else "thinking"
-        elif phase == "before":
-            sequence.phase = "thinking" if token == thinking.start else None
+        if phase is not None:  # the reasoning goes on until `end`; "before": it opens at `start`
+            sequence.thought += phase == "thinking"
+            opened = token == thinking.start or (phase == "thinking" and token != thinking.end)
+            sequence.phase = "thinking" if opened else None
         if sequence.matcher is not None and phase != "thinking" and sequence.phase is None:
             sequence.matcher.advance(token)  # an answer's token
         if sequence.history is not None:

@@ -38,7 +38,9 @@ def claude(server):
 
 
 def chat(gpt, **kwargs):
-    return gpt.chat.completions.create(model=NAME, messages=HELLO, temperature=0, max_tokens=20, **kwargs)
+    return gpt.chat.completions.create(
+        model=NAME, messages=HELLO, temperature=0, **{"max_tokens": 20, **kwargs}
+    )
 
 
 def test_chat_splits_reasoning_content_whole_and_streamed(gpt):
