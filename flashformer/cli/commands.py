@@ -98,8 +98,8 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
     "serve": Command(
         "flashformer.cli.serve",
         "serve a model over OpenAI's API (continuous batching, paged KV cache)",
-        "MODEL as for generate. POST /v1/chat/completions and /v1/completions (streamed or not), GET "
-        "/v1/models, /health and /metrics.",
+        "MODEL as for generate. POST /v1/chat/completions, /v1/completions, /v1/responses and Anthropic's "
+        "/v1/messages (streamed or not), GET /v1/models, /health and /metrics.",
     ),
     "eval": (
         "evaluate a model",

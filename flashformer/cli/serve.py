@@ -1,4 +1,4 @@
-"""`flashformer serve MODEL`: serve a model over OpenAI's API (flashformer.serve).
+"""`flashformer serve MODEL`: serve a model over OpenAI's and Anthropic's APIs (flashformer.serve).
 
     flashformer serve model.gguf --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" \\
@@ -27,6 +27,7 @@ from pathlib import Path
 from flashformer.cli import arguments
 from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments
 from flashformer.formatting import format_bytes
+from flashformer.text.reasoning import FORMATS as REASONING_FORMATS
 from flashformer.text.tool_calls import PARSERS
 
 
@@ -97,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the format the model writes tool calls in (default: the one its chat template "
         "teaches; generic for a template without tools)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        help="split a thinking model's <think>...</think> off its answers: reasoning_content in chat "
+        "completions, thinking blocks in /v1/messages, reasoning items in /v1/responses",
+    )
 
 
 def main_from_args(args) -> None:
@@ -141,7 +148,14 @@ def main_from_args(args) -> None:
     if isinstance(engine, Engine):
         engine.start_seconds = started
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
-    app = create_app(engine, name, api_key=args.api_key, webui=args.webui, tool_parser=args.tool_parser)
+    app = create_app(
+        engine,
+        name,
+        api_key=args.api_key,
+        webui=args.webui,
+        tool_parser=args.tool_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     print(
         f"serving {name} on http://{args.host}:{args.port}/v1 ({what}; started in {started:.1f} s)",
         flush=True,

@@ -22,9 +22,8 @@ its own generator, seeded from the request's seed and the choice's index.
 A preempted sequence replays the tokens it had generated (scheduler.py); a
 token is sampled only once its sequence has caught up.
 
-Modules: loop.py (threads, inbox, Busy), scheduler.py (policy), runner.py
-(the model's forwards), paged_cache.py (the pool); this one holds the
-requests, their sequences and events, and the Engine that wires them.
+Modules: loop.py (threads, inbox, Busy), scheduler.py (policy), runner.py (the model's forwards),
+paged_cache.py (the pool); this one holds the requests, their sequences and events, and the Engine.
 """
 
 from __future__ import annotations
@@ -54,7 +53,18 @@ from flashformer.serve.scheduler import Scheduler
 from flashformer.serve.speculation import SpeculativeConfig, Speculator
 from flashformer.text.detokenizer import Detokenizer
 
-__all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams"]
+__all__ = ["Busy", "Engine", "Event", "Request", "SamplingParams", "Thinking"]
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking model's tags (token ids) for a request whose answer is constrained, the grammar
+    starting after `end` ("before": `start` may come first), or whose reasoning has a budget."""
+
+    start: int
+    end: int
+    state: str  # "thinking" | "before" ("answer" needs no Thinking)
+    budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # the tokens that end a sequence (never part of its text)
     constraint: Constraint | None = None  # structured output: the grammar each choice follows
     speculative: bool = True  # False: never drafts, even on a server with a speculative config
+    thinking: Thinking | None = None  # the constraint and the budget wait for the reasoning's end
 
 
 @dataclass
@@ -94,7 +105,7 @@ class Event:
     the first None), before anything else; "delta": new text (and its tokens'
     log-probabilities) of choice `index`; "finish": choice `index` ended with `finish_reason`;
     "done": every choice ended (usage holds the token counts); "error": the request failed
-    (message)."""
+    (message). A "finish" that a stop string caused names it (stop)."""
 
     kind: str
     index: int = 0
@@ -103,6 +114,7 @@ class Event:
     finish_reason: str | None = None
     usage: dict | None = None
     message: str = ""
+    stop: str | None = None
 
 
 class Request:
@@ -153,6 +165,7 @@ class Sequence:
         self.history: TokenHistory | None = None  # for the penalties; made at the first sample
         constraint = request.params.constraint  # its own place in the grammar, if constrained
         self.matcher = None if constraint is None else constraint.matcher()
+        self.phase, self.thought = request.params.thinking and request.params.thinking.state, 0  # reasoning
         self.finish_reason: str | None = None
         self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)
         self.draft_match = 0  # how well its last drafts' source matched (DraftLength's classes)
@@ -409,31 +422,10 @@ class Engine(ModelLoop):
                 self._sample(sequence, row_logits)
 
     def _drafts(self, decoding: list[Sequence]) -> dict[Sequence, list[int]]:
-        """This step's drafts per sequence (speculation.py), each with the blocks to hold them:
-        none past disable_by_batch_size decoding sequences, nor beyond a sequence's max_tokens,
-        the context or the free blocks (drafts never preempt)."""
-        if self.speculator is None or len(decoding) > self.speculator.config.disable_by_batch_size:
+        """This step's drafts per sequence, with blocks to hold them (speculation.py)."""
+        if self.speculator is None:
             return {}
-        found = {}
-        for sequence in decoding:
-            if sequence.in_prefill or sequence.computed != len(sequence.tokens) - 1:
-                continue  # a replay after preemption: not caught up yet
-            room = min(
-                sequence.request.params.max_tokens - len(sequence.generated) - 1,
-                self.context - len(sequence.tokens),
-            )
-            guesses = self.speculator.drafts(sequence, room, len(decoding))
-            while guesses and self.pool.blocks_for(len(sequence.tokens) + len(guesses)) > len(
-                sequence.blocks
-            ):
-                block = self.pool.allocate(1)
-                if block is None:
-                    guesses = guesses[: len(sequence.blocks) * self.pool.block_size - len(sequence.tokens)]
-                    break
-                sequence.blocks += block
-            if guesses:
-                found[sequence] = guesses
-        return found
+        return self.speculator.step_drafts(decoding, self.pool, self.context)
 
     def _verify(self, sequence: Sequence, guesses: list[int], rows: torch.Tensor) -> None:
         """rows (1 + k, V): the logits after the sequence's last token and after each draft. Each
@@ -474,17 +466,26 @@ class Engine(ModelLoop):
         if sequence.history is None and needs_history(request.settings):
             sequence.history = _history(sequence, request.settings, logits.shape[-1], logits.device)
         generated = len(sequence.generated)
-        if sequence.matcher is None:
+        thinking, phase = request.params.thinking, sequence.phase
+        spent = phase == "thinking" and thinking.budget is not None and sequence.thought >= thinking.budget
+        if sequence.matcher is None or phase == "thinking":
             scores = request.process(logits[None], sequence.history, generated)  # (1, V)
         else:  # only a constrained row is masked: the others pay nothing for it
             masked = constrain(logits[None], [sequence.matcher], request.process.eos)
+            if phase == "before":  # the reasoning may open instead
+                masked[0, thinking.start] = logits[thinking.start]
             scores = request.process(masked, sequence.history, generated)
             if generated < request.settings.min_new_tokens:
                 scores = keep_an_end(scores, masked)
         token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
+        token = thinking.end if spent else token  # a spent budget ends the reasoning
         sequence.tokens.append(token)
-        if sequence.matcher is not None:
-            sequence.matcher.advance(token)
+        if phase is not None:  # the reasoning goes on until `end`; "before": it opens at `start`
+            sequence.thought += phase == "thinking"
+            opened = token == thinking.start or (phase == "thinking" and token != thinking.end)
+            sequence.phase = "thinking" if opened else None
+        if sequence.matcher is not None and phase != "thinking" and sequence.phase is None:
+            sequence.matcher.advance(token)  # an answer's token
         if sequence.history is not None:
             sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
@@ -540,7 +541,8 @@ class Engine(ModelLoop):
         """Tell the client that a choice ended; when its request is done, say so with the usage."""
         request = sequence.request
         if sequence.finish_reason != "cancelled":
-            request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason))
+            stop = sequence.detokenizer.stop_string if sequence.detokenizer is not None else None
+            request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason, stop=stop))
         if request.finished and not request.cancelled.is_set():
             prompt = len(request.prompt_ids)
             usage = {

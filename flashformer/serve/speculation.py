@@ -133,6 +133,31 @@ class Speculator:
         k = min(room, sequence.draft_length.next(batch, sequence.draft_match))
         return sequence.proposer.draft(sequence.tokens, k)[0] if k > 0 else []
 
+    def step_drafts(self, decoding: list, pool, context: int) -> dict:
+        """A step's drafts per decoding sequence, each with the blocks of `pool` to hold them: none
+        past disable_by_batch_size sequences, nor beyond a sequence's max_tokens, the `context` or
+        the free blocks (drafts never preempt)."""
+        if len(decoding) > self.config.disable_by_batch_size:
+            return {}
+        found = {}
+        for sequence in decoding:
+            if sequence.in_prefill or sequence.computed != len(sequence.tokens) - 1:
+                continue  # a replay after preemption: not caught up yet
+            room = min(
+                sequence.request.params.max_tokens - len(sequence.generated) - 1,
+                context - len(sequence.tokens),
+            )
+            guesses = self.drafts(sequence, room, len(decoding))
+            while guesses and pool.blocks_for(len(sequence.tokens) + len(guesses)) > len(sequence.blocks):
+                block = pool.allocate(1)
+                if block is None:
+                    guesses = guesses[: len(sequence.blocks) * pool.block_size - len(sequence.tokens)]
+                    break
+                sequence.blocks += block
+            if guesses:
+                found[sequence] = guesses
+        return found
+
     def observe(self, sequence, drafted: int, kept: int) -> None:
         sequence.draft_length.observe(drafted, kept, sequence.draft_match)
 

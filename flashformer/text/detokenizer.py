@@ -33,7 +33,8 @@ class Detokenizer:
     """The text of one sequence's new tokens; see the module docstring.
 
     stop: strings that end the text (never part of it). After `stopped` turns True, add() must
-    not be called again; finish() gives the text up to the stop string.
+    not be called again; finish() gives the text up to the stop string, and stop_string says
+    which one it was (what Anthropic's API returns as stop_sequence).
     """
 
     def __init__(self, tokenizer, stop: Iterable[str] = ()):
@@ -43,6 +44,7 @@ class Detokenizer:
         self.text = ""  # the certain text so far (complete characters, cut at a stop string)
         self.sent = 0  # characters of text handed out
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
         self._context = 0  # ids[_context:_read]: the tokens of the last certain piece
         self._read = 0  # ids[_read:]: tokens whose text is not certain yet
         self._partial = 0  # characters of their text already taken (before an incomplete one)
@@ -80,9 +82,10 @@ class Detokenizer:
         return self.tokenizer.decode(self.ids[self._context :])[len(known) :]
 
     def _cut_at_stop(self) -> None:
-        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        found = [(at, s) for at, s in ((self.text.find(s), s) for s in self.stop) if at >= 0]
         if found:
-            self.text, self.stopped = self.text[: min(found)], True
+            at, self.stop_string = min(found)
+            self.text, self.stopped = self.text[:at], True
 
     def _take(self, end: int) -> str:
         piece = self.text[self.sent : end] if end > self.sent else ""

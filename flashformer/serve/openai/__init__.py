@@ -4,7 +4,11 @@ protocol.py    the request bodies (pydantic) and the error shape
 app.py         create_app: the routes, the API key, the errors' statuses
 responses.py   the JSON and server-sent-event answers, log-probabilities, /metrics' text
 tokenize.py    /tokenize, /detokenize and /tokenizer_info (vLLM's)
-tools.py       tools and tool_choice: the prompt, the forced call's schema, the calls in answers
+chat.py        the chat path every chat-shaped API takes (chat, Anthropic's Messages, Responses)
+answer.py      an answer's reasoning, text and tool calls, whole or streamed; chat's shapes of them
+responses_api.py  /v1/responses: OpenAI's Responses API over the chat path
+tools.py       tools and tool_choice: the prompt, the forced call's schema
+structured.py  structured outputs: response_format and vLLM's fields as one constraint
 page.py        GET /: the chat page's files (serve/webui/) and config
 """
 

@@ -3,7 +3,7 @@ error shape, for the endpoints of app.py."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,6 +55,8 @@ class Sampling(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+
+    most_stops: ClassVar[int] = 4  # OpenAI's rule for `stop` (the engine has none)
 
 
 # ---- tools (serve/openai/tools.py uses them) ----
@@ -113,6 +115,8 @@ class ChatCompletionRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: True, as OpenAI's default
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):

@@ -12,17 +12,17 @@ import numpy as np
 from fastapi.responses import JSONResponse
 
 from flashformer.serve.engine import Engine
+from flashformer.serve.openai.answer import ChatDeltas, message_of
 from flashformer.serve.openai.protocol import APIError
-from flashformer.serve.openai.tools import ToolCallStream, message_of
 
 
 async def collect(
-    request, events, http, ident, created, model_name, chat, engine, echo=None, tools=None
+    request, events, http, ident, created, model_name, chat, engine, echo=None, answer=None
 ) -> dict:
     """Wait for the whole answer (cancelling it if the client goes away), then one response.
     echo: the prompt's text, which then opens every choice's text (and the prompt's tokens its
-    log-probabilities, when the engine scored them: OpenAI's legacy echo). tools: the chat
-    request's ToolPlan (tools.py), whose calls are read out of each choice's text."""
+    log-probabilities, when the engine scored them: OpenAI's legacy echo). answer: the chat
+    request's AnswerPlan (answer.py): its reasoning and calls are read out of each choice's text."""
     texts = [""] * len(request.sequences)
     logprobs: list[list] = [[] for _ in request.sequences]
     prompt_logprobs: list = []
@@ -55,7 +55,7 @@ async def collect(
     choices = []
     for index, (text, reason) in enumerate(zip(texts, reasons)):
         if chat:
-            message, reason = message_of(text, tools, reason)
+            message, reason = message_of(text, answer, reason)
             choice = {"index": index, "message": message, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text if echo is None else echo + text, "finish_reason": reason}
@@ -73,13 +73,16 @@ async def collect(
     }
 
 
-async def stream_events(request, events, ident, created, model_name, chat, include_usage, engine, tools=None):
+async def stream_events(
+    request, events, ident, created, model_name, chat, include_usage, engine, answer=None
+):
     """Server-sent events: a chunk per piece of text, a closing chunk per choice, the usage
     chunk if asked, then [DONE]. Cancelled if the client goes away (the generator is closed).
-    tools: the chat request's ToolPlan; each choice's text then goes through its parser
-    (tools.ToolCallStream), and a chunk carries a piece of content or of a call."""
+    answer: the chat request's AnswerPlan; with tools or a reasoning parser each choice's text
+    goes through answer.ChatDeltas, and a chunk carries a piece of reasoning, content or a call."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    calls = [ToolCallStream(tools) for _ in request.sequences] if tools is not None else None
+    read = answer is not None and (answer.tools is not None or answer.reasoning is not None)
+    calls = [ChatDeltas(answer) for _ in request.sequences] if read else None
 
     def chunk(choices, usage=None) -> str:
         payload = {"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices}

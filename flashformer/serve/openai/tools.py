@@ -1,6 +1,6 @@
 """Tool calls in the chat endpoint: what a request's `tools` and `tool_choice` ask for, the
-prompt they make, the JSON schema a forced call is generated under, and the calls in the
-answer, whole or streamed in OpenAI's chunk shapes.
+prompt they make and the JSON schema a forced call is generated under (answer.py reads the
+calls out of the answers).
 
     tool_choice      what the model may do                     how the call is read
     none / no tools  answer in text (the tools are not shown)  -
@@ -20,12 +20,11 @@ with --tool-parser; a template without tool support gets the generic format
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from flashformer.generate.constraints import ConstraintSpec
 from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest
-from flashformer.text.tool_calls import PARSERS, CallDelta, format_of_template, parse_tool_calls, parser_for
+from flashformer.text.tool_calls import PARSERS, format_of_template
 from flashformer.text.tool_prompt import (
     generic_tool_messages,
     template_knows_tools,
@@ -187,68 +186,6 @@ def _references_moved(schema, name: str):
         else:
             out[key] = _references_moved(value, name)
     return out
-
-
-# ---- the answer ----
-
-
-def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def message_of(text: str, plan: ToolPlan | None, finish_reason: str | None) -> tuple[dict, str | None]:
-    """A whole answer's message, with its tool calls read from the text, and its finish reason
-    ("tool_calls" where an answer that ended by itself made calls)."""
-    if plan is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_tool_calls(text, plan.format)
-    if not calls:
-        return {"role": "assistant", "content": content}, finish_reason
-    message = {
-        "role": "assistant",
-        "content": content or None,
-        "tool_calls": [
-            {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ],
-    }
-    return message, ("tool_calls" if finish_reason == "stop" else finish_reason)
-
-
-class ToolCallStream:
-    """One choice's streamed deltas: its text through the plan's parser, turned into OpenAI's
-    delta shapes ({"content": ...}, or {"tool_calls": [{"index", "id", "type", "function":
-    {"name", "arguments"}}]} for a call's first piece and {"tool_calls": [{"index", "function":
-    {"arguments"}}]} for the next ones)."""
-
-    def __init__(self, plan: ToolPlan):
-        self.parser = parser_for(plan.format)
-        self.ids: list[str] = []
-
-    def feed(self, text: str) -> list[dict]:
-        return self._deltas(self.parser.feed(text))
-
-    def finish(self) -> list[dict]:
-        return self._deltas(self.parser.finish())
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.parser.calls and reason == "stop" else reason
-
-    def _deltas(self, pieces: list) -> list[dict]:
-        deltas = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                deltas.append({"content": piece})
-                continue
-            deltas.append({"tool_calls": [self._call_delta(piece)]})
-        return deltas
-
-    def _call_delta(self, piece: CallDelta) -> dict:
-        if piece.name is None:
-            return {"index": piece.index, "function": {"arguments": piece.arguments}}
-        self.ids.append(call_id())
-        function = {"name": piece.name, "arguments": piece.arguments}
-        return {"index": piece.index, "id": self.ids[-1], "type": "function", "function": function}
 
 
 def check_parser(name: str | None) -> None:
