@@ -70,33 +70,8 @@ class Shape:
 
     def hf_config(self) -> dict:
         """config.json's values, as transformers' LlamaConfig (or Qwen2Config) names them."""
-        if self.family == "qwen2":
-            return {
-                "model_type": "qwen2",
-                "vocab_size": self.vocab,
-                "hidden_size": self.hidden,
-                "intermediate_size": self.intermediate,
-                "num_hidden_layers": self.layers,
-                "num_attention_heads": self.heads,
-                "num_key_value_heads": self.kv_heads,
-                "head_dim": self.head_dim,
-                "hidden_act": "silu",
-                "max_position_embeddings": self.positions,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 1000000.0,
-                "tie_word_embeddings": self.tied,
-                "use_sliding_window": False,
-            }
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": self.rope_factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-        return {
-            "model_type": "llama",
+        sizes = {
+            "model_type": self.family,
             "vocab_size": self.vocab,
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
@@ -106,12 +81,25 @@ class Shape:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "max_position_embeddings": self.positions,
+            "tie_word_embeddings": self.tied,
+        }
+        if self.family == "qwen2":
+            return {**sizes, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "use_sliding_window": False}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": self.rope_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        return {
+            **sizes,
             "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0,
             "rope_parameters": rope,
             "attention_bias": False,
             "mlp_bias": False,
-            "tie_word_embeddings": self.tied,
         }
 
 

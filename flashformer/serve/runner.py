@@ -80,6 +80,10 @@ class ModelRunner:
             else NativeCache([c.k for c in self.caches], [c.v for c in self.caches])
         )
         self.pad_decode = self.native is None and pads_decode(model)
+        self._block_bytes = {
+            window: sum(c.block_bytes for c in self.caches if c.batch is batch)
+            for window, batch in ((False, self.batch), (True, self.window_batch))
+        }
         self.max_blocks = pool.blocks_for(context)
         self.device = next(model.parameters()).device
 
@@ -90,9 +94,8 @@ class ModelRunner:
 
     def block_bytes(self, window: bool = False) -> int:
         """The bytes of one block of the full group's pool (or the window group's), every layer
-        of the group, keys and values."""
-        batch = self.window_batch if window else self.batch
-        return sum(c.block_bytes for c in self.caches if c.batch is batch)
+        of the group, keys and values (summed once: the engine asks every step)."""
+        return self._block_bytes[window]
 
     def kv_bytes_held(self) -> int:
         """Bytes of the KV blocks sequences hold now, both groups."""

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from flashformer.serve.anthropic.protocol import MessagesBase, MessagesRequest, chat_request
 from flashformer.serve.openai.answer import AnswerPlan, AnswerReader, read_answer
 from flashformer.serve.openai.chat import ServerOptions, check_model, prepare_chat, render_prompt, submit
-from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.openai.responses import ClientGone, until_done
 from flashformer.text.reasoning import Thought
 
 PING_SECONDS = 5.0
@@ -106,25 +106,15 @@ async def whole_message(request, events, http, shape: MessageShape):
     """Wait for the answer (cancelling it if the client goes away), then one message."""
     text, reason, stop, usage = "", None, None, None
     try:
-        while usage is None:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    request.cancel()
-                    return JSONResponse({}, status_code=499)
-                continue
+        async for event in until_done(request, events, http):
             if event.kind == "delta":
                 text += event.text
             elif event.kind == "finish":
                 reason, stop = event.finish_reason, event.stop
             elif event.kind == "done":
                 usage = event.usage
-            elif event.kind == "error":
-                raise APIError(500, event.message, kind="server_error")
-    except asyncio.CancelledError:
-        request.cancel()
-        raise
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
     answer = read_answer(text, shape.answer)
     calls = answer.calls[:1] if shape.one_call else answer.calls
     content = []

@@ -16,6 +16,33 @@ from flashformer.serve.openai.answer import ChatDeltas, message_of
 from flashformer.serve.openai.protocol import APIError
 
 
+class ClientGone(Exception):
+    """The client went away while its whole answer was awaited (its request is cancelled)."""
+
+
+async def until_done(request, events, http):
+    """A request's events up to its "done", for an answer sent whole: an "error" is raised as a
+    500, and the request is cancelled when the client goes away (ClientGone) or the handler is
+    cancelled."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    request.cancel()
+                    raise ClientGone from None
+                continue
+            if event.kind == "error":
+                raise APIError(500, event.message, kind="server_error")
+            yield event
+            if event.kind == "done":
+                return
+    except asyncio.CancelledError:
+        request.cancel()
+        raise
+
+
 async def collect(
     request, events, http, ident, created, model_name, chat, engine, echo=None, answer=None
 ) -> dict:
@@ -29,14 +56,7 @@ async def collect(
     reasons: list[str | None] = [None] * len(request.sequences)
     usage = None
     try:
-        while usage is None:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    request.cancel()
-                    return JSONResponse({}, status_code=499)
-                continue
+        async for event in until_done(request, events, http):
             if event.kind == "delta":
                 texts[event.index] += event.text
                 logprobs[event.index] += event.logprobs
@@ -46,11 +66,8 @@ async def collect(
                 reasons[event.index] = event.finish_reason
             elif event.kind == "done":
                 usage = event.usage
-            elif event.kind == "error":
-                raise APIError(500, event.message, kind="server_error")
-    except asyncio.CancelledError:
-        request.cancel()
-        raise
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
     asked = request.params.logprobs is not None
     choices = []
     for index, (text, reason) in enumerate(zip(texts, reasons)):

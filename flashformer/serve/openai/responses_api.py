@@ -28,7 +28,6 @@ KEPT_RESPONSES of them: a previous_response_id older than that is a 404, as an u
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -42,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flashformer.serve.openai.answer import Answer, AnswerReader, read_answer
 from flashformer.serve.openai.chat import ServerOptions, check_model, prepare_chat, submit
 from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest
+from flashformer.serve.openai.responses import ClientGone, until_done
 from flashformer.text.reasoning import Thought
 from flashformer.text.tool_calls import ToolCall
 
@@ -368,25 +368,15 @@ def output_of(answer: Answer, status: str) -> tuple[list[dict], list[str]]:
 async def whole_response(request, events, http, shape: ResponseShape, keep):
     text, reason, usage = "", None, None
     try:
-        while usage is None:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    request.cancel()
-                    return JSONResponse({}, status_code=499)
-                continue
+        async for event in until_done(request, events, http):
             if event.kind == "delta":
                 text += event.text
             elif event.kind == "finish":
                 reason = event.finish_reason
             elif event.kind == "done":
                 usage = event.usage
-            elif event.kind == "error":
-                raise APIError(500, event.message, kind="server_error")
-    except asyncio.CancelledError:
-        request.cancel()
-        raise
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
     answer = read_answer(text, shape.answer)
     status = "incomplete" if reason == "length" else "completed"
     output, call_ids = output_of(answer, status)
