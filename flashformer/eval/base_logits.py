@@ -131,6 +131,15 @@ def write_base_logits(
     return Path(path)
 
 
+def is_base_logits(path: str | Path) -> bool:
+    """Whether `path` is a file that begins as a base file does (a model's path does not)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
 def read_base_logits(path: str | Path) -> BaseLogits:
     """Open a base file (ours or llama-perplexity's), checking its header and its size."""
     path = Path(path)

@@ -3,6 +3,7 @@
     base = save_base(model, tokenizer, text, "base.kld", ctx=512)      # the reference model
     result = kl_divergence(quantized, tokenizer, read_base_logits("base.kld"))
     result.mean_kld, result.same_top, result.rms_p_diff, result.percentiles("kld")
+    result = file_divergence(read_base_logits("other.kld"), read_base_logits("base.kld"))
 
 The text is tokenized once and cut into chunks of ctx tokens (all whole chunks, at most `chunks`);
 llama-perplexity asks for at least 2 * ctx tokens, and so does this. Each chunk is run on its own,
@@ -21,7 +22,9 @@ output line by line.
 
 The logits of a chunk come from one function, `chunk_logits(model, ids, keep)`; another way of
 computing them (a quantized KV cache, another backend) is a callable of the same signature
-passed as `logits=`.
+passed as `logits=`. file_divergence measures another program's log-probabilities, saved as a base
+file (`llama-perplexity -m quantized.gguf --kl-divergence-base other.kld`), by the same statistic:
+the statistic alone, without a forward of ours.
 """
 
 from __future__ import annotations
@@ -194,11 +197,15 @@ def save_base(
     return BaseResult(str(path), ctx, len(tokens), vocab, len(tokens) * scored_rows(ctx), nll)
 
 
-def token_statistics(logits: torch.Tensor, base_log_probs: torch.Tensor, targets: torch.Tensor) -> dict:
+def token_statistics(
+    logits: torch.Tensor, base_log_probs: torch.Tensor, targets: torch.Tensor, normalized: bool = False
+) -> dict:
     """Per scored position (R of them): nll, nll_base, kld, p_diff (float64) and top_agrees (bool).
 
-    logits: (R, V) the model's; base_log_probs: (R, V) the base's log-probabilities; targets: (R,)."""
-    log_q = torch.log_softmax(logits.double(), dim=-1)  # (R, V)
+    logits: (R, V) the model's; base_log_probs: (R, V) the base's log-probabilities; targets: (R,).
+    normalized: `logits` are log-probabilities already, read from a file: not normalized again,
+    since the file's floor stands for every token below it, whose mass a softmax would count."""
+    log_q = logits.double() if normalized else torch.log_softmax(logits.double(), dim=-1)  # (R, V)
     log_p = base_log_probs.double()  # (R, V)
     counted = log_p > SKIP_BELOW
     terms = torch.where(counted, log_p.exp() * (log_p - log_q), torch.zeros_like(log_p))  # (R, V)
@@ -336,6 +343,39 @@ def kl_divergence(
         out = scored_logits(model, base.tokens[c], bos, logits)  # (R, V)
         targets = torch.from_numpy(base.tokens[c, first + 1 :].astype(np.int64))  # (R,)
         parts.append(token_statistics(out, base.log_probs(c), targets))
+        if progress is not None:
+            progress(len(targets))
+    joined = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    return KLDResult(str(base.path), base.ctx, n, **joined)
+
+
+def file_divergence(
+    other: BaseLogits, base: BaseLogits, chunks: int | None = None, progress=None
+) -> KLDResult:
+    """KL divergence of `other`'s log-probabilities from `base`'s, both base files of the very same
+    tokens: another program's output (llama-perplexity's, of a quantized model) measured by this
+    module's statistic. A file keeps 16 bits per log-probability, so the figures differ from the
+    program's own by that rounding (tests/eval/test_kld.py bounds it), and it keeps only the 16 nats
+    under each row's top: a model whose probability of a likely base token is below that is measured
+    as if it were at the floor (a quantized model against its base is nowhere near)."""
+    if (other.ctx, other.vocab) != (base.ctx, base.vocab):
+        raise ValueError(
+            f"{other.path} has chunks of {other.ctx} tokens over a vocabulary of {other.vocab}; the base "
+            f"{base.path} has {base.ctx} and {base.vocab} (expected the same)"
+        )
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"chunks must be >= 1 (or None: all); got {chunks}")
+    n = min(other.chunks, base.chunks) if chunks is None else min(chunks, other.chunks, base.chunks)
+    differ = [c for c in range(n) if not np.array_equal(other.tokens[c], base.tokens[c])]
+    if differ:
+        raise ValueError(
+            f"{other.path} and {base.path} hold different tokens from chunk {differ[0]} on (expected the "
+            "same text, tokenized alike: run both programs on the same file with the same -c)"
+        )
+    first, parts = first_scored(base.ctx), []
+    for c in range(n):
+        targets = torch.from_numpy(base.tokens[c, first + 1 :].astype(np.int64))  # (R,)
+        parts.append(token_statistics(other.log_probs(c), base.log_probs(c), targets, normalized=True))
         if progress is not None:
             progress(len(targets))
     joined = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}

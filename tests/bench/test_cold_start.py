@@ -21,6 +21,13 @@ def test_a_fresh_process_is_timed_with_its_peak_rss():
     assert held < found["max_rss"] < held + 60 * 2**20  # the bytes it touched, and the interpreter
 
 
+def test_a_program_may_keep_its_compiled_modules(monkeypatch):
+    """What an installed package has: the timed program runs without PYTHONDONTWRITEBYTECODE."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    check = "import sys; sys.exit(3 if sys.dont_write_bytecode else 0)"
+    assert "seconds" in cold_start.timed([sys.executable, "-c", check], 60)
+
+
 def test_a_failing_or_hanging_process_is_an_error_not_a_time():
     found = cold_start.timed(
         [sys.executable, "-c", "import sys; print('no model', file=sys.stderr); sys.exit(3)"], 60

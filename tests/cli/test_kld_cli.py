@@ -17,7 +17,7 @@ from helpers.gguf import cycle_types, llama_metadata, llama_tensors, tiny_llama,
 from flashformer.checkpoints.loading import load
 from flashformer.cli import commands as cli
 from flashformer.eval.base_logits import read_base_logits, write_base_logits
-from flashformer.eval.kld import kl_divergence
+from flashformer.eval.kld import file_divergence, kl_divergence
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog, and then the dog sleeps in the sun. "
@@ -84,6 +84,31 @@ def test_save_base_then_measure_another_model(tiny_files, tmp_path, capsys):
     )
     itself = json.loads(result_json.read_text())
     assert itself["chunks"] == 2 and abs(itself["kld"]["mean"]) < 1e-4 and itself["same_top"]["mean"] == 1.0
+
+
+def test_a_logits_file_as_model_is_measured_against_the_base(tiny_files, tmp_path, capsys):
+    """MODEL may be another program's base file on the same tokens: the statistic alone."""
+    base_model, other_model, text = tiny_files
+    base_file, other_file, out = tmp_path / "b.kld", tmp_path / "o.kld", tmp_path / "kld.json"
+    cli.main(["eval", "kld", str(base_model), "--save-base", str(base_file), "--data", str(text), "--ctx", "32",
+              "--chunks", "4", "--no-progress"])  # fmt: skip
+    cli.main(["eval", "kld", str(other_model), "--save-base", str(other_file), "--tokens-of", str(base_file),
+              "--no-progress"])  # fmt: skip
+    cli.main(["eval", "kld", str(other_file), "--base", str(base_file), "--out", str(out)])
+    measured = json.loads(out.read_text())
+    # these tiny models are many nats apart, past the 16 nats a file keeps (tests/eval/test_kld.py
+    # compares the two ways on models within it): here the command's figures are file_divergence's
+    expected = file_divergence(read_base_logits(other_file), read_base_logits(base_file))
+    assert measured["model"] == str(other_file) and measured["tokens"] == 4 * 15
+    assert measured["kld"]["mean"] == pytest.approx(expected.mean_kld, rel=1e-9) and expected.mean_kld > 0.05
+    assert "Mean    KLD:" in capsys.readouterr().out
+    err = user_error(capsys, ["eval", "kld", str(other_file), "--save-base", str(tmp_path / "x.kld"),
+                              "--tokens-of", str(base_file)])  # fmt: skip
+    assert "o.kld is a base logits file; it is measured against another: give --base FILE" in err
+    err = user_error(
+        capsys, ["eval", "kld", str(other_file), "--base", str(base_file), "--cache-type-k", "q8_0"]
+    )
+    assert "o.kld is a logits file" in err
 
 
 def user_error(capsys, argv: list[str]) -> str:

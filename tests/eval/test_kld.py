@@ -19,6 +19,7 @@ from flashformer.eval.kld import (
     bos_to_add,
     cached_chunk_logits,
     chunk_logits,
+    file_divergence,
     kl_divergence,
     save_base,
     text_chunks,
@@ -205,6 +206,37 @@ def test_a_vocabulary_mismatch_names_the_file_and_both_sizes(tmp_path):
     model = flashformer.build("llama-tiny").eval()
     with pytest.raises(ValueError, match=r"other\.kld holds .* vocabulary of 999 tokens; the model has 1000"):
         kl_divergence(model, NO_BOS, read_base_logits(tmp_path / "other.kld"))
+
+
+def test_another_programs_logits_file_measures_as_the_model_does(measured, tmp_path):
+    """The model's log-probabilities saved as a base file of the same tokens (what llama-perplexity
+    --kl-divergence-base writes of a quantized model), measured against the base file: the float64
+    figures, up to the two files' 16-bit rounding, and the same as running the model."""
+    base_model, model, _, result, base = measured
+    save_base(model, NO_BOS, base.tokens, tmp_path / "other.kld")
+    files = file_divergence(read_base_logits(tmp_path / "other.kld"), base)
+    exact = reference_statistics(base_model, model, base.tokens)
+    assert (files.chunks, files.tokens) == (5, 5 * 15)
+    assert np.abs(files.kld - exact["kld"]).max() < 1e-3
+    assert files.mean_kld == pytest.approx(exact["kld"].mean(), rel=3e-3)
+    assert files.mean_kld == pytest.approx(result.mean_kld, rel=3e-3)
+    assert np.abs(files.nll - exact["nll"]).max() < 3e-4
+    assert files.same_top == pytest.approx(exact["top"].mean())
+    itself = file_divergence(base, base)
+    assert abs(itself.mean_kld) < 1e-9 and itself.same_top == 1.0
+
+
+def test_a_logits_file_of_other_tokens_is_refused(measured, tmp_path):
+    base = measured[4]
+    tokens = base.tokens.copy()
+    tokens[3, 5] = (tokens[3, 5] + 1) % base.vocab
+    write_base_logits(tmp_path / "o.kld", base.ctx, base.vocab, tokens,
+                      [torch.zeros(scored_rows(base.ctx), base.vocab)] * base.chunks)  # fmt: skip
+    with pytest.raises(ValueError, match=r"o\.kld and .* hold different tokens from chunk 3 on"):
+        file_divergence(read_base_logits(tmp_path / "o.kld"), base)
+    write_random_base(tmp_path / "narrow.kld", ctx=16, vocab=999)
+    with pytest.raises(ValueError, match=r"narrow\.kld has chunks of 16 tokens over a vocabulary of 999"):
+        file_divergence(read_base_logits(tmp_path / "narrow.kld"), base)
 
 
 def test_chunks_bos_and_the_logits_callable(measured):
