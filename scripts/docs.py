@@ -377,6 +377,67 @@ def readme_headline(docs: Path) -> str:
     )
 
 
+# ---- the maintainer scripts' attention runs (scripts/bench_paged_attention.py, bench_decode_attention.py) ----
+
+# a column of the paged-attention table: its heading, and the run it shows (a name in ms_per_step)
+PAGED_COLUMNS = {
+    "cpu": (
+        ("paged, cpu (one C++ call; auto)", "paged/cpu (one call)"),
+        ("paged, torch (per sequence, SDPA)", "paged/torch (per sequence, SDPA)"),
+        ("paged, flash (per sequence)", "paged/flash"),
+        ("one padded call", "batched (not invariant)"),
+        ("dense static cache", "dense static cache"),
+    ),
+    "cuda": (
+        ("paged, triton (splits of 256)", "paged/triton split 256"),
+        ("triton, splits 64-512", "paged/triton split"),  # the range over every split length
+        ("paged, auto per sequence (SDPA)", "paged/auto"),
+        ("paged, flash per sequence", "paged/flash"),
+        ("one padded call (not invariant)", "batched (not invariant)"),
+        ("dense static cache", "dense static cache"),
+    ),
+}
+
+
+def paged_attention_table(payload: dict) -> str:
+    """One decode step's attention over every layer's paged pool, ms per step, by batch and lengths."""
+    columns = PAGED_COLUMNS[payload["device"]]
+    rows = []
+    for result in payload["results"]:
+        row = [str(result["batch"]), result["lengths"]]
+        for _, run in columns:
+            if run in result["ms_per_step"]:
+                row.append(f"{result['ms_per_step'][run]:.1f}")
+            else:
+                splits = [ms for name, ms in result["ms_per_step"].items() if name.startswith(run + " ")]
+                row.append(f"{min(splits):.1f}-{max(splits):.1f}")
+        rows.append(row)
+    return markdown_table(["batch", "keys per sequence", *(heading for heading, _ in columns)], rows)
+
+
+def decode_attention_table(payload: dict) -> str:
+    """attention() over a static cache, backend "cpu" against "torch", µs a call, by key count."""
+    lengths = sorted({r["k_len"] for r in payload["results"]})
+    cells: dict[tuple, dict[int, str]] = {}
+    for r in payload["results"]:
+        key = (r["model"], r["batch"], r["q_len"])
+        cells.setdefault(key, {})[r["k_len"]] = (
+            f"{r['us']['cpu']:.0f} / {r['us']['torch']:.0f} ({r['torch_over_cpu']:.2f})"
+        )
+    header = [
+        "heads (q/kv x dim)",
+        "batch",
+        "queries a row",
+        f"{lengths[0]} keys: cpu / torch µs (torch/cpu)",
+        *(f"{n} keys" for n in lengths[1:]),
+    ]
+    rows = [
+        [model, str(batch), str(q_len), *(row.get(n, "-") for n in lengths)]
+        for (model, batch, q_len), row in cells.items()
+    ]
+    return markdown_table(header, rows)
+
+
 def tables(docs: Path) -> dict[tuple[Path, str], str]:
     """Every generated table of README.md and docs/, as {(page, marker): text}, drawn from the JSON
     stored under docs/figures and from the code (the CLI's parser, the cost formulas, the HF names)
@@ -410,6 +471,14 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
         ("long-context-qwen-4k", "qwen2.5-0.5b-shape-4k"),
     ):
         found[benchmarks, marker] = long_context.table(stored(docs, f"long-context/{name}.json"))
+    for marker, name in (
+        ("paged-attention-cpu", "paged-attention-cpu"),
+        ("paged-attention-cuda", "paged-attention-cuda"),
+    ):
+        found[benchmarks, marker] = paged_attention_table(stored(docs, f"measured/{name}.json"))
+    found[benchmarks, "decode-attention-cpu"] = decode_attention_table(
+        stored(docs, "measured/decode-attention-cpu.json")
+    )
     if readme.is_file():  # absent beside a copy of docs/ alone
         found[readme, "headline"] = readme_headline(docs)
     return found
