@@ -6,7 +6,7 @@
 
 The study is `flashformer study alternatives` (flashformer.bench.alternatives); its run folders go
 to --work. The results go to docs/figures/measured/alternatives.json (+ .png), and the generated
-sections of docs/alternatives.md and README.md are filled from them, as `python scripts/docs.py
+section of docs/alternatives.md is filled from them, as `python scripts/docs.py
 --skip-bench` also does.
 """
 
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
         alternatives_report.plot(payload, args.out.with_suffix(".png"))
         print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}; the docs still show {OUT}")
         return payload
-    docs.fill_alternatives(ROOT / "docs", ROOT / "README.md")
-    print(f"\nwrote {args.out}, {args.out.with_suffix('.png')}, docs/alternatives.md and README.md's table")
+    docs.fill_alternatives(ROOT / "docs")
+    print(f"\nwrote {args.out}, {args.out.with_suffix('.png')}, and docs/alternatives.md")
     return payload
 
 

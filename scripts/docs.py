@@ -2,6 +2,7 @@
 
     python scripts/docs.py                 # runs `flashformer bench attention --quick` (minutes on 2 cores)
     python scripts/docs.py --skip-bench    # reuses docs/figures/bench/attention.json
+    python scripts/docs.py --tables-only   # only the tables, from the stored JSON: no benchmark, no figure
 
 A maintainer's tool (it needs a checkout: it writes into docs/), not a user
 command. Figures go to docs/figures/. Tables are written between the markers
@@ -11,7 +12,8 @@ command. Figures go to docs/figures/. Tables are written between the markers
 of the Markdown files, so prose around them stays hand-written. Each table
 and figure is made by the module that owns its data (the benchmarks, the
 cost formulas, the HF name mapping, the CLI's own parser); this script only
-runs them and puts their output in place.
+runs them and puts their output in place. Every table of figures is drawn from JSON
+stored under docs/figures (`tables`), so a table typed by hand fails tests/test_docs.py.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ from pathlib import Path
 import torch
 
 from flashformer import costs
-from flashformer.bench import alternatives_report
+from flashformer.bench import alternatives_report, kv_cache, long_context, serve, speculative, turns
 from flashformer.bench import attention as bench_attention
 from flashformer.cli import commands as cli
 from flashformer.costs import report
 from flashformer.encoders import study
+from flashformer.formatting import markdown_table
 from flashformer.model import hf
 from flashformer.viz import positional, tiles
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-README = DOCS.parent / "README.md"
 
 
 def replace_generated(path: Path, name: str, body: str) -> None:
@@ -279,17 +281,213 @@ def alternatives_section(docs: Path, redraw: bool = True) -> str:
 
 
 def alternatives_headline(docs: Path) -> str:
-    """README.md's quote of the study: its headline table and where the rest is."""
+    """The study's settings and headline table, the start of `alternatives_section`."""
     payload = alternatives_payload(docs)
     if payload is None:
         return "No stored study: run `python scripts/alternatives_study.py`.\n"
     return alternatives_report.headline(payload)
 
 
-def fill_alternatives(docs: Path, readme: Path = README) -> None:
+def fill_alternatives(docs: Path) -> None:
     replace_generated(docs / "alternatives.md", "alternatives-study", alternatives_section(docs))
-    if readme.is_file():
-        replace_generated(readme, "alternatives-headline", alternatives_headline(docs))
+
+
+# ---- tables drawn from several stored runs: README.md's headline, docs/benchmarks.md's summaries ----
+
+
+def stored(docs: Path, relative: str) -> dict:
+    """A stored run's JSON, docs/figures/RELATIVE."""
+    path = docs / "figures" / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the stored run a generated table is drawn from is missing")
+    return json.loads(path.read_text())
+
+
+# the native decoder against llama-bench (scripts/bench_isa_turns.py): (file, JSON name, decode target)
+TURNS_FILES = (
+    ("SmolLM2-135M Q4_1", "smollm2", 1.3),
+    ("Gemma 3 270M Q4_K_M", "gemma3", 1.3),
+    ("Llama-3.2-1B shapes Q4_K_M (0.8 GB)", "llama1b-shape", 1.1),
+)
+TURNS_PATHS = (("native (AMX, VNNI)", "native"), ("AVX2", "avx2"))
+PROMPT_TARGET = 2.0
+# flashformer serve against llama-server, one client and 16: (label, JSON name)
+SERVE_RUNS = (
+    ("SmolLM2, native", "smollm2-native"),
+    ("SmolLM2, AVX2", "smollm2-avx2-forced"),
+    ("Gemma 3, native", "gemma3-native"),
+    ("Gemma 3, AVX2", "gemma3-avx2-forced"),
+)
+
+
+def native_decoder_table(docs: Path) -> str:
+    rows = [
+        (file, path, stored(docs, f"measured/turns-{name}-{suffix}.json"), target, PROMPT_TARGET)
+        for file, name, target in TURNS_FILES
+        for path, suffix in TURNS_PATHS
+    ]
+    return turns.summary_table(rows)
+
+
+def native_serve_table(docs: Path) -> str:
+    rows = [
+        (
+            label,
+            stored(docs, f"measured/serve-{name}-1-client.json"),
+            stored(docs, f"measured/serve-{name}.json"),
+        )
+        for label, name in SERVE_RUNS
+    ]
+    return serve.versus_table(rows)
+
+
+def readme_headline(docs: Path) -> str:
+    """README.md's one table: the default path against llama.cpp on the same files, from the runs
+    docs/benchmarks.md's "The native decoder" tabulates in full."""
+    rows, machine = [], None
+    for file, name, _ in TURNS_FILES:
+        payload = stored(docs, f"measured/turns-{name}-native.json")
+        machine = machine or payload["machine"]
+        ours, theirs = payload["summary"]["flashformer"], payload["summary"]["llama.cpp"]
+        decode = ours["decode"]["best"], theirs["decode"]["best"]
+        prompt = ours["prompt"]["best"], theirs["prompt"]["best"]
+        row = [
+            file,
+            f"{decode[0]:.0f} / {decode[1]:.0f} (**{decode[0] / decode[1]:.1f}x**)",
+            f"{prompt[0]:.0f} / {prompt[1]:.0f} (**{prompt[0] / prompt[1]:.1f}x**)",
+        ]
+        path = docs / "figures" / "measured" / f"serve-{name}-native.json"
+        if path.is_file():
+            ours_served, theirs_served = serve.ours_and_theirs(json.loads(path.read_text()))
+            rate = ours_served["output_tokens_per_s"], theirs_served["output_tokens_per_s"]
+            row.append(f"{rate[0]:.0f} / {rate[1]:.0f} (**{rate[0] / rate[1]:.1f}x**)")
+        else:
+            row.append("-")
+        rows.append(row)
+    header = [
+        "GGUF file",
+        "decode tokens/s: flashformer / llama.cpp",
+        "512-token prompt tokens/s",
+        "served, 16 clients: output tokens/s against llama-server",
+    ]
+    return (
+        f"{machine['cpu']}, {machine['threads']} threads, batch 1, greedy; best of fresh processes in "
+        "turns against llama-bench's tg128 and pp512 on the same file; llama.cpp built for the same "
+        "CPU.\n\n" + markdown_table(header, rows)
+    )
+
+
+# ---- the maintainer scripts' attention runs (scripts/bench_paged_attention.py, bench_decode_attention.py) ----
+
+# a column of the paged-attention table: its heading, and the run it shows (a name in ms_per_step)
+PAGED_COLUMNS = {
+    "cpu": (
+        ("paged, cpu (one C++ call; auto)", "paged/cpu (one call)"),
+        ("paged, torch (per sequence, SDPA)", "paged/torch (per sequence, SDPA)"),
+        ("paged, flash (per sequence)", "paged/flash"),
+        ("one padded call", "batched (not invariant)"),
+        ("dense static cache", "dense static cache"),
+    ),
+    "cuda": (
+        ("paged, triton (splits of 256)", "paged/triton split 256"),
+        ("triton, splits 64-512", "paged/triton split"),  # the range over every split length
+        ("paged, auto per sequence (SDPA)", "paged/auto"),
+        ("paged, flash per sequence", "paged/flash"),
+        ("one padded call (not invariant)", "batched (not invariant)"),
+        ("dense static cache", "dense static cache"),
+    ),
+}
+
+
+def paged_attention_table(payload: dict) -> str:
+    """One decode step's attention over every layer's paged pool, ms per step, by batch and lengths."""
+    columns = PAGED_COLUMNS[payload["device"]]
+    rows = []
+    for result in payload["results"]:
+        row = [str(result["batch"]), result["lengths"]]
+        for _, run in columns:
+            if run in result["ms_per_step"]:
+                row.append(f"{result['ms_per_step'][run]:.1f}")
+            else:
+                splits = [ms for name, ms in result["ms_per_step"].items() if name.startswith(run + " ")]
+                row.append(f"{min(splits):.1f}-{max(splits):.1f}")
+        rows.append(row)
+    return markdown_table(["batch", "keys per sequence", *(heading for heading, _ in columns)], rows)
+
+
+def decode_attention_table(payload: dict) -> str:
+    """attention() over a static cache, backend "cpu" against "torch", µs a call, by key count."""
+    lengths = sorted({r["k_len"] for r in payload["results"]})
+    cells: dict[tuple, dict[int, str]] = {}
+    for r in payload["results"]:
+        key = (r["model"], r["batch"], r["q_len"])
+        cells.setdefault(key, {})[r["k_len"]] = (
+            f"{r['us']['cpu']:.0f} / {r['us']['torch']:.0f} ({r['torch_over_cpu']:.2f})"
+        )
+    header = [
+        "heads (q/kv x dim)",
+        "batch",
+        "queries a row",
+        f"{lengths[0]} keys: cpu / torch µs (torch/cpu)",
+        *(f"{n} keys" for n in lengths[1:]),
+    ]
+    rows = [
+        [model, str(batch), str(q_len), *(row.get(n, "-") for n in lengths)]
+        for (model, batch, q_len), row in cells.items()
+    ]
+    return markdown_table(header, rows)
+
+
+def tables(docs: Path) -> dict[tuple[Path, str], str]:
+    """Every generated table of README.md and docs/, as {(page, marker): text}, drawn from the JSON
+    stored under docs/figures and from the code (the CLI's parser, the cost formulas, the HF names)
+    alone: no benchmark runs and no figure is drawn, so this is what a test regenerates."""
+    attention = json.loads((docs / "figures" / "bench" / "attention.json").read_text())
+    benchmarks, readme = docs / "benchmarks.md", docs.parent / "README.md"
+    found = {
+        (benchmarks, "attention-table"): bench_attention.table(attention),
+        (benchmarks, "measured-runs"): measured_section(docs, redraw=False),
+        (benchmarks, "native-decoder-turns"): native_decoder_table(docs),
+        (benchmarks, "native-decoder-serve"): native_serve_table(docs),
+        (docs / "costs.md", "preset-costs"): report.preset_costs_table(),
+        (docs / "costs.md", "memory-agreement"): bench_attention.memory_agreement_table(attention),
+        (docs / "models.md", "hf-names"): hf.names_table(),
+        (docs / "cli.md", "cli-reference"): cli.reference(),
+        (docs / "encoders.md", "encoder-study"): encoder_study_section(docs, redraw=False),
+        (docs / "alternatives.md", "alternatives-study"): alternatives_section(docs, redraw=False),
+    }
+    for marker, name in (
+        ("speculative-smollm2", "speculative-smollm2-135m-instruct"),
+        ("speculative-gemma3", "speculative-gemma-3-270m-q4_k_m"),
+        ("speculative-draft", "speculative-smollm2-f16-draft"),
+    ):
+        found[benchmarks, marker] = speculative.table(stored(docs, f"speculative/{name}.json"))
+    for marker, name in (("kv-cache-smollm2", "smollm2-4k"), ("kv-cache-gemma3", "gemma3-4k")):
+        found[benchmarks, marker] = kv_cache.table(stored(docs, f"kv-cache/{name}.json"))
+    found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
+    for marker, name in (
+        ("long-context-gemma3", "gemma-3-270m-32k"),
+        ("long-context-qwen-32k", "qwen2.5-0.5b-shape-32k"),
+        ("long-context-qwen-4k", "qwen2.5-0.5b-shape-4k"),
+    ):
+        found[benchmarks, marker] = long_context.table(stored(docs, f"long-context/{name}.json"))
+    for marker, name in (
+        ("paged-attention-cpu", "paged-attention-cpu"),
+        ("paged-attention-cuda", "paged-attention-cuda"),
+    ):
+        found[benchmarks, marker] = paged_attention_table(stored(docs, f"measured/{name}.json"))
+    found[benchmarks, "decode-attention-cpu"] = decode_attention_table(
+        stored(docs, "measured/decode-attention-cpu.json")
+    )
+    if readme.is_file():  # absent beside a copy of docs/ alone
+        found[readme, "headline"] = readme_headline(docs)
+    return found
+
+
+def fill_tables(docs: Path) -> None:
+    """Rewrite every generated table from the stored JSON (`tables`), nothing else."""
+    for (page, marker), text in tables(docs).items():
+        replace_generated(page, marker, text)
 
 
 def make_figures(docs: Path, bench_mode: str) -> list[Path]:
@@ -333,15 +531,12 @@ def make_figures(docs: Path, bench_mode: str) -> list[Path]:
     bench_attention.plot_memory_agreement(payload, figures / "attention-memory-formula.png")
     done(figures / "attention-memory-formula.png")
 
-    replace_generated(docs / "benchmarks.md", "attention-table", bench_attention.table(payload))
-    replace_generated(docs / "benchmarks.md", "measured-runs", measured_section(docs))
-    replace_generated(docs / "costs.md", "preset-costs", report.preset_costs_table())
-    replace_generated(docs / "costs.md", "memory-agreement", bench_attention.memory_agreement_table(payload))
-    replace_generated(docs / "models.md", "hf-names", hf.names_table())
-    replace_generated(docs / "cli.md", "cli-reference", cli.reference())
-    replace_generated(docs / "encoders.md", "encoder-study", encoder_study_section(docs))
-    fill_alternatives(docs, docs.parent / "README.md")
-    print("  tables in benchmarks.md, costs.md, models.md, cli.md, encoders.md, alternatives.md", flush=True)
+    # the stored runs' figures, redrawn from their JSON (their tables come next, with the others)
+    measured_section(docs)
+    encoder_study_section(docs)
+    alternatives_section(docs)
+    fill_tables(docs)
+    print("  tables in README.md, benchmarks.md, costs.md, models.md, cli.md, encoders.md, alternatives.md")
     return written
 
 
@@ -355,9 +550,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
     bench.add_argument(
         "--full-bench", action="store_true", help="the full attention benchmark (hours on a CPU)"
     )
+    bench.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="only rewrite the tables from the stored JSON: no benchmark, no figure",
+    )
     args = parser.parse_args(argv)
     if not args.docs.is_dir():
         raise FileNotFoundError(f"--docs {args.docs} is not a folder ")
+    if args.tables_only:
+        fill_tables(args.docs)
+        return []
     torch.manual_seed(0)
     mode = "skip" if args.skip_bench else "full" if args.full_bench else "quick"
     return make_figures(args.docs, mode)

@@ -37,15 +37,62 @@ def test_every_docs_page_has_the_markers_the_command_fills():
     for page, name in (
         ("benchmarks.md", "attention-table"),
         ("benchmarks.md", "measured-runs"),
+        ("benchmarks.md", "native-decoder-turns"),
+        ("benchmarks.md", "kv-cache-kld"),
         ("costs.md", "preset-costs"),
         ("costs.md", "memory-agreement"),
         ("models.md", "hf-names"),
         ("cli.md", "cli-reference"),
         ("encoders.md", "encoder-study"),
         ("alternatives.md", "alternatives-study"),
+        ("../README.md", "headline"),
     ):
         text = (DOCS / page).read_text()
         assert f"<!-- generated: {name} -->" in text and f"<!-- end: {name} -->" in text, (page, name)
+
+
+def generated_blocks(page: Path) -> dict[str, str]:
+    """Every `<!-- generated: NAME -->` ... `<!-- end: NAME -->` block of a page, by name."""
+    return dict(re.findall(r"<!-- generated: ([\w.-]+) -->\n(.*?)<!-- end: \1 -->", page.read_text(), re.S))
+
+
+def test_every_generated_table_is_its_stored_json():
+    """Each generated block of README.md and docs/ equals the table `scripts/docs.py --tables-only`
+    draws from the JSON under docs/figures (regenerated here in memory: no benchmark, no figure), so
+    a figure edited by hand, or a JSON changed without its page, fails."""
+    expected = docs.tables(DOCS)
+    differ = [
+        f"{page.name}: {marker}"
+        for (page, marker), text in expected.items()
+        if generated_blocks(page).get(marker, "").strip() != text.strip()
+    ]
+    assert not differ, f"tables that differ from their JSON (python scripts/docs.py --tables-only): {differ}"
+    for page in (ROOT / "README.md", DOCS / "benchmarks.md"):
+        unknown = set(generated_blocks(page)) - {marker for p, marker in expected if p == page}
+        assert not unknown, f"{page.name} has generated blocks nothing fills: {unknown}"
+
+
+def test_a_table_edited_by_hand_is_found(tmp_path):
+    copy = tmp_path / "docs"
+    shutil.copytree(DOCS, copy, ignore=shutil.ignore_patterns("*.png"))
+    (tmp_path / "README.md").write_text((ROOT / "README.md").read_text())
+    page = copy / "benchmarks.md"
+    block = generated_blocks(page)["kv-cache-smollm2"]
+    page.write_text(page.read_text().replace(block, block.replace("| q8_0 | 12240 |", "| q8_0 | 12241 |")))
+    tables = docs.tables(copy)
+    assert generated_blocks(page)["kv-cache-smollm2"].strip() != tables[page, "kv-cache-smollm2"].strip()
+    docs.fill_tables(copy)
+    assert generated_blocks(page)["kv-cache-smollm2"].strip() == tables[page, "kv-cache-smollm2"].strip()
+
+
+def test_readme_is_a_front_door_with_the_two_commands():
+    """README.md stays short, and its test command is the one .ci/run runs verbatim."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    commands = [line.strip() for line in readme.splitlines() if line.startswith("    python3 -m venv .venv")]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert len(commands) == 2 and commands[1] == ci, (commands, ci)
+    assert commands[0].endswith('flashformer train && flashformer generate runs/gpt-mini --prompt "def "')
 
 
 def command_names() -> list[str]:
@@ -187,12 +234,4 @@ def test_alternatives_sections_come_from_the_stored_json(tmp_path):
     assert docs.alternatives_headline(tmp_path) in section.replace(
         "\n\nWidth and parameters: corpus / tasks (the vocabularies differ). Accuracy: on the answer tokens only.",
         "",
-    )
-
-
-def test_readme_quotes_the_stored_alternatives_table():
-    section = (ROOT / "README.md").read_text().split("<!-- generated: alternatives-headline -->\n", 1)[1]
-    assert (
-        section.split("<!-- end: alternatives-headline -->", 1)[0].strip()
-        == docs.alternatives_headline(DOCS).strip()
     )

@@ -1,7 +1,7 @@
 """`attention()`: the one place where attention scores are computed.
 
 It checks every argument against the contract (the signature and rules in the docstring of
-attention() below, and the README's Attention section), turns the masks
+attention() below, and docs/flashattention.md's first section), turns the masks
 and biases into one `ScoreRules` description, picks a backend and runs it.
 """
 

@@ -217,7 +217,7 @@ def settings(payload: dict) -> str:
 
 
 def headline(payload: dict) -> str:
-    """The README's quote: the settings and the headline table."""
+    """The study's settings and headline table (the start of docs/alternatives.md's section)."""
     return settings(payload) + "\n\n" + headline_table(payload)
 
 

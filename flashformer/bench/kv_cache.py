@@ -216,6 +216,52 @@ def table(payload: dict) -> str:
     return markdown_table(header, rows)
 
 
+# kld_table's columns: (heading, the run's name in the payload, the figure shown)
+KLD_COLUMNS = (
+    ("llama.cpp mean KLD", "llama.cpp (against its f16 cache, int8 activations)", "error"),
+    ("ours", "flashformer (against its f16 cache, int8 activations)", "error"),
+    ("ours / llama.cpp", None, "ratio"),
+    ("ours, same top token", "flashformer (against its f16 cache, int8 activations)", "same top"),
+    (
+        "ours without the rotation",
+        "flashformer without the rotation (against its f16 cache, int8 activations)",
+        "mean",
+    ),
+    (
+        "ours, float32 activations against an f32 cache",
+        "flashformer (against its f32 cache, float32 activations)",
+        "mean",
+    ),
+)
+
+
+def kld_table(payload: dict) -> str:
+    """The KL-divergence of each cache type from its program's own unquantized cache (the JSON of
+    `flashformer eval kld` runs beside llama-perplexity's, gathered by hand: docs/benchmarks.md)."""
+    from flashformer.formatting import markdown_table
+
+    ours_name, theirs_name = KLD_COLUMNS[1][1], KLD_COLUMNS[0][1]
+    rows = []
+    for name, runs in payload["types"].items():
+        row = [name]
+        for _, run, shown in KLD_COLUMNS:
+            if shown == "ratio":
+                both = ours_name in runs and theirs_name in runs
+                row.append(
+                    f"{runs[ours_name]['mean_kld'] / runs[theirs_name]['mean_kld']:.2f}" if both else "-"
+                )
+            elif run not in runs:
+                row.append("-")
+            elif shown == "error":
+                row.append(f"{runs[run]['mean_kld']:.6f} ± {runs[run]['kld_error']:.6f}")
+            elif shown == "same top":
+                row.append(f"{runs[run]['same_top_percent']:.2f} %")
+            else:
+                row.append(f"{runs[run]['mean_kld']:.6f}")
+        rows.append(row)
+    return markdown_table(["keys/values", *(heading for heading, _, _ in KLD_COLUMNS)], rows)
+
+
 def plot(payload: dict, path: Path) -> None:
     """Each type's KV bytes and decode speed against the first type's, ours and llama.cpp's."""
     import matplotlib

@@ -328,6 +328,50 @@ def table(payload: dict) -> str:
     return text
 
 
+def ours_and_theirs(payload: dict) -> tuple[dict, dict]:
+    """The batching flashformer server's run and llama-server's, as `loaded` measured them."""
+    servers = payload["servers"]
+    ours = next(r for name, r in servers.items() if name.startswith("flashformer (max batch"))
+    theirs = next(r for name, r in servers.items() if name.startswith("llama-server"))
+    return ours["loaded"], theirs["loaded"]
+
+
+def versus_table(rows: list[tuple[str, dict, dict]]) -> str:
+    """flashformer's server against llama-server: (label, the one-client run's payload, the
+    16-client run's), one line each; tokens/s ours / theirs, latencies ours / theirs."""
+
+    def ms(a: dict, b: dict, key: str) -> str:
+        return f"{1e3 * a[key]:.0f} / {1e3 * b[key]:.0f}"
+
+    def rate(a: dict, b: dict) -> str:
+        ours, theirs = a["output_tokens_per_s"], b["output_tokens_per_s"]
+        return f"{ours:.1f} / {theirs:.1f} (**{ours / theirs:.2f}x**)"
+
+    lines = []
+    for label, one_client, many_clients in rows:
+        one, many = ours_and_theirs(one_client), ours_and_theirs(many_clients)
+        lines.append(
+            [
+                label,
+                rate(*one),
+                ms(*one, "itl_p99_s"),
+                rate(*many),
+                ms(*many, "ttft_p50_s"),
+                ms(*many, "itl_p99_s"),
+            ]
+        )
+    clients = ours_and_theirs(rows[0][2])[0]["clients"] if rows else 16
+    header = [
+        "file, path",
+        "1 client: tokens/s ours / theirs",
+        "ITL p99 ms",
+        f"{clients} clients: tokens/s",
+        "TTFT p50 ms",
+        "ITL p99 ms",
+    ]
+    return markdown_table(header, lines)
+
+
 def drills(payload: dict) -> str:
     """The kill drills (bench/serve_replicas.py) as sentences ("" if none ran)."""
     found = []

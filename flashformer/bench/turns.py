@@ -55,6 +55,50 @@ def table(payload: dict) -> str:
     return head + markdown_table(header, rows)
 
 
+def summary_table(rows: list[tuple[str, str, dict, float, float]]) -> str:
+    """One line per run of the script: (file, path, its payload, decode target, prompt target),
+    the targets as our best over llama.cpp's best. A ratio is bold where it meets its target."""
+    from flashformer.formatting import markdown_table
+
+    def ratio(ours: dict, theirs: dict, target: float) -> tuple[str, str]:
+        best = ours["best"] / theirs["best"]
+        shown = f"**{best:.2f}**" if best >= target else f"{best:.2f}"
+        return (
+            f"{shown} ({ours['median'] / theirs['median']:.2f})",
+            f"{target:g}: {'met' if best >= target else 'not met'}",
+        )
+
+    lines = []
+    for file, path, payload, decode_target, prompt_target in rows:
+        ours, theirs = payload["summary"]["flashformer"], payload["summary"]["llama.cpp"]
+        decode, prompt = ours["decode"], ours["prompt"]
+        lines.append(
+            [
+                file,
+                path,
+                f"{decode['best']:.1f} / {decode['median']:.1f} against "
+                f"{theirs['decode']['best']:.1f} / {theirs['decode']['median']:.1f}",
+                *ratio(decode, theirs["decode"], decode_target),
+                f"{prompt['best']:.0f} / {prompt['median']:.0f} against "
+                f"{theirs['prompt']['best']:.0f} / {theirs['prompt']['median']:.0f}",
+                *ratio(prompt, theirs["prompt"], prompt_target),
+                f"{decode['median'] / decode['best']:.2f}, {prompt['median'] / prompt['best']:.2f}",
+            ]
+        )
+    header = [
+        "file",
+        "path",
+        "decode tokens/s: ours best / median against llama.cpp's",
+        "ratio best (median)",
+        "target",
+        "pp512 tokens/s: ours against llama.cpp's",
+        "ratio best (median)",
+        "target",
+        "our median / best: decode, prompt",
+    ]
+    return markdown_table(header, lines)
+
+
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
 
