@@ -19,6 +19,10 @@ cache: half the bytes a decode step streams) or uint8 rows of q8_0 / q4_0
 blocks (kernels/kv_blocks.py), each its own type; each span of 64 keys is
 widened to float32 once per task, so the result is that of a float32 cache
 holding the values they stand for, bit for bit.
+
+The operators' schemas and fakes are declared with the others in kernels/operators.py; this
+module is their callers' side: when the kernel takes a request, and its arguments from a
+request's rules.
 """
 
 from __future__ import annotations
@@ -106,22 +110,3 @@ def run_packed(
         -1 if rules.window_left is None else rules.window_left,
         -1 if rules.window_right is None else rules.window_right,
     )
-
-
-def _paged_fake(
-    q, k_pool, v_pool, block_tables, seq_lens, q_starts, scale, softcap, causal, alibi, padding, *window
-):
-    return q.new_empty(*q.shape[:2], v_pool.shape[3]), q.new_empty(q.shape[:2])
-
-
-def _static_fake(q, k, v, scale, softcap, causal, alibi, padding, *window):
-    batch, q_heads, q_len, _ = q.shape
-    dim_v = v.shape[3]  # the kernel's layout: (B, Lq, Hq, ...) in memory
-    out = q.new_empty_strided(
-        (batch, q_heads, q_len, dim_v), (q_len * q_heads * dim_v, dim_v, q_heads * dim_v, 1)
-    )
-    return out, q.new_empty_strided((batch, q_heads, q_len), (q_len * q_heads, 1, q_heads))
-
-
-torch.library.register_fake("flashformer::paged_attention_cpu", _paged_fake, lib=extension.LIBRARY)
-torch.library.register_fake("flashformer::attention_cpu", _static_fake, lib=extension.LIBRARY)

@@ -2,20 +2,14 @@
 first use, once per machine (cached in torch's extension folder, TORCH_EXTENSIONS_DIR; about
 100 s cold on 2 cores), with a line on stderr before and after the build.
 
-It implements the operators defined here (their schemas are Python's, so torch.compile and
-the fallbacks see them whether or not the build succeeds):
-- int4_linear, int5_linear, int8_linear, quantized_kernel_isa: the quantized layers (quantized.py,
-  csrc/quantized_cpu.cpp and quantized_x86.inc);
-- q4_k_linear, q5_k_linear, q6_k_linear: GGUF's K-quant blocks (quantized.py, csrc/kquants_cpu.cpp
-  and kquants_x86.inc);
-- paged_attention_cpu, attention_cpu: attention of a batch over a paged or a static KV cache,
-  one call for every sequence (attention/cpu_kernel.py, csrc/paged_attention_cpu.cpp);
-- the class NativeDecoder: a decoder-only model's whole forward in one call
-  (native_decoder.py, csrc/decoder_cpu.cpp).
+It implements the operators of operators.py (their schemas are Python's, so torch.compile and
+the fallbacks see them whether or not the build succeeds) and the class NativeDecoder, a
+decoder-only model's whole forward in one call (native_decoder.py, csrc/decoder_cpu.cpp).
 
-Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and runs
-the fallbacks its users registered with on_fallback: PyTorch code, exact and slower. Once
-loaded, the quantized kernels take the path FLASHFORMER_CPU_ISA asks for (kernels/machine.py).
+Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and
+registers the operators' fallbacks: PyTorch code, exact and slower. Once loaded, the quantized
+kernels take the path FLASHFORMER_CPU_ISA asks for (kernels/machine.py); kernel_isa() reads or
+switches it.
 """
 
 from __future__ import annotations
@@ -27,12 +21,12 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from flashformer.kernels import machine
+from flashformer.kernels import machine, operators
+from flashformer.kernels.machine import KERNEL_ISAS
 
 NAME = "flashformer_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
@@ -59,37 +53,6 @@ INCLUDES = [
     _CSRC / "kquants_amx.inc",
 ]
 
-LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
-_LINEAR_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
-LIBRARY.define("int4_linear" + _LINEAR_SCHEMA)
-LIBRARY.define("int5_linear" + _LINEAR_SCHEMA)
-LIBRARY.define("int8_linear" + _LINEAR_SCHEMA)
-# K-quants: the blocks hold their own scales
-_KQUANT_SCHEMA = "(Tensor x, Tensor blocks, Tensor? bias, int out_features, bool int8_activations) -> Tensor"
-for _name in ("q4_k_linear", "q5_k_linear", "q6_k_linear"):
-    LIBRARY.define(_name + _KQUANT_SCHEMA)
-LIBRARY.define("quantized_kernel_isa(int request) -> int")
-LIBRARY.define(
-    "paged_attention_cpu(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
-    "Tensor q_starts, float scale, float softcap, bool causal, Tensor? alibi_slopes, Tensor? key_padding, "
-    "int window_left, int window_right) "
-    "-> (Tensor, Tensor)"
-)
-LIBRARY.define(
-    "attention_cpu(Tensor q, Tensor k, Tensor v, float scale, float softcap, bool causal, Tensor? alibi_slopes, "
-    "Tensor? key_padding, int window_left, int window_right) -> (Tensor, Tensor)"
-)
-
-_FALLBACKS: list[Callable[[], None]] = []
-
-
-def on_fallback(register: Callable[[], None]) -> Callable[[], None]:
-    """register() runs if the extension cannot be loaded: it gives the operators PyTorch kernels.
-    A decorator: returns register."""
-    _FALLBACKS.append(register)
-    return register
-
-
 _loaded_as: str | None = None  # load()'s answer, once it has run
 
 
@@ -115,11 +78,24 @@ def load() -> str:
             stacklevel=2,
         )
         return _fall_back()
-    request = machine.requested_isa()
-    torch.ops.flashformer.quantized_kernel_isa(
-        len(machine.KERNEL_ISAS) - 1 if request == "best" else machine.KERNEL_ISAS.index(request)
-    )
+    torch.ops.flashformer.quantized_kernel_isa(_isa_index(machine.requested_isa()))
     return _loaded("cpp")
+
+
+def kernel_isa(request: int | str = -1) -> str:
+    """Which code runs the operators: one of KERNEL_ISAS (the C++ kernels) or "torch" (the fallback).
+    request (a name or its index) switches the C++ kernels to that code, or the best below it
+    this CPU has; "best" switches to the best this CPU has (FLASHFORMER_CPU_ISA chose the path at
+    load). Tests compare them: all give the same bits."""
+    load()
+    isa = torch.ops.flashformer.quantized_kernel_isa(
+        _isa_index(request) if isinstance(request, str) else request
+    )
+    return "torch" if isa < 0 else KERNEL_ISAS[isa]
+
+
+def _isa_index(name: str) -> int:
+    return len(KERNEL_ISAS) - 1 if name == "best" else KERNEL_ISAS.index(name)
 
 
 def build_directory() -> Path:
@@ -195,8 +171,7 @@ def cpp_kernels() -> bool:
 
 
 def _fall_back() -> str:
-    for register in _FALLBACKS:
-        register()
+    operators.register_fallbacks()
     return _loaded("torch")
 
 

@@ -1,6 +1,6 @@
 """GGUF's 5-bit (Q5_0, Q5_1) and K-quant (Q4_K, Q5_K, Q6_K) blocks for the quantized layers
-(quantized.py): their packed layouts, their dequantization (gguf's float32 arithmetic, bit for
-bit) and the PyTorch fallbacks of their operators.
+(layouts.py's "int5", "q4_k", "q5_k", "q6_k"): their fields and their dequantization (gguf's
+float32 arithmetic, bit for bit).
 
 - "int5" (Q5_1, and Q5_0 as Q5_1 with m = -16 d, exact in float16): int4's packing (groups of 8
   rows, GGUF's nibble order, d and m float16) plus each row's 32 fifth bits in one uint32,
@@ -17,30 +17,14 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from flashformer.kernels import extension
-
 SUPER_BLOCK = 256  # values per K-quant block (GGUF's QK_K)
-KQUANT_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}  # GGUF type -> format
-KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per block of 256
-INT5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per block of 32
-FALLBACK_TILE_ROWS = 1024  # weight rows dequantized at a time by the fallbacks
 # bit p of an int5 row's word holds the fifth bit of quant FIFTH_BIT_SOURCE[p] (see above)
 FIFTH_BIT_SOURCE = [
     (4 * (p % 8) + p // 8) if p % 8 < 4 else (16 + 4 * (p % 8 - 4) + p // 8) for p in range(32)
 ]
-
-
-def to_bytes(raw) -> Tensor:
-    """A tensor's raw bytes as a uint8 tensor: gguf.GGUFReader's read-only arrays are copied
-    (numpy memory-maps them), torch tensors taken as they are."""
-    data = raw if isinstance(raw, Tensor) else torch.from_numpy(np.array(raw, copy=True))
-    if data.dtype != torch.uint8:
-        raise ValueError(f"raw_uint8_blocks: expected uint8 bytes, got dtype {data.dtype}")
-    return data.contiguous()
 
 
 def _halves(data: Tensor, start: int) -> Tensor:
@@ -88,10 +72,9 @@ def gguf_bits_of(words: Tensor) -> Tensor:
     return out.to(torch.uint8)
 
 
-def parse_int5(type_name: str, data: Tensor, n: int, blocks: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Q5_0 / Q5_1 bytes (N * blocks * 22 or 24) -> (d, m float16 (N, blocks), nibbles uint8
+def parse_int5(type_name: str, data: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q5_0 / Q5_1 blocks uint8 (N, blocks, 22 or 24) -> (d, m float16 (N, blocks), nibbles uint8
     (N, blocks, 16), fifth-bit words int32 (N, blocks))."""
-    data = data.reshape(n, blocks, INT5_BYTES[type_name])
     d = data[..., :2].contiguous().view(torch.float16).squeeze(-1)
     if type_name == "Q5_1":
         m, rest = data[..., 2:4].contiguous().view(torch.float16).squeeze(-1), data[..., 4:]
@@ -130,12 +113,6 @@ def int5_rows(qweight: Tensor, scales: Tensor, ids: Tensor) -> Tensor:
 # ---- K-quants ----
 
 
-def parse_kquant(type_name: str, data: Tensor, n: int, k: int) -> Tensor:
-    """A Q4_K / Q5_K / Q6_K tensor's bytes -> blocks uint8 (N, K / 256, bytes), the same bytes
-    (a view where data is contiguous)."""
-    return data.view(n, k // SUPER_BLOCK, KQUANT_BYTES[KQUANT_FORMATS[type_name]])
-
-
 def _scales_mins(packed: Tensor) -> tuple[Tensor, Tensor]:
     """Q4_K / Q5_K's 12 scale bytes (..., 12) -> 6-bit scales and minimums (..., 8) each."""
     low, mid, top = packed.unflatten(-1, (3, 4)).unbind(-2)  # (..., 4) each
@@ -166,63 +143,3 @@ def dequantize_kquant(fmt: str, blocks: Tensor) -> Tensor:
     d = _halves(blocks, 0)[..., None] * sc.float()  # (R, nb, 8)
     dm = _halves(blocks, 2)[..., None] * mins.float()
     return (d[..., None] * q.float() - dm[..., None]).reshape(rows, nb * SUPER_BLOCK)
-
-
-# ---- the operators' shapes and fallbacks ----
-
-
-def _kquant_fake(x, blocks, bias, out_features, int8_activations):
-    return x.new_empty(x.shape[0], out_features)
-
-
-def _linear_fake(x, qweight, scales, bias, out_features, int8_activations):
-    return x.new_empty(x.shape[0], out_features)
-
-
-KQUANT_OPS = {}
-for _fmt in KQUANT_BYTES:
-    torch.library.register_fake(f"flashformer::{_fmt}_linear", _kquant_fake, lib=extension.LIBRARY)
-    KQUANT_OPS[_fmt] = getattr(torch.ops.flashformer, f"{_fmt}_linear").default
-torch.library.register_fake("flashformer::int5_linear", _linear_fake, lib=extension.LIBRARY)
-INT5_OP = torch.ops.flashformer.int5_linear.default
-
-
-def _int5_fallback(x, qweight, scales, bias, out_features, int8_activations) -> Tensor:
-    """x (M, K) @ W^T with W dequantized FALLBACK_TILE_ROWS rows at a time; x stays float32."""
-    out = x.new_empty(x.shape[0], out_features)
-    step = FALLBACK_TILE_ROWS // 8
-    for g0 in range(0, qweight.shape[0], step):
-        weight = dequantize_int5(qweight[g0 : g0 + step], scales[g0 : g0 + step])
-        n0, n1 = g0 * 8, min((g0 + step) * 8, out_features)
-        out[:, n0:n1] = x @ weight[: n1 - n0].t()
-    return out if bias is None else out + bias
-
-
-def _kquant_fallback(fmt, x, blocks, bias, out_features, int8_activations) -> Tensor:
-    out = x.new_empty(x.shape[0], out_features)
-    for n0 in range(0, out_features, FALLBACK_TILE_ROWS):
-        weight = dequantize_kquant(fmt, blocks[n0 : n0 + FALLBACK_TILE_ROWS])
-        out[:, n0 : n0 + weight.shape[0]] = x @ weight.t()
-    return out if bias is None else out + bias
-
-
-def _no_backward(ctx, grad):
-    raise RuntimeError(
-        "flashformer's quantized linear layers have no backward pass: their weights are integer "
-        "buffers. Train or fine-tune the float model, then quantize it."
-    )
-
-
-@extension.on_fallback
-def _register_fallback() -> None:
-    names = {"int5_linear": _int5_fallback}
-    for fmt in KQUANT_BYTES:
-        names[f"{fmt}_linear"] = lambda *args, fmt=fmt: _kquant_fallback(fmt, *args)
-    for name, kernel in names.items():
-        extension.LIBRARY.impl(name, kernel, "CPU")
-        torch.library.register_autograd(
-            f"flashformer::{name}",
-            _no_backward,
-            setup_context=lambda ctx, inputs, output: None,
-            lib=extension.LIBRARY,
-        )

@@ -37,9 +37,11 @@ import math
 import torch
 from torch import Tensor
 
+from flashformer.kernels import block_types
+
 TYPES = ("f32", "f16", "q8_0", "q4_0")
-BLOCK = 32  # values per q8_0 / q4_0 block
-_BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+_BLOCK_BYTES = {name: block_types.TYPES[name.upper()].block_bytes for name in ("q8_0", "q4_0")}
+BLOCK = block_types.TYPES["Q8_0"].block_values  # values per q8_0 / q4_0 block (32)
 # the float types: the two a user names, and the ones a model's own dtype gives (a bfloat16 or float64
 # model keeps a cache of its dtype, as it always has)
 _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}

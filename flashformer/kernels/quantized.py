@@ -1,297 +1,71 @@
 """Weight-only quantized linear layers and embeddings for decoding on the CPU.
 
-The weights are stored as small integers in blocks of 32 along the input dim and stay so in
-memory; the activations stay float32 at the module's boundary. Two formats:
+The weights are stored as small integers in blocks along the input dim and stay so in memory,
+in one of the packed layouts of layouts.py; the activations stay float32 at the module's
+boundary. A float weight is quantized to "int4" (llama.cpp's Q4_1 rule) or "int8" (per-row
+scales); a GGUF tensor of a type block_types.py serves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) keeps its blocks, repacked byte for byte or used in place, never re-rounded.
 
-- "int4": GGUF's Q4_1 block, weight = d * q + m with q in 0..15 and d, m float16 per block.
-  Q4_0 (weight = d * (q - 8)) is the same with m = -8 d. A GGUF Q4_0/Q4_1 tensor is repacked
-  byte for byte, never re-rounded; a float weight is quantized with llama.cpp's Q4_1 rule.
-- "int8": weight = s * q, q in int8, with s float16 per block of 32 (GGUF Q8_0, as stored) or
-  float32 per output row (a float weight quantized here).
-
-and, from GGUF files only (gguf_blocks.py describes their layouts): "int5" (Q5_0 / Q5_1, int4
-with a fifth bit) and "q4_k", "q5_k", "q6_k" (the K-quants' blocks of 256, as the file stores
-them; with int8 activations x is quantized per block of 256, as llama.cpp's Q8_K).
-
-`QuantizedLinear(x)` computes x @ W^T + b with a C++ kernel (csrc/quantized_cpu.cpp) that
-streams the packed bytes and widens them in registers: a decode step's time is the time to read
-the weights, and 4-bit blocks are 0.625 bytes a weight instead of 4. By default the kernel also
-quantizes x to int8 per block of 32 (as llama.cpp does) and sums integer products; with
-activations="float32" it keeps x in float32 and is exact with respect to the dequantized weights.
-Either way a row's result does not depend on the other rows of its batch.
+`QuantizedLinear(x)` computes x @ W^T + b with a C++ kernel (csrc/quantized_cpu.cpp,
+kquants_cpu.cpp) that streams the packed bytes and widens them in registers: a decode step's time
+is the time to read the weights, and 4-bit blocks are 0.625 bytes a weight instead of 4. By
+default the kernel also quantizes x to int8 per block of 32 (as llama.cpp does; per block of
+256 for the K-quants, as its Q8_K) and sums integer products; with activations="float32" it keeps
+x in float32 and is exact with respect to the dequantized weights. Either way a row's result does
+not depend on the other rows of its batch.
 
 The kernels are compiled at first use (kernels/extension.py); without a compiler, or with
 FLASHFORMER_QUANTIZED_KERNELS=torch, the same operators run as PyTorch code that dequantizes
-the weights tile by tile: exact, slower, announced by one warning.
-
-Packed layout (the kernels read it; `dequantize()` undoes it): output rows in groups of 8 (int4)
-or 4 (int8), padded with zero rows; for each group and block of 32 inputs the group's quants are
-adjacent, so that a group is read as one sequential stream:
-    int4: qweight uint8 (groups, blocks, 8, 16), GGUF's nibble order (byte j: q[j] low, q[j+16] high)
-          scales float16 (groups, blocks, 2, 8): the 8 rows' d, then their m
-    int8: qweight int8 (groups, blocks, 4, 32)
-          scales float16 (groups, blocks, 4) per block, or float32 (groups * 4,) per row
+the weights tile by tile (operators.py): exact, slower, announced by one warning.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashformer.kernels import extension, gguf_blocks
-from flashformer.kernels.gguf_blocks import KQUANT_FORMATS, SUPER_BLOCK
-from flashformer.kernels.machine import KERNEL_ISAS
+from flashformer.kernels.block_types import GGUF_TYPES as GGUF_TYPES
+from flashformer.kernels.block_types import parse_gguf_blocks
+from flashformer.kernels.extension import kernel_isa as kernel_isa
+from flashformer.kernels.layouts import (
+    BLOCK,
+    LAYOUTS,
+    pack_int4,
+    pack_int8,
+    quantize_int8_per_row,
+    quantize_q4_1,
+)
+from flashformer.kernels.machine import KERNEL_ISAS as KERNEL_ISAS
+from flashformer.kernels.operators import op
 
-BLOCK = 32  # values per quantization block along the input dim (GGUF's QK4_0, QK4_1, QK8_0)
-# Output rows interleaved in the packed layout: 8 for int4, whose one-row kernel reads 8 rows per
-# block (the x block's loads and scale shared by 8 rows) as one sequential stream, which the
-# hardware prefetches best (docs/benchmarks.md, "Packed layouts"). 4 for int8: 4 rows x 32 bytes
-# are already a 128-byte sequential block.
-# int5 as int4; the K-quants are not interleaved: a row's blocks are one sequential stream already.
-GROUP_ROWS = {"int4": 8, "int8": 4, "int5": 8, "q4_k": 1, "q5_k": 1, "q6_k": 1}
+GROUP_ROWS = {name: layout.group_rows for name, layout in LAYOUTS.items()}
 FORMATS = ("int4", "int8")  # what a float weight is quantized to
-PACKED_FORMATS = tuple(GROUP_ROWS)  # what a layer holds
+PACKED_FORMATS = tuple(LAYOUTS)  # what a layer holds
 # formats whose layout is GGUF's own, row after row: a layer holds the file's bytes, mapped, not a
 # copy. The others interleave rows (8 or 4 to a group) for their kernels: repacked at load.
-IN_PLACE_FORMATS = tuple(KQUANT_FORMATS.values())
-BLOCK_VALUES = {fmt: SUPER_BLOCK if fmt in KQUANT_FORMATS.values() else BLOCK for fmt in PACKED_FORMATS}
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+IN_PLACE_FORMATS = tuple(name for name, layout in LAYOUTS.items() if layout.in_place)
+BLOCK_VALUES = {name: layout.block_values for name, layout in LAYOUTS.items()}
 ACTIVATIONS = ("int8", "float32")
-FALLBACK_TILE_ROWS = 1024  # output rows dequantized at a time by the PyTorch fallback
 
-# ---- the operators (schemas in extension.py): shapes for torch.compile, no backward ----
-
-_LIBRARY = extension.LIBRARY
 load_kernels = extension.load
 
 
-def _linear_fake(x, qweight, scales, bias, out_features, int8_activations):
-    return x.new_empty(x.shape[0], out_features)
+def _linear_op(fmt: str):
+    """The format's operator, called as (x, qweight, scales, bias, out_features, int8_activations)."""
+    call = op(LAYOUTS[fmt].op)
+    if not LAYOUTS[fmt].in_place:
+        return call
+
+    def blocks_call(x, qweight, scales, bias, out_features, int8_activations):
+        # scales: None, the blocks hold them
+        return call(x, qweight, bias, out_features, int8_activations)
+
+    return blocks_call
 
 
-def _no_backward(ctx, grad):
-    raise RuntimeError(
-        "flashformer's quantized linear layers have no backward pass: their weights are integer "
-        "buffers. Train or fine-tune the float model, then quantize it."
-    )
-
-
-for _name in ("int4_linear", "int8_linear"):
-    torch.library.register_fake(f"flashformer::{_name}", _linear_fake, lib=_LIBRARY)
-_LINEAR_OPS = {
-    "int4": torch.ops.flashformer.int4_linear.default,
-    "int8": torch.ops.flashformer.int8_linear.default,
-    "int5": gguf_blocks.INT5_OP,
-}
-
-
-def _kquant_op(fmt: str):
-    op = gguf_blocks.KQUANT_OPS[fmt]
-
-    def call(x, qweight, scales, bias, out_features, int8_activations):  # scales: None, the blocks hold them
-        return op(x, qweight, bias, out_features, int8_activations)
-
-    return call
-
-
-_LINEAR_OPS |= {fmt: _kquant_op(fmt) for fmt in KQUANT_FORMATS.values()}
-
-
-def kernel_isa(request: int | str = -1) -> str:
-    """Which code runs the operators: one of KERNEL_ISAS (the C++ kernels) or "torch" (the fallback).
-    request (a name or its index) switches the C++ kernels to that code, or the best below it
-    this CPU has; "best" switches to the best this CPU has (FLASHFORMER_CPU_ISA chose the path at
-    load). Tests compare them: all give the same bits."""
-    load_kernels()
-    if isinstance(request, str):
-        request = len(KERNEL_ISAS) - 1 if request == "best" else KERNEL_ISAS.index(request)
-    isa = torch.ops.flashformer.quantized_kernel_isa(request)
-    return "torch" if isa < 0 else KERNEL_ISAS[isa]
-
-
-@extension.on_fallback
-def _register_fallback() -> None:
-    """The operators' kernels in Python. (The C++ library registers its own no-backward kernel:
-    a Python autograd registration costs a call's time even under no_grad.)"""
-    for name, dequantize in (("int4_linear", dequantize_int4), ("int8_linear", dequantize_int8)):
-        _LIBRARY.impl(name, functools.partial(_linear_fallback, dequantize), "CPU")
-        torch.library.register_autograd(
-            f"flashformer::{name}", _no_backward, setup_context=lambda ctx, inputs, output: None, lib=_LIBRARY
-        )
-    _LIBRARY.impl("quantized_kernel_isa", lambda request: -1, "CompositeExplicitAutograd")
-
-
-def _linear_fallback(dequantize, x, qweight, scales, bias, out_features, int8_activations) -> Tensor:
-    """The operators in PyTorch: x (M, K) @ W^T with W dequantized FALLBACK_TILE_ROWS rows at a
-    time, never whole. x stays float32 whatever int8_activations asks (exact, not batch-invariant)."""
-    out = x.new_empty(x.shape[0], out_features)  # (M, N)
-    rows = qweight.shape[2]  # per group
-    groups_per_tile = FALLBACK_TILE_ROWS // rows
-    for g0 in range(0, qweight.shape[0], groups_per_tile):
-        g1 = min(g0 + groups_per_tile, qweight.shape[0])
-        tile_scales = scales[g0 * rows : g1 * rows] if scales.dim() == 1 else scales[g0:g1]
-        weight = dequantize(qweight[g0:g1], tile_scales)  # (rows of the tile, K)
-        n0, n1 = g0 * rows, min(g1 * rows, out_features)
-        out[:, n0:n1] = x @ weight[: n1 - n0].t()
-    if bias is not None:
-        out += bias
-    return out
-
-
-# ---- packing and dequantization ----
-
-
-def pack_int4(d: Tensor, m: Tensor, nibbles: Tensor) -> tuple[Tensor, Tensor]:
-    """GGUF Q4_1 fields of N rows -> the packed layout. d, m: float16 (N, blocks);
-    nibbles: uint8 (N, blocks, 16) in GGUF's order. Returns qweight (G, blocks, 8, 16) uint8
-    and scales (G, blocks, 2, 8) float16, rows padded with zeros to G * 8."""
-    n, blocks = d.shape
-    rows = GROUP_ROWS["int4"]
-    pad = -n % rows
-    groups = (n + pad) // rows
-    nibbles = F.pad(nibbles, (0, 0, 0, 0, 0, pad)).view(groups, rows, blocks, 16)
-    qweight = nibbles.permute(0, 2, 1, 3).contiguous()  # (G, blocks, 8, 16)
-    dm = torch.stack((d, m)).view(torch.int16)  # F.pad has no float16 kernel on every build
-    dm = F.pad(dm, (0, 0, 0, pad)).view(2, groups, rows, blocks)
-    scales = dm.permute(1, 3, 0, 2).contiguous().view(torch.float16)  # (G, blocks, 2, 8)
-    return qweight, scales
-
-
-def pack_int5(d: Tensor, m: Tensor, nibbles: Tensor, words: Tensor) -> tuple[Tensor, Tensor]:
-    """Q5_1 fields of N rows (d, m, nibbles as pack_int4's; words int32 (N, blocks): the fifth
-    bits, gguf_blocks.fifth_bit_words) -> qweight (G, blocks, 160) uint8, scales as int4's."""
-    nibble_blocks, scales = pack_int4(d, m, nibbles)  # (G, blocks, 8, 16)
-    groups, blocks = nibble_blocks.shape[:2]
-    rows = GROUP_ROWS["int5"]
-    words = F.pad(words, (0, 0, 0, groups * rows - words.shape[0])).view(groups, rows, blocks)
-    word_bytes = words.permute(0, 2, 1).contiguous().view(torch.uint8)  # (G, blocks, 32)
-    return torch.cat((nibble_blocks.reshape(groups, blocks, 128), word_bytes), dim=-1), scales
-
-
-def pack_int8(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
-    """int8 quants (N, blocks, 32) and their scales, float16 (N, blocks) per block or float32 (N,)
-    per row -> qweight (G, blocks, 4, 32) int8 and scales (G, blocks, 4) or (G * 4,)."""
-    n, blocks, _ = q.shape
-    rows = GROUP_ROWS["int8"]
-    pad = -n % rows
-    groups = (n + pad) // rows
-    # one copy from q's layout (a strided view of a file's blocks) into the groups: 0.3 s for a
-    # 262k-row embedding, where making q contiguous, padding and permuting took three (0.6 s)
-    source = F.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q
-    qweight = torch.empty(groups, blocks, rows, BLOCK, dtype=torch.int8)
-    qweight.copy_(source.view(groups, rows, blocks, BLOCK).permute(0, 2, 1, 3))
-    if scales.dim() == 1:
-        return qweight, F.pad(scales, (0, pad))
-    per_block = F.pad(scales.view(torch.int16), (0, 0, 0, pad)).view(groups, rows, blocks)
-    return qweight, per_block.permute(0, 2, 1).contiguous().view(torch.float16)
-
-
-def dequantize_int4(qweight: Tensor, scales: Tensor) -> Tensor:
-    """Packed int4 -> float32 (G * 8, K): d * q + m, rounded as gguf's dequantizer rounds it."""
-    groups, blocks, rows = qweight.shape[:3]
-    q = torch.stack((qweight & 15, qweight >> 4), dim=3).view(groups, blocks, rows, BLOCK).float()
-    d, m = scales.float().unbind(2)  # (G, blocks, 8) each
-    weight = d[..., None] * q + m[..., None]  # (G, blocks, 8, 32)
-    return weight.permute(0, 2, 1, 3).reshape(groups * rows, blocks * BLOCK)
-
-
-def dequantize_int8(qweight: Tensor, scales: Tensor) -> Tensor:
-    """Packed int8 -> float32 (G * 4, K): q * s, per block (float16 scales) or per row (float32)."""
-    groups, blocks, rows = qweight.shape[:3]
-    q = qweight.permute(0, 2, 1, 3).reshape(groups * rows, blocks, BLOCK).float()  # (N, blocks, 32)
-    if scales.dim() == 1:
-        return (q * scales[:, None, None]).view(groups * rows, blocks * BLOCK)
-    s = scales.float().permute(0, 2, 1).reshape(groups * rows, blocks, 1)
-    return (q * s).view(groups * rows, blocks * BLOCK)
-
-
-def quantize_q4_1(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """A float weight (N, K) -> GGUF Q4_1 fields (d, m float16 (N, K/32), nibbles uint8 (N, K/32, 16)),
-    with llama.cpp's rule (quantize_row_q4_1_ref; gguf.quants does the same): per block,
-    d = (max - min) / 15, q = trunc((x - min) / d + 0.5) clipped to 0..15 with 1/d and d in
-    float32, then d and m = min stored as float16. Every step is a float32 operation of its own,
-    as there, so the bytes are the same."""
-    n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    low = blocks.amin(dim=-1, keepdim=True)
-    d = (blocks.amax(dim=-1, keepdim=True) - low) / 15
-    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    q = torch.trunc((blocks - low) * inverse + 0.5).clamp(0, 15).to(torch.uint8)  # (N, blocks, 32)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)
-    return d.squeeze(-1).half(), low.squeeze(-1).half(), nibbles
-
-
-def quantize_int8_per_row(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """A float weight (N, K) -> int8 quants (N, K/32, 32) (K zero-padded to a multiple of 32)
-    and float32 scales (N,): s = max|w| / 127 per row, q = round(w / s), half to even."""
-    n, k = weight.shape
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127  # (N,)
-    q = torch.round(w / torch.where(scale == 0, torch.ones_like(scale), scale)[:, None]).clamp(-127, 127)
-    q = F.pad(q.to(torch.int8), (0, -k % BLOCK))
-    return q.view(n, -1, BLOCK), scale
-
-
-def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str, Tensor, Tensor | None]:
-    """Raw GGUF blocks of a (N, K) tensor (torch order: GGUF's ne reversed) -> (format, qweight, scales).
-
-    raw: the tensor's bytes (uint8, any shape: gguf.GGUFReader's tensor.data is (N, bytes per row);
-    a numpy array is copied, GGUFReader's are read-only views of the mapped file; a torch tensor
-    is used as it is). Q4_0 becomes Q4_1 with m = -8 d and Q5_0 Q5_1 with m = -16 d, exact in
-    float16 (multiplications by powers of two). K-quants keep their bytes (scales None)."""
-    if type_name not in GGUF_TYPES:
-        raise ValueError(f"type_name: expected one of {GGUF_TYPES}, got {type_name!r}")
-    n, k = _check_shape("shape", shape)
-    block = SUPER_BLOCK if type_name in KQUANT_FORMATS else BLOCK
-    if k % block:
-        raise ValueError(
-            f"shape: in_features must be a multiple of {block} for {type_name}, got shape {tuple(shape)}"
-        )
-    data = gguf_blocks.to_bytes(raw)
-    block_bytes = {
-        "Q4_0": 18,
-        "Q4_1": 20,
-        "Q5_0": 22,
-        "Q5_1": 24,
-        "Q8_0": 34,
-        "Q4_K": 144,
-        "Q5_K": 176,
-        "Q6_K": 210,
-    }
-    block_bytes = block_bytes[type_name]
-    blocks = k // block
-    if data.numel() != n * blocks * block_bytes:
-        raise ValueError(
-            f"raw_uint8_blocks: a {type_name} tensor of shape {tuple(shape)} takes {n * blocks * block_bytes} "
-            f"bytes ({n} x {blocks} blocks of {block_bytes}), got {data.numel()} (shape {tuple(data.shape)})"
-        )
-    if type_name in KQUANT_FORMATS:
-        # the bytes as given, not a copy: a GGUF file's own, used in place from its map (the
-        # loader unmaps the pages it read to repack the other types, which a copy once did:
-        # checkpoints.gguf.header.FileMapping.drop_resident_pages)
-        return KQUANT_FORMATS[type_name], gguf_blocks.parse_kquant(type_name, data, n, k), None
-    if type_name in ("Q5_0", "Q5_1"):
-        return ("int5", *pack_int5(*gguf_blocks.parse_int5(type_name, data, n, blocks)))
-    data = data.reshape(n, blocks, block_bytes)
-    d = data[..., :2].contiguous().view(torch.float16).squeeze(-1)  # (N, blocks)
-    if type_name == "Q8_0":
-        return ("int8", *pack_int8(data[..., 2:].view(torch.int8), d))  # quants (N, blocks, 32), strided
-    if type_name == "Q4_1":
-        m = data[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
-        return ("int4", *pack_int4(d, m, data[..., 4:]))
-    m = d * -8
-    if not torch.isfinite(m).all():
-        raise ValueError("raw_uint8_blocks: a Q4_0 scale d is too large for m = -8 d in float16")
-    return ("int4", *pack_int4(d, m, data[..., 2:]))
-
-
-def _check_shape(name: str, shape) -> tuple[int, int]:
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"{name}: expected (out_features, in_features), both >= 1, got {tuple(shape)}")
-    return int(shape[0]), int(shape[1])
+_LINEAR_OPS = {fmt: _linear_op(fmt) for fmt in LAYOUTS}
 
 
 def _quantize_float(weight: Tensor, mode: str) -> tuple[Tensor, Tensor]:
@@ -309,18 +83,9 @@ def _quantize_float(weight: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     return pack_int8(*quantize_int8_per_row(weight))
 
 
-_DEQUANTIZE = {
-    "int4": dequantize_int4,
-    "int8": dequantize_int8,
-    "int5": gguf_blocks.dequantize_int5,
-} | {fmt: functools.partial(gguf_blocks.dequantize_kquant, fmt) for fmt in KQUANT_FORMATS.values()}
-
-
 def _dequantize(fmt: str, qweight: Tensor, scales: Tensor | None) -> Tensor:
     """The float32 weight (padded rows and columns included) of a packed layout."""
-    if fmt in KQUANT_FORMATS.values():
-        return _DEQUANTIZE[fmt](qweight)
-    return _DEQUANTIZE[fmt](qweight, scales)
+    return LAYOUTS[fmt].dequantize(qweight, scales)
 
 
 def _keep_dtypes(module: nn.Module, fn, recurse: bool, apply) -> nn.Module:
@@ -579,7 +344,7 @@ class QuantizedEmbedding(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"ids: expected an integer tensor, got {ids.dtype} (shape {tuple(ids.shape)})")
         flat = ids.reshape(-1).long()  # (L,)
-        if self.fmt in KQUANT_FORMATS.values():
+        if self.fmt in IN_PLACE_FORMATS:
             rows = gguf_blocks.dequantize_kquant(self.fmt, self.qweight[flat])  # (L, dim)
             return rows.reshape(*ids.shape, -1)[..., : self.embedding_dim]
         if self.fmt == "int5":

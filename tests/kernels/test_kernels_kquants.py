@@ -1,5 +1,5 @@
 """GGUF's Q5_0 / Q5_1 and K-quant (Q4_K, Q5_K, Q6_K) blocks in the quantized layers
-(flashformer/kernels/quantized.py, gguf_blocks.py) against gguf's dequantizer and float64
+(flashformer/kernels/quantized.py, gguf_blocks.py, operators.py's fallbacks) against gguf's dequantizer and float64
 products of its weights; every ISA the same bits; a row's result independent of its batch."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from helpers.kernel_paths import kernel_paths, on_path
 
-from flashformer.kernels import gguf_blocks
+from flashformer.kernels.operators import OPERATORS
 from flashformer.kernels.quantized import (
     KERNEL_ISAS,
     ConcatenatedLinear,
@@ -179,10 +179,11 @@ def test_fallbacks_match_reference():
         raw = random_blocks(type_name, 1030, 256, seed=6)  # more rows than one fallback tile
         lin = QuantizedLinear.from_gguf_blocks(type_name, raw, (1030, 256))
         bias = torch.randn(1030)
+        fallback = OPERATORS[f"{lin.fmt}_linear"].fallback
         if lin.fmt == "int5":
-            y = gguf_blocks._int5_fallback(x, lin.qweight, lin.scales, bias, 1030, True)
+            y = fallback(x, lin.qweight, lin.scales, bias, 1030, True)
         else:
-            y = gguf_blocks._kquant_fallback(lin.fmt, x, lin.qweight, bias, 1030, True)
+            y = fallback(x, lin.qweight, bias, 1030, True)  # the blocks hold their scales
         check_close(y, x.double(), dequantized(type_name, raw).double(), magnitudes(type_name, raw), bias)
 
 

@@ -20,8 +20,9 @@ from helpers.kernel_paths import kernel_paths, on_path
 from torch import nn
 
 from flashformer.checkpoints.gguf import smollm2_path
-from flashformer.kernels import quantized
+from flashformer.kernels import layouts
 from flashformer.kernels.cpu import cpu_decode_step_options
+from flashformer.kernels.operators import OPERATORS
 from flashformer.kernels.quantized import (
     KERNEL_ISAS,
     QuantizedEmbedding,
@@ -169,7 +170,7 @@ def test_int4_quantization_is_gguf_q4_1():
     weight = torch.randn(21, 128) * torch.logspace(-4, 2, 21)[:, None]
     weight[1, :32] = 0.25  # a constant block: d = 0
     weight[2, 32:64] = torch.linspace(-1, 1, 32)  # values on the rounding boundaries
-    d, m, nibbles = quantized.quantize_q4_1(weight)
+    d, m, nibbles = layouts.quantize_q4_1(weight)
     ours = torch.cat(
         (d.view(torch.uint8).view(21, 4, 2), m.view(torch.uint8).view(21, 4, 2), nibbles), dim=-1
     )
@@ -238,9 +239,8 @@ def test_fallback_matches_reference():
     for source in SOURCES:
         weight, bias = torch.randn(1030, 64), torch.randn(1030)  # more rows than one fallback tile
         lin, w64 = make_linear(source, weight, bias)
-        dequantize = quantized.dequantize_int4 if lin.fmt == "int4" else quantized.dequantize_int8
         x = torch.randn(3, 64)
-        y = quantized._linear_fallback(dequantize, x, lin.qweight, lin.scales, lin.bias, 1030, True)
+        y = OPERATORS[f"{lin.fmt}_linear"].fallback(x, lin.qweight, lin.scales, lin.bias, 1030, True)
         check_close(y, x.double(), w64, bias)
 
 

@@ -28,8 +28,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+from flashformer.kernels.block_types import TYPES
+
+QK_K = TYPES["Q4_K"].block_values  # values per super-block: 256
+BLOCK_BYTES = {name: TYPES[name].block_bytes for name in ("Q4_K", "Q5_K", "Q6_K")}
 GROUP_MAX_EPS = 1e-15  # llama.cpp: a sub-block below this is all zeros
 CHUNK_ELEMENTS = 1 << 16  # weights quantized per step: temporaries that stay in the caches
 

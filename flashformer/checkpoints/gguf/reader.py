@@ -19,11 +19,13 @@ from gguf import GGMLQuantizationType
 from torch import Tensor
 
 from flashformer.checkpoints.gguf.header import BadTensor, FileMapping, HeaderError, ShortRead, read_header
+from flashformer.kernels.block_types import TYPES
 
-# Tensor types read here: plain floats, the legacy block types and the K-quants. The others that
-# gguf knows (IQ*, TQ*, MXFP4, integers) are refused by name rather than half-supported.
-FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Tensor types read here: kernels/block_types.py's rows, plain floats, the legacy block types and
+# the K-quants. The others that gguf knows (IQ*, TQ*, MXFP4, integers) are refused by name rather
+# than half-supported.
+FLOAT_TYPES = tuple(name for name, row in TYPES.items() if not row.quantized)
+BLOCK_TYPES = tuple(name for name, row in TYPES.items() if row.quantized)
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
 
 
@@ -54,11 +56,11 @@ class QuantizedTensor:
 
     @property
     def block_size(self) -> int:
-        return gguf.GGML_QUANT_SIZES[GGMLQuantizationType[self.ggml_type]][0]
+        return TYPES[self.ggml_type].block_values
 
     @property
     def block_bytes(self) -> int:
-        return gguf.GGML_QUANT_SIZES[GGMLQuantizationType[self.ggml_type]][1]
+        return TYPES[self.ggml_type].block_bytes
 
     def dequantize(self) -> Tensor:
         """float32 (out, in), exactly gguf's dequantization, rows in transformers' order."""

@@ -39,6 +39,7 @@ from flashformer.checkpoints.gguf.architectures import ARCHITECTURES, TensorSpec
 from flashformer.checkpoints.gguf.kquant_quantize import BLOCK_BYTES, quantize_k
 from flashformer.checkpoints.gguf.tokenizer_writer import tokenizer_metadata
 from flashformer.files import atomic_path
+from flashformer.kernels.block_types import TYPES
 from flashformer.model.positional import RopeScaling, rope_inverse_frequencies
 
 FILE_TYPES = {
@@ -198,7 +199,7 @@ def tensor_type(spec: TensorSpec, file_type: str, layers: int, tied: bool) -> st
 
 def _fit(ggml_type: str, cols: int) -> str:
     """The type, or llama.cpp's fallback while a row is not a whole number of its blocks."""
-    while ggml_type in FALLBACK and cols % gguf.GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]:
+    while ggml_type in FALLBACK and cols % TYPES[ggml_type].block_values:
         ggml_type = FALLBACK[ggml_type]
     return ggml_type
 
@@ -293,7 +294,7 @@ def write_gguf(
 
 def _add_tensor_info(out: gguf.GGUFWriter, spec: TensorSpec, ggml_type: str) -> None:
     kind = GGMLQuantizationType[ggml_type]
-    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    block, block_bytes = TYPES[ggml_type].block_values, TYPES[ggml_type].block_bytes
     count = int(np.prod(spec.shape))
     if ggml_type in ("F32", "F16"):
         dtype = np.float32 if ggml_type == "F32" else np.float16
