@@ -415,6 +415,28 @@ def paged_attention_table(payload: dict) -> str:
     return markdown_table(["batch", "keys per sequence", *(heading for heading, _ in columns)], rows)
 
 
+def kld_programs_table(payload: dict) -> str:
+    """eval kld beside llama-perplexity on one text: each run's base, each program's figures, and
+    the mean KLD over llama-perplexity's on the same base."""
+    header = ["MODEL", "base file", "program", "PPL(Q)", "PPL(base)", "mean KLD", "median KLD", "99 % KLD",
+              "RMS Δp", "same top", "mean KLD / llama-perplexity's"]  # fmt: skip
+    lines = []
+    for run in payload["runs"]:
+        lines += [f"{run['date']}, the base's tokens: {run['base_tokens']}", ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        theirs = {
+            (r["model"], r["base"]): r["mean_kld"] for r in run["rows"] if r["program"] == "llama-perplexity"
+        }
+        for r in run["rows"]:
+            ratio = r["mean_kld"] / theirs[r["model"], r["base"]]
+            cells = [r["model"], r["base"], r["program"], f"{r['ppl_q']:.4f}", f"{r['ppl_base']:.4f}",
+                     f"{r['mean_kld']:.6f} ± {r['kld_error']:.6f}", f"{r['median_kld']:.4g}", f"{r['p99_kld']:.4g}",
+                     f"{r['rms_dp_percent']:.3f} %", f"{r['same_top_percent']:.2f} %", f"{ratio:.3f}"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
 def decode_attention_table(payload: dict) -> str:
     """attention() over a static cache, backend "cpu" against "torch", µs a call, by key count."""
     lengths = sorted({r["k_len"] for r in payload["results"]})
@@ -465,6 +487,7 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     for marker, name in (("kv-cache-smollm2", "smollm2-4k"), ("kv-cache-gemma3", "gemma3-4k")):
         found[benchmarks, marker] = kv_cache.table(stored(docs, f"kv-cache/{name}.json"))
     found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
+    found[docs / "cli.md", "kld-programs"] = kld_programs_table(stored(docs, "kld/smollm2-programs.json"))
     for marker, name in (
         ("long-context-gemma3", "gemma-3-270m-32k"),
         ("long-context-qwen-32k", "qwen2.5-0.5b-shape-32k"),
