@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
     if args.model is None:
-        from flashformer.checkpoints.gguf import smollm2_path
+        from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
         args.model = str(smollm2_path())
     name = Path(args.model).name.removesuffix(".gguf")

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from flashformer.bench import kv_cache
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
 
 def test_types_are_parsed_as_keys_slash_values():

@@ -190,7 +190,7 @@ def test_the_ratios_against_llama_server_are_the_speed_issue_s():
 @pytest.mark.slow
 @pytest.mark.skipif(built() is None, reason="llama.cpp's llama-bench and llama-server are not built")
 def test_the_real_llama_bench_on_smollm2():
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
     found = run_llama_bench(built(), str(smollm2_path()), 2)
     assert "error" not in found, found
@@ -200,7 +200,7 @@ def test_the_real_llama_bench_on_smollm2():
 @pytest.mark.slow
 @pytest.mark.skipif(built() is None, reason="llama.cpp's llama-bench and llama-server are not built")
 def test_the_real_llama_server_streams_with_usage():
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
     args = serve_arguments("--llama-server", str(built() / "llama-server"), "--clients", "2")
     server = serve.servers(str(smollm2_path()), args)["llama-server (-np 2)"]

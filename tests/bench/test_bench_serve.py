@@ -12,7 +12,7 @@ from flashformer.bench import serve, serve_load
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
     from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
 
     return read_tokenizer(smollm2_path())

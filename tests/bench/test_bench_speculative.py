@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from flashformer.bench import speculative
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
 # the lines llama-lookup (llama.cpp 0c1e570, vendored by llama-cpp-python 0.3.36) prints at its end,
 # from a run on SmolLM2 Q4_1 with --spec-draft-n-max 10 on this machine

@@ -32,7 +32,8 @@ from helpers.gguf import (
 )
 
 import flashformer
-from flashformer.checkpoints.gguf import SUPPORTED_TYPES, GGUFError, read_file, read_gguf, smollm2_path
+from flashformer.checkpoints.gguf import SUPPORTED_TYPES, GGUFError, read_file, read_gguf
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
 # ---- the real model ----
 

@@ -8,8 +8,9 @@ import gguf
 import numpy as np
 import pytest
 
-from flashformer.checkpoints.gguf import GGUFError, read_file, smollm2_path
+from flashformer.checkpoints.gguf import GGUFError, read_file
 from flashformer.checkpoints.gguf.header import read_header
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
 
 def _gguf_library_view(path):

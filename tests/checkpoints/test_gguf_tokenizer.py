@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 import flashformer
 from flashformer.checkpoints import gguf as gguf_files
 from flashformer.checkpoints.checkpoint import CheckpointError
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import byte_alphabet, read_tokenizer
 from flashformer.text import bpe
 from flashformer.text.tokenizer import Tokenizer

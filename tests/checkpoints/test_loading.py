@@ -19,7 +19,8 @@ import torch
 from helpers.gguf import k_quant_blocks, llama_metadata, llama_tensors, tiny_llama, write_gguf
 
 import flashformer
-from flashformer.checkpoints.gguf import read_gguf, smollm2_path
+from flashformer.checkpoints.gguf import read_gguf
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.checkpoints.loading import _model_from_gguf
 from flashformer.kernels.quantized import GGUF_TYPES, ConcatenatedLinear, QuantizedLinear
 from flashformer.model.quantize import quantize

@@ -8,7 +8,7 @@ import json
 import pytest
 from helpers.gguf import smollm2_model, smollm2_tokenizer
 
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.cli import commands as cli
 from flashformer.eval.perplexity import perplexity
 from flashformer.generate.chat import Chat

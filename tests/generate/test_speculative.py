@@ -18,7 +18,7 @@ from helpers.gguf import smollm2_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashformer
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.generate import speculative
 from flashformer.generate.chat import Chat
 from flashformer.generate.constraints import Constraint

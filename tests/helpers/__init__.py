@@ -275,7 +275,7 @@ def tiny_chat_folder(folder, max_positions: int):
     SmolLM2's tokenizer and chat template; `max_positions` tokens of context."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
     from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
 
     tokenizer = read_tokenizer(smollm2_path())

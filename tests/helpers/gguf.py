@@ -12,8 +12,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from flashformer.checkpoints.gguf import gemma3_path as package_gemma3_path
-from flashformer.checkpoints.gguf import read_gguf, smollm2_path
+from flashformer.checkpoints.gguf import read_gguf
+from flashformer.checkpoints.gguf.packaged_models import gemma3_path as package_gemma3_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import byte_alphabet, tokenizer_from_metadata
 from flashformer.text.tokenizer import Tokenizer
 

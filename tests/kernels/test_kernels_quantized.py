@@ -19,7 +19,7 @@ from gguf.quants import quantize as gguf_quantize
 from helpers.kernel_paths import kernel_paths, on_path
 from torch import nn
 
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.kernels import layouts
 from flashformer.kernels.cpu import cpu_decode_step_options
 from flashformer.kernels.operators import OPERATORS

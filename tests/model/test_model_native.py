@@ -12,7 +12,7 @@ from helpers import hf_config, perturbed
 from helpers.gguf import tiny_new_decoder
 
 import flashformer
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.generate.cache import make_caches
 from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 from flashformer.kernels.quantized import kernel_isa

@@ -12,7 +12,7 @@ from helpers.gguf import smollm2_model
 
 import flashformer
 from flashformer import cli
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.kernels.quantized import QuantizedEmbedding, QuantizedLinear
 from flashformer.model.quantize import quantize
 

@@ -192,7 +192,7 @@ def test_health_reports_every_replica(cluster):
 
 @pytest.fixture(scope="module")
 def smollm2_cluster():
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
     with replicas_serving(smollm2_path(), "--quantize", "gguf", "--served-model-name", "smollm2") as url:
         yield url

@@ -238,7 +238,7 @@ def test_a_cancelled_request_leaves_its_shared_blocks_to_the_others(tiny_folder)
 def test_smollm2_from_its_gguf_file_reuses_prefixes_exactly():
     """The real model's own quantized blocks (`quantize="gguf"`): a shared 64-token prefix and a
     chat's second turn give the same tokens and log-probabilities as with the cache off."""
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
     model, tokenizer = flashformer.load(smollm2_path(), quantize="gguf")
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)

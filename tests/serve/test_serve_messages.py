@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from test_serve import KEY, http, openai_client, serving
 
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 GREEDY = {"temperature": 0}  # the newest SDK takes sampling settings only as body fields

@@ -12,7 +12,7 @@ import openai
 import pytest
 from test_serve import KEY, openai_client, serving
 
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 INSTRUCTIONS = "You are a concise assistant."

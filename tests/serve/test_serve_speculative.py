@@ -9,7 +9,7 @@ import pytest
 from helpers.engine import run_requests
 
 import flashformer
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.generate import speculative
 from flashformer.serve.engine import Engine, SamplingParams
 from flashformer.serve.speculation import SpeculativeConfig

@@ -244,7 +244,7 @@ def test_constrained_and_free_requests_mixed_each_equal_their_solo_answer(tiny_c
 
 @pytest.mark.slow  # 200 answers of SmolLM2 (Q4_1, the file's own blocks) on 2 cores
 def test_the_suite_of_a_hundred_schemas_on_smollm2():
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
     with serving(smollm2_path(), "--quantize", "gguf", "--api-key", KEY, "--max-batch", "16") as url:
         name = json.loads(http("GET", url + "/v1/models", None, {"Authorization": f"Bearer {KEY}"})[1])[

@@ -353,7 +353,7 @@ def test_call_schemas_accept_exactly_the_valid_calls():
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    from flashformer.checkpoints.gguf import smollm2_path
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 
     with serving(smollm2_path(), "--quantize", "gguf", "--max-batch", "4", "--kv-blocks", "64") as url:
         yield url

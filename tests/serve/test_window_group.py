@@ -12,7 +12,7 @@ import torch
 from helpers.engine import run_requests
 from helpers.sliding import WINDOW, sliding_model
 
-from flashformer.checkpoints.gguf import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
 from flashformer.serve.engine import Engine, SamplingParams
 from flashformer.serve.paged_cache import NO_BLOCK, layer_windows, window_blocks_held, window_of

@@ -18,12 +18,15 @@ What the metadata leaves implicit, taken from llama.cpp's loader (src/llama-mode
 
 from __future__ import annotations
 
-from flashformer.checkpoints.gguf.architectures import (
+from flashformer.checkpoints.gguf.common import (
     LLAMA_SHAPED_KEYS,
+    ROPE_SCALING_KEYS,
+    decoder_specs,
+    linear_rope_scaling,
     llama_shaped_config,
     refuse_unread_keys,
+    summary,
 )
-from flashformer.checkpoints.gguf.common import ROPE_SCALING_KEYS, decoder_specs, linear_rope_scaling, summary
 from flashformer.checkpoints.gguf.reader import GGUFError, GGUFFile
 
 # llama.cpp's 27B types, whose attention scale uses d_model / heads instead of head_dim
@@ -132,6 +135,3 @@ class Gemma:
 
     def summary(self, hf: dict) -> str:
         return summary(hf)
-
-
-GEMMAS = (Gemma("gemma", 1), Gemma("gemma2", 2), Gemma("gemma3", 3))

@@ -4,12 +4,15 @@ rows are not permuted in the file)."""
 
 from __future__ import annotations
 
-from flashformer.checkpoints.gguf.architectures import (
+from flashformer.checkpoints.gguf.common import (
     LLAMA_SHAPED_KEYS,
+    ROPE_SCALING_KEYS,
+    decoder_specs,
+    linear_rope_scaling,
     llama_shaped_config,
     refuse_unread_keys,
+    summary,
 )
-from flashformer.checkpoints.gguf.common import ROPE_SCALING_KEYS, decoder_specs, linear_rope_scaling, summary
 from flashformer.checkpoints.gguf.reader import GGUFFile
 
 

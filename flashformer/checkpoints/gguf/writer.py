@@ -7,15 +7,16 @@ by its transformers name (model.hf.to_hf of a loaded model, or tensors made one 
 a model too large to hold twice). What the file holds follows llama.cpp's converter and its
 quantizer:
 
-- names and shapes: the reader's table (architectures.py) read backwards, so that a file
+- names and shapes: the reader's table (the architecture's tensors()) read backwards, so that a file
   written here is, by construction, one the reader accepts; the q/k rows of llama go from
   transformers' rotate-half order to llama.cpp's interleaved pairs (the inverse of
   rope_row_permutation), GPT-2's Conv1D weights are transposed to (out, in);
-- metadata: one entry per family in WRITERS (the GGUF architecture's keys from config.json;
-  Llama 3.1's RoPE scaling as the rope_freqs.weight tensor llama.cpp reads);
+- metadata: the family's writer in architectures.WRITERS, beside its reader in the
+  architecture's module (the GGUF architecture's keys from config.json; Llama 3.1's RoPE
+  scaling as the rope_freqs.weight tensor llama.cpp reads);
 - types (file_type): "f16" and "q8_0" as convert_hf_to_gguf.py writes them (vectors and
   position tables F32, the other matrices F16 or Q8_0), "q4_k_m" as llama-quantize's
-  Q4_K_M mix (TENSOR_TYPES below);
+  Q4_K_M mix (tensor_type below);
 - the tokenizer and chat templates (tokenizer_writer.py).
 
 The file is written beside its place and renamed into it when complete (files.atomic_path),
@@ -35,12 +36,12 @@ from gguf import GGMLQuantizationType, LlamaFileType
 from torch import Tensor
 from tqdm import tqdm
 
-from flashformer.checkpoints.gguf.architectures import ARCHITECTURES, TensorSpec, rope_row_permutation
+from flashformer.checkpoints.gguf.architectures import ARCHITECTURES, WRITERS
+from flashformer.checkpoints.gguf.common import TensorSpec, rope_row_permutation
 from flashformer.checkpoints.gguf.kquant_quantize import BLOCK_BYTES, quantize_k
 from flashformer.checkpoints.gguf.tokenizer_writer import tokenizer_metadata
 from flashformer.files import atomic_path
 from flashformer.kernels.block_types import TYPES
-from flashformer.model.positional import RopeScaling, rope_inverse_frequencies
 
 FILE_TYPES = {
     "f16": LlamaFileType.MOSTLY_F16,
@@ -51,114 +52,6 @@ QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION, which llama-quantize writes
 
 # llama.cpp's fallback when a row is not a whole number of the type's blocks (tensor_type_fallback)
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q8_0": "F16"}
-
-
-# ---- one entry per family: config.json's values as the GGUF architecture's metadata ----
-
-
-class LlamaWriter:
-    """transformers' llama as GGUF "llama" (SmolLM, TinyLlama, Mistral-style GQA, Llama 3.x)."""
-
-    model_type = "llama"
-    architecture = "llama"
-    scalings = ("default", "linear", "llama3")
-
-    def metadata(self, hf: dict) -> dict:
-        key = self.architecture + "."
-        _require(hf, "hidden_act", ("silu",))
-        rope = self.rope(hf)
-        values = {
-            key + "vocab_size": hf["vocab_size"],
-            key + "context_length": hf["max_position_embeddings"],
-            key + "embedding_length": hf["hidden_size"],
-            key + "block_count": hf["num_hidden_layers"],
-            key + "feed_forward_length": hf["intermediate_size"],
-            key + "attention.head_count": hf["num_attention_heads"],
-            key + "attention.head_count_kv": hf["num_key_value_heads"],
-            key + "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]),
-            key + "rope.freq_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            key + "rope.dimension_count": hf["head_dim"],
-        }
-        if hf["head_dim"] * hf["num_attention_heads"] != hf["hidden_size"]:
-            values[key + "attention.key_length"] = values[key + "attention.value_length"] = hf["head_dim"]
-        if rope["rope_type"] == "linear":
-            values[key + "rope.scaling.type"] = "linear"
-            values[key + "rope.scaling.factor"] = float(rope["factor"])
-        return values  # llama3 scaling is the tensor rope_freqs.weight (extra_tensor)
-
-    def rope(self, hf: dict) -> dict:
-        rope = dict(hf.get("rope_parameters") or {"rope_type": "default"})
-        if rope["rope_type"] not in self.scalings:
-            raise ValueError(
-                f"config.json: rope type {rope['rope_type']!r} cannot be written to GGUF {self.architecture} "
-                f"(supported: {', '.join(map(repr, self.scalings))})"
-            )
-        return rope
-
-    def extra_tensor(self, spec: TensorSpec, hf: dict) -> Tensor | None:
-        """A tensor not among transformers' weights: Llama 3.1's RoPE scaling as llama.cpp's
-        converter stores it, one divisor per channel pair (None: the file goes without it)."""
-        rope = self.rope(hf)
-        if spec.gguf != "rope_freqs.weight" or rope["rope_type"] != "llama3":
-            return None
-        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = RopeScaling(
-            "llama3",
-            float(rope["factor"]),
-            float(rope["low_freq_factor"]),
-            float(rope["high_freq_factor"]),
-            int(rope.get("original_max_position_embeddings", hf["max_position_embeddings"])),
-        )
-        plain = rope_inverse_frequencies(hf["head_dim"], theta).double()
-        return (plain / rope_inverse_frequencies(hf["head_dim"], theta, scaling).double()).float()
-
-
-class Qwen2Writer(LlamaWriter):
-    """transformers' qwen2 (Qwen2, Qwen2.5) as GGUF "qwen2": LLaMA's keys, q/k/v biases (the
-    reader's table), rotate-half RoPE (rows unpermuted), no RoPE scaling or sliding window."""
-
-    model_type = "qwen2"
-    architecture = "qwen2"
-    scalings = ("default",)
-
-    def metadata(self, hf: dict) -> dict:
-        _require(hf, "use_sliding_window", (False,))
-        return super().metadata(hf)
-
-
-class GPT2Writer:
-    """transformers' GPT-2 as GGUF "gpt2" (learned positions, LayerNorm, fused qkv)."""
-
-    model_type = "gpt2"
-    architecture = "gpt2"
-
-    def metadata(self, hf: dict) -> dict:
-        _require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"))
-        _require(hf, "scale_attn_weights", (True,))
-        key = self.architecture + "."
-        return {
-            key + "vocab_size": hf["vocab_size"],
-            key + "context_length": hf["n_positions"],
-            key + "embedding_length": hf["n_embd"],
-            key + "block_count": hf["n_layer"],
-            key + "feed_forward_length": hf["n_inner"],
-            key + "attention.head_count": hf["n_head"],
-            key + "attention.layer_norm_epsilon": float(hf["layer_norm_epsilon"]),
-        }
-
-    def extra_tensor(self, spec: TensorSpec, hf: dict) -> Tensor | None:
-        return None
-
-
-WRITERS = {writer.model_type: writer for writer in (LlamaWriter(), Qwen2Writer(), GPT2Writer())}
-
-
-def _require(hf: dict, key: str, supported: tuple) -> None:
-    if key in hf and hf[key] not in supported:
-        raise ValueError(
-            f"config.json: {key}={hf[key]!r} cannot be written to GGUF (llama.cpp computes "
-            f"{' or '.join(map(repr, supported))})"
-        )
 
 
 # ---- which type each tensor gets ----
