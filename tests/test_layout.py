@@ -178,6 +178,18 @@ def test_no_module_passes_the_line_limit():
     assert not long, f"modules past {MAX_LINES} lines (split them by idea): {long}"
 
 
+def test_an_init_holds_no_function_or_class():
+    """A package's __init__.py says what the room holds and re-exports; what it would define
+    belongs in a module named for it, where the module map lists it."""
+    defined = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for path in sorted(PACKAGE.rglob("__init__.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    ]
+    assert not defined, "__init__.py files defining functions or classes: " + ", ".join(defined)
+
+
 # ---- the module map ----
 
 ENTRY = re.compile(r"^( *)([\w.]+(?:\.\w+|/))(?:\s|$)")

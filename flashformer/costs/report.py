@@ -10,16 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-from flashformer.costs import (
-    CONVENTIONS,
-    Estimate,
-    alternatives,
-    closed_form_crossover,
-    crossover_seq_len,
-    estimate,
-    resolve_config,
-)
-from flashformer.costs.flops import GROUPS
+from flashformer.costs import alternatives
+from flashformer.costs.estimates import Estimate, estimate, resolve_config
+from flashformer.costs.flops import CONVENTIONS, GROUPS, closed_form_crossover, crossover_seq_len
 from flashformer.costs.traffic import eager_traffic, flash_traffic
 from flashformer.formatting import format_bytes, format_count, markdown_table
 

@@ -19,9 +19,8 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 import flashformer
-from flashformer.checkpoints import gguf as gguf_files
 from flashformer.checkpoints.checkpoint import CheckpointError
-from flashformer.checkpoints.gguf.packaged_models import smollm2_path
+from flashformer.checkpoints.gguf.packaged_models import gemma3_path, smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import byte_alphabet, read_tokenizer
 from flashformer.text import bpe
 from flashformer.text.tokenizer import Tokenizer
@@ -298,7 +297,7 @@ GEMMA_EXTRA = [
 
 @pytest.fixture(scope="module")
 def gemma_pair():
-    path = gguf_files.gemma3_path()
+    path = gemma3_path()
     return read_tokenizer(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
-from flashformer.checkpoints import gguf as gguf_files
+from flashformer.checkpoints.gguf.packaged_models import gemma3_path
 from flashformer.checkpoints.gguf.reader import read_file
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer, sentencepiece_bpe, tokenizer_from_metadata
 from flashformer.text.sentencepiece import SentencePieceBPE
@@ -123,7 +123,7 @@ def test_a_character_without_byte_tokens_is_named():
 def test_gemma3_random_texts_as_the_derived_merges_give():
     """The real 262,144-token vocabulary, random mixes of its pieces and of scripts, against
     `tokenizers` with the 514,847 derived merges."""
-    path = gguf_files.gemma3_path()
+    path = gemma3_path()
     ours = read_tokenizer(path)
     assert isinstance(ours.backend, SentencePieceBPE)
     reference = Tokenizer(Backend.from_str(ours.backend.to_str()), dict(ours.special_tokens))
@@ -142,7 +142,7 @@ def test_gemma3_random_texts_as_the_derived_merges_give():
 
 def test_gemma3_tokenizer_holds_no_merge_table():
     """What the file gives is what is kept: the pieces, one float a score, one dict from piece to id."""
-    metadata = read_file(gguf_files.gemma3_path()).metadata
+    metadata = read_file(gemma3_path()).metadata
     backend = tokenizer_from_metadata(metadata).backend
     assert backend._ranks is None and len(backend._scores) == len(backend._vocab) == 262144
     assert backend._tokens is metadata["tokenizer.ggml.tokens"]  # not copied

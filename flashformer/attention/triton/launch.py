@@ -1,6 +1,6 @@
 """Host side of the Triton kernels: tile sizes, launches, the autograd Function.
 
-Importing this module imports Triton; flashformer.attention.triton imports it
+Importing this module imports Triton; entry_points.py imports it
 only when a Triton kernel is actually asked for.
 """
 
