@@ -135,16 +135,6 @@ def tag_tokens(tokenizer) -> tuple[int, int] | None:
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
-def check_model(name: str, served: str) -> None:
-    if name != served:
-        raise APIError(
-            404,
-            f"the model {name!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
 def message_fields(message) -> dict:
     """A request's message for the chat template: its other fields (name, ...) reach the
     template too, as in transformers; an assistant's calls without text keep content None."""

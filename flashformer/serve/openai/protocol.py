@@ -1,5 +1,6 @@
-"""OpenAI's request bodies (pydantic: fastapi checks them and answers 400 by name) and its
-error shape, for the endpoints of app.py."""
+"""OpenAI's request bodies (pydantic: fastapi checks them and answers 400 by name), the checks
+every endpoint makes (the model's name, a text model), and the error shape: for the endpoint
+modules create_app assembles (app.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from flashformer.generate.sampling_options import REQUEST_OPTIONS, SamplingOption
+from flashformer.serve.embeddings import EmbeddingEngine
 
 # ---- request bodies ----
 
@@ -174,6 +176,29 @@ def refuse_unsupported(body: BaseModel) -> None:
         if name in NO_OP_VALUES and any(value == no_op for no_op in NO_OP_VALUES[name]):
             continue
         raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
+
+
+# ---- checks every endpoint makes ----
+
+
+def check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_generates(engine, model_name: str) -> None:
+    """A text endpoint refuses a server of sentence embeddings by name."""
+    if isinstance(engine, EmbeddingEngine):
+        raise APIError(
+            400,
+            f"the model {model_name!r} is an encoder (sentence embeddings); use /v1/embeddings",
+            param="model",
+        )
 
 
 # ---- errors ----
