@@ -86,6 +86,23 @@ def filter_min_p(scores: Tensor, min_p: float, min_keep: int = 1) -> Tensor:
     return scores.masked_fill(drop, -math.inf)
 
 
+def filter_typical(scores: Tensor, typical_p: float, min_keep: int = 1) -> Tensor:
+    """Locally typical sampling (Meister et al., 2023), as transformers applies it: tokens ranked
+    by how far their information (-log p) lies from the distribution's entropy, the closest
+    first, are kept until their probability reaches typical_p (the one that reaches it
+    included, with any as close), and at least min_keep."""
+    log_probs = scores.log_softmax(dim=-1)  # (B, V)
+    entropy = -(log_probs * log_probs.exp()).nansum(dim=-1, keepdim=True)  # (B, 1); -inf x 0 skipped
+    distance = (-log_probs - entropy).abs()  # (B, V)
+    ranked, order = torch.sort(distance, dim=-1)
+    mass = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)  # (B, V), closest first
+    last = (mass < typical_p).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)  # (B, 1)
+    drop_ranked = ranked > ranked.gather(-1, last)
+    drop_ranked[..., :min_keep] = False
+    drop = drop_ranked.scatter(1, order, drop_ranked)
+    return scores.masked_fill(drop, -math.inf)
+
+
 # ---- the table ----
 
 
@@ -177,6 +194,13 @@ OPTIONS: tuple[SamplingOption, ...] = (
         "min_p", float, None, 0.0, {"ge": 0.0, "le": 1.0},
         "drop tokens below MIN_P x the likeliest's probability; 0 = none",
         "warper", lambda scores, value, history, keep: filter_min_p(scores, value, keep),
+        cli=True,
+    ),
+    SamplingOption(
+        "typical_p", float, 1.0, 1.0, {"gt": 0.0, "le": 1.0},
+        "locally typical sampling: keep the tokens whose -log p is closest to the entropy until "
+        "their probability reaches TYPICAL_P; 1.0 = none",
+        "warper", lambda scores, value, history, keep: filter_typical(scores, value, keep),
         cli=True,
     ),
     SamplingOption(
