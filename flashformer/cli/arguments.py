@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flashformer.checkpoints.loading import load
 from flashformer.generate.chat import Chat
+from flashformer.generate.sampling_options import CLI_OPTIONS
 from flashformer.kernels import kv_blocks
 from flashformer.model.quantize import MODES
 from flashformer.text.bpe import EOS
@@ -54,16 +55,15 @@ def load_model(args):
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """The generation flags `generate` and `chat` share (transformers' names and defaults, but
-    sampling with temperature 0.8 and top-k 50 unless --greedy)."""
+    """The generation flags `generate` and `chat` share: the sampling options with a flag
+    (generate.sampling_options.CLI_OPTIONS: transformers' names and defaults, but sampling with
+    temperature 0.8 and top-k 50 unless --greedy), and these."""
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument(
-        "--min-p", type=float, default=None, help="drop tokens below MIN_P x the likeliest's probability"
-    )
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    for option in CLI_OPTIONS:
+        default = option.default if option.cli_default is None else option.cli_default
+        parser.add_argument(
+            f"--{option.name.replace('_', '-')}", type=option.type, default=default, help=option.help
+        )
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--greedy", action="store_true", help="the most likely token at every step")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
@@ -112,11 +112,7 @@ def sampling_settings(args) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens,
         do_sample=not args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+        **{option.name: getattr(args, option.name) for option in CLI_OPTIONS},
         compile=args.compile,
         prompt_lookup_num_tokens=args.prompt_lookup,
         assistant_model=None

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from flashformer.checks import check_token_ids, padding_mask_from
-from flashformer.generate import speculative
+from flashformer.generate import sampling_options, speculative
 from flashformer.generate.beam_search import beam_search
 from flashformer.generate.sampling import (
     GenerationSettings,
@@ -168,17 +168,18 @@ class GenerationMixin:
 
         input_ids: (B, P) prompts, left-padded for a decoder; attention_mask (B, P), 1 = real token.
         Keyword arguments (transformers' names): max_new_tokens=20, min_new_tokens=0,
-        do_sample=False, temperature=1.0, top_k=None, top_p=None, min_p=None,
-        repetition_penalty=1.0, num_beams=1, length_penalty=1.0, early_stopping=False,
+        do_sample=False, num_beams=1, length_penalty=1.0, early_stopping=False,
         eos_token_id (int or list, the stop tokens; default the config's), pad_token_id,
-        decoder_start_token_id; OpenAI's logit_bias ({token id: bias}), presence_penalty=0,
-        frequency_penalty=0 and ignore_eos=False (vLLM's); and flashformer's
-        prefill_chunk_size (None = the whole prompt at once), compile (torch.compile
-        the decode step) and constraint (generate.constraints: a Constraint, or one per
-        prompt, that the new text must follow: a JSON schema, a regex, a choice, a grammar).
+        decoder_start_token_id; OpenAI's logit_bias ({token id: bias}) and ignore_eos=False
+        (vLLM's); flashformer's prefill_chunk_size (None = the whole prompt at once), compile
+        (torch.compile the decode step) and constraint (generate.constraints: a Constraint, or
+        one per prompt, that the new text must follow: a JSON schema, a regex, a choice, a
+        grammar); and the sampling options (generate.sampling_options.OPTIONS), listed below.
         generator or seed make sampling reproducible.
         Returns (B, P + n) for a decoder, (B, 1 + n) for an encoder-decoder, or a
         GenerateOutput with return_dict_in_generate=True.
+
+        Sampling options:
         """
         s, generator = _prepare(self, input_ids, attention_mask, generator, seed, kwargs)
         prompt, real = _decoder_prompt(self, input_ids, attention_mask, s)
@@ -197,6 +198,8 @@ class GenerationMixin:
         if return_dict_in_generate:
             return GenerateOutput(sequences, tuple(logits_out) if output_logits else None)
         return sequences
+
+    generate.__doc__ = generate.__doc__.rstrip() + "\n" + sampling_options.describe(" " * 12) + "\n"
 
     def stream(
         self,

@@ -10,8 +10,10 @@ what turns a step's logits into scores to pick from.
 Every setting has transformers' name, default and meaning (OpenAI's for
 logit_bias and the presence and frequency penalties, which transformers
 lacks), and is checked before any compute; errors name the argument. The
-server builds the same settings from a request (serve/engine.py), so a
-request and a generate() call with the same settings pick the same tokens.
+sampling options (temperature, top-k, top-p, the penalties, ...) are the rows of
+sampling_options.OPTIONS, each with its range and its processor. The server
+builds the same settings from a request (serve/engine.py), so a request and a
+generate() call with the same settings pick the same tokens.
 """
 
 from __future__ import annotations
@@ -29,25 +31,49 @@ from flashformer.generate.constraints import (
     keep_an_end,
     matchers_for,
 )
+from flashformer.generate.sampling_options import (
+    OPTIONS,
+    SamplingValues,
+    filter_min_p,
+    filter_top_k,
+    filter_top_p,
+    penalize_frequency,
+    penalize_presence,
+    penalize_presence_and_frequency,
+    penalize_repetition,
+)
 from flashformer.kernels import kv_blocks
+
+# the score changes, importable from here as before (sampling_options.py holds them)
+__all__ = [
+    "GenerationSettings",
+    "LogitsProcessor",
+    "TokenChooser",
+    "TokenHistory",
+    "choose_tokens",
+    "filter_min_p",
+    "filter_top_k",
+    "filter_top_p",
+    "first_argmax",
+    "penalize_frequency",
+    "penalize_presence",
+    "penalize_presence_and_frequency",
+    "penalize_repetition",
+    "settings_from",
+]
 
 # ---- settings ----
 
 
 @dataclass
-class GenerationSettings:
-    """The knobs of one generate() call, with transformers' names and defaults."""
+class GenerationSettings(SamplingValues):
+    """The knobs of one generate() call, with transformers' names and defaults: every sampling
+    option of sampling_options.OPTIONS (temperature, top_k, top_p, min_p, the penalties, ...,
+    keyword-only fields inherited from SamplingValues), and these."""
 
     max_new_tokens: int = 20
     min_new_tokens: int = 0
     do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None  # None or 0: no top-k filter
-    top_p: float | None = None  # None or 1.0: no nucleus filter
-    min_p: float | None = None  # None or 0: no min-p filter
-    repetition_penalty: float = 1.0  # over the prompt's and the generated tokens
-    presence_penalty: float = 0.0  # OpenAI's: over the generated tokens only
-    frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, as OpenAI's
     ignore_eos: bool = False  # keep going past eos tokens (settings_from then stops on none)
     num_beams: int = 1
@@ -111,24 +137,9 @@ def check_settings(s: GenerationSettings, model) -> None:
     _check_int("num_beams", s.num_beams, 1)
     if not isinstance(s.do_sample, bool):
         raise ValueError(f"do_sample must be True or False; got {s.do_sample!r}")
-    if s.do_sample and not (_is_number(s.temperature) and s.temperature > 0 and math.isfinite(s.temperature)):
-        raise ValueError(
-            f"temperature must be a finite number > 0 when sampling (do_sample=True); got {s.temperature!r}"
-        )
-    if s.top_k is not None:
-        _check_int("top_k", s.top_k, 0)
-    if s.top_p is not None and not (_is_number(s.top_p) and 0 < s.top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1]; got {s.top_p!r}")
-    if s.min_p is not None and not (_is_number(s.min_p) and 0 <= s.min_p <= 1):
-        raise ValueError(f"min_p must be in [0, 1] (0 = none); got {s.min_p!r}")
-    if not (_is_number(s.repetition_penalty) and 0 < s.repetition_penalty < math.inf):
-        raise ValueError(
-            f"repetition_penalty must be a finite number > 0 (1.0 = none); got {s.repetition_penalty!r}"
-        )
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(s, name)
-        if not (_is_number(value) and -2 <= value <= 2):
-            raise ValueError(f"{name} must be a number in [-2, 2] (0 = none), as OpenAI's; got {value!r}")
+    for option in OPTIONS:  # the temperature matters only when sampling (greedy ignores it)
+        if s.do_sample or option.checked_when_greedy:
+            option.check(getattr(s, option.name))
     check_logit_bias(s.logit_bias, vocab)
     if not isinstance(s.ignore_eos, bool):
         raise ValueError(f"ignore_eos must be True or False; got {s.ignore_eos!r}")
@@ -245,7 +256,7 @@ def _is_number(value) -> bool:
 
 def needs_history(s: GenerationSettings) -> bool:
     """Whether a penalty of `s` reads the tokens seen so far (a TokenHistory)."""
-    return s.repetition_penalty != 1.0 or bool(s.presence_penalty) or bool(s.frequency_penalty)
+    return any(o.stage == "penalty" and o.active(getattr(s, o.name)) for o in OPTIONS)
 
 
 class TokenHistory:
@@ -283,60 +294,18 @@ class TokenHistory:
         self.counts = self.counts.repeat_interleave(times, dim=0)
 
 
-def penalize_repetition(scores: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """CTRL's penalty (Keskar et al., 2019), as transformers applies it: a seen
-    token's score is divided by the penalty if positive, multiplied if negative."""
-    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return torch.where(seen, penalized, scores)
-
-
-def penalize_presence_and_frequency(
-    scores: Tensor, counts: Tensor, presence: float, frequency: float
-) -> Tensor:
-    """OpenAI's penalties: each generated token's score loses frequency x its count, and
-    presence once if it appeared at all (counts (B, V) over the generated tokens)."""
-    return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
-
-
-def filter_top_k(scores: Tensor, top_k: int) -> Tensor:
-    """Keep the top_k highest scores of each row (ties with the k-th included); the rest -inf."""
-    kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]  # (B, 1)
-    return scores.masked_fill(scores < kth, -math.inf)
-
-
-def filter_top_p(scores: Tensor, top_p: float, min_keep: int = 1) -> Tensor:
-    """Nucleus filter (Holtzman et al., 2020): keep the smallest set of tokens
-    whose probability reaches top_p. As in transformers, tokens are sorted by
-    increasing score and those whose cumulative probability stays <= 1 - top_p
-    are dropped, keeping at least min_keep."""
-    sorted_scores, order = torch.sort(scores, descending=False)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cumulative <= 1 - top_p
-    drop_sorted[..., -min_keep:] = False
-    drop = drop_sorted.scatter(1, order, drop_sorted)
-    return scores.masked_fill(drop, -math.inf)
-
-
-def filter_min_p(scores: Tensor, min_p: float, min_keep: int = 1) -> Tensor:
-    """Min-p (Nguyen et al., 2024), as transformers applies it: drop the tokens whose
-    probability is below min_p times the most likely token's, keeping at least the
-    min_keep most likely."""
-    probs = scores.softmax(dim=-1)  # (B, V)
-    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
-    best = torch.topk(probs, min(min_keep, probs.shape[-1])).indices  # (B, min_keep)
-    drop = drop.scatter(1, best, False)
-    return scores.masked_fill(drop, -math.inf)
-
-
 class LogitsProcessor:
-    """The score changes of one generate() call or request: logit_bias, the repetition
-    penalty, the presence and frequency penalties (vLLM's order: bias, then penalties),
-    min_new_tokens (eos forbidden), then, when sampling, transformers' warpers in its order:
-    temperature, top-k, top-p, min-p. Greedy choice skips the warpers (none changes the
-    argmax)."""
+    """The score changes of one generate() call or request: logit_bias, the penalties of
+    OPTIONS (vLLM's order: bias, then penalties), min_new_tokens (eos forbidden), then, when
+    sampling, the warpers of OPTIONS in transformers' order (temperature, top-k, top-p, ...).
+    Greedy choice skips the warpers (none changes the argmax). Only the options whose value
+    changes something are applied."""
 
     def __init__(self, s: GenerationSettings, device, min_keep: int = 1):
         self.s, self.min_keep = s, min_keep
+        active = [(o, getattr(s, o.name)) for o in OPTIONS if o.active(getattr(s, o.name))]
+        self.penalties = [(o, value) for o, value in active if o.stage == "penalty"]
+        self.warpers = [(o, value) for o, value in active if o.stage == "warper"]
         self.eos = torch.tensor(s.eos_token_id, dtype=torch.long, device=device)
         bias = s.logit_bias or {}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device)  # (N,)
@@ -347,23 +316,13 @@ class LogitsProcessor:
         if len(self.bias_ids):
             added = self.bias_values.to(scores.dtype).expand(scores.shape[0], -1)  # (B, N)
             scores = scores.index_add(1, self.bias_ids, added)
-        if s.repetition_penalty != 1.0:
-            scores = penalize_repetition(scores, history.seen, s.repetition_penalty)
-        if s.presence_penalty or s.frequency_penalty:
-            scores = penalize_presence_and_frequency(
-                scores, history.counts, s.presence_penalty, s.frequency_penalty
-            )
+        for option, value in self.penalties:
+            scores = option.apply(scores, value, history, self.min_keep)
         if new_tokens < s.min_new_tokens and len(self.eos):
             scores = scores.index_fill(1, self.eos, -math.inf)
         if s.do_sample:
-            if s.temperature != 1.0:
-                scores = scores / s.temperature
-            if s.top_k:
-                scores = filter_top_k(scores, max(s.top_k, self.min_keep))
-            if s.top_p is not None and s.top_p < 1.0:
-                scores = filter_top_p(scores, s.top_p, self.min_keep)
-            if s.min_p:
-                scores = filter_min_p(scores, s.min_p, self.min_keep)
+            for option, value in self.warpers:
+                scores = option.apply(scores, value, history, self.min_keep)
         return scores
 
 

@@ -7,6 +7,7 @@ over a paged KV cache.
     engine.py        requests, sequences, events, and the Engine that wires them
     paged_cache.py   the block pool (shared blocks, the prefix cache) and the per-layer paged caches
     embeddings.py    the embedding engine (an encoder served)
-    openai/          the HTTP API (FastAPI): protocol.py (request bodies), app.py
-                     (create_app, routes, auth, errors), responses.py (JSON, SSE, logprobs)
+    openai/          the HTTP API (FastAPI): protocol.py (request bodies), one module per
+                     endpoint family (chat_completions.py, completions.py, ...), app.py
+                     (create_app: their routes, auth, errors), responses.py (JSON, SSE, logprobs)
 """

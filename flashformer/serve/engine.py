@@ -46,6 +46,7 @@ from flashformer.generate.sampling import (
     choose_tokens,
     needs_history,
 )
+from flashformer.generate.sampling_options import RequestSamplingValues, settings_of_request
 from flashformer.serve.loop import Busy, ModelLoop
 from flashformer.serve.paged_cache import BlockPool, window_pool_for
 from flashformer.serve.runner import ModelRunner
@@ -68,18 +69,13 @@ class Thinking:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """A request's settings in vLLM's names; generation_settings() turns them into the library's
+class SamplingParams(RequestSamplingValues):
+    """A request's settings in vLLM's names: every sampling option of generate.sampling_options
+    (temperature (0: greedy), top_p, top_k, the penalties, ...: keyword-only fields, each at its
+    no-op value by default) and these. generation_settings() turns them into the library's
     GenerationSettings, so the server and generate() sample alike."""
 
     max_tokens: int  # 0: no token (the prompt's log-probabilities alone, with prompt_logprobs)
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # the stop tokens are forbidden until this many are generated
     seed: int | None = None
@@ -556,17 +552,11 @@ class Engine(ModelLoop):
 
 
 def generation_settings(params: SamplingParams) -> GenerationSettings:
-    """The request's settings in generate()'s terms: temperature 0 is greedy (the filters then
-    change nothing); min_tokens forbids the stop tokens (the settings' eos) until then."""
+    """The request's settings in generate()'s terms: the sampling options as they are, temperature
+    0 being greedy (settings_of_request); min_tokens forbids the stop tokens (the settings' eos)
+    until then."""
     return GenerationSettings(
-        do_sample=params.temperature > 0,
-        temperature=params.temperature if params.temperature > 0 else 1.0,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
+        **settings_of_request(params),
         logit_bias=dict(params.logit_bias),
         min_new_tokens=params.min_tokens,
         eos_token_id=list(params.stop_token_ids),

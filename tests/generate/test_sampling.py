@@ -5,6 +5,8 @@ and a step-by-step reference loop over full forwards for generate() with them.""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TopKLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from flashformer.generate.sampling import (
@@ -24,6 +27,7 @@ from flashformer.generate.sampling import (
     penalize_presence_and_frequency,
     penalize_repetition,
 )
+from flashformer.generate.sampling_options import filter_typical
 
 
 def scores_and_tokens(seed=0):
@@ -99,6 +103,19 @@ def test_top_k_as_the_processor_applies_it_equals_transformers():
     assert torch.equal(LogitsProcessor(s, "cpu")(scores, None, 0), TopKLogitsWarper(7)(None, scores))
 
 
+@pytest.mark.parametrize("typical_p", [0.05, 0.4, 0.9, 0.999])
+@pytest.mark.parametrize("min_keep", [1, 3])
+def test_typical_filter_equals_transformers(typical_p, min_keep):
+    """Random logits, one row already cut by a filter before it (-inf scores): the same kept
+    tokens as transformers' TypicalLogitsWarper, bit for bit."""
+    scores, _, _ = scores_and_tokens()
+    scores[1, :20] = -math.inf
+    expected = TypicalLogitsWarper(typical_p, min_tokens_to_keep=min_keep)(None, scores)
+    assert torch.equal(filter_typical(scores, typical_p, min_keep), expected)
+    s = GenerationSettings(do_sample=True, typical_p=typical_p)
+    assert torch.equal(LogitsProcessor(s, "cpu", min_keep)(scores, None, 0), expected)
+
+
 # ---- generate() with the new settings ----
 
 
@@ -108,8 +125,10 @@ def test_top_k_as_the_processor_applies_it_equals_transformers():
         {"do_sample": True, "temperature": 0.8, "min_p": 0.1},
         {"do_sample": True, "top_k": 5, "min_p": 0.2, "repetition_penalty": 1.2},
         {"sequence_bias": {(5,): 4.0, (11,): -3.0}},
+        {"do_sample": True, "top_k": 0, "typical_p": 0.5},
+        {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "typical_p": 0.8},
     ],
-    ids=["min_p", "top_k_min_p_repetition", "bias"],
+    ids=["min_p", "top_k_min_p_repetition", "bias", "typical_p", "top_k_top_p_typical_p"],
 )
 def test_generate_equals_transformers(decoder_pair, settings):
     """transformers has min-p and a per-token bias (sequence_bias of one-token sequences: our
@@ -183,6 +202,7 @@ def test_ignore_eos_keeps_generating_past_eos(decoder_pair):
 
 BAD = [
     (dict(min_p=1.5), "min_p"),
+    (dict(typical_p=0.0), "typical_p"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(logit_bias={VOCAB: 1.0}), "logit_bias"),

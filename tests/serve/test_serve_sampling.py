@@ -75,6 +75,27 @@ def test_the_fields_reach_generates_sampling(server, tiny_chat_model, local):  #
     assert text != tokenizer.decode(plain) and reply["usage"]["completion_tokens"] == 12
 
 
+def test_typical_p_reaches_the_sampler(server, tiny_chat_model, local):  # noqa: F811
+    """typical_p, a request field: greedy requests are unchanged by it (a warper); when sampling,
+    typical_p 1e-6 keeps one token per step, the one whose -log p is nearest the entropy
+    (filter_typical, checked against transformers in tests/generate), so whatever the seeds the
+    server's tokens are generate()'s with the same setting, and not greedy's."""
+    model, tokenizer = local
+    ids = tokenizer.encode(PROMPT)
+    asked = dict(prompt=ids, max_tokens=10, ignore_eos=True)
+    greedy = complete(server, tiny_chat_model, **asked, temperature=0)["choices"][0]["text"]
+    assert (
+        complete(server, tiny_chat_model, **asked, temperature=0, typical_p=0.2)["choices"][0]["text"]
+        == greedy
+    )
+    typical = complete(server, tiny_chat_model, **asked, temperature=1.0, typical_p=1e-6, seed=1)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=10, eos_token_id=[], do_sample=True, typical_p=1e-6, seed=7
+    )
+    assert typical["choices"][0]["text"] == tokenizer.decode(out[0, len(ids) :].tolist())
+    assert typical["choices"][0]["text"] != greedy
+
+
 def test_sampling_fields_are_batch_invariant_and_seeded(server, tiny_chat_model):  # noqa: F811
     """A seeded request with every field gives the same tokens alone and among seven others
     with different settings; top_k 1 samples the greedy tokens."""
@@ -137,6 +158,7 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(server, tiny_chat_model, local
 BAD = [
     ({"top_k": -2}, "top_k", "-2"),
     ({"min_p": 1.5}, "min_p", "1.5"),
+    ({"typical_p": 0}, "typical_p", "0"),
     ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
     ({"frequency_penalty": -3}, "frequency_penalty", "-3"),
     ({"repetition_penalty": 0}, "repetition_penalty", "0"),

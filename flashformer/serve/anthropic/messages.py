@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from flashformer.serve.anthropic.protocol import MessagesBase, MessagesRequest, chat_request
 from flashformer.serve.openai.answer import AnswerPlan, AnswerReader, read_answer
-from flashformer.serve.openai.chat import ServerOptions, check_model, prepare_chat, render_prompt, submit
+from flashformer.serve.openai.chat import ServerOptions, prepare_chat, render_prompt, submit
+from flashformer.serve.openai.protocol import check_model
 from flashformer.serve.openai.responses import ClientGone, until_done
 from flashformer.text.reasoning import Thought
 

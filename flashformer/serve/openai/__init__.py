@@ -1,7 +1,11 @@
 """OpenAI's HTTP API over an Engine (FastAPI), in vLLM's layout (entrypoints/openai/):
 
-protocol.py    the request bodies (pydantic) and the error shape
-app.py         create_app: the routes, the API key, the errors' statuses
+protocol.py    the request bodies (pydantic), the checks every endpoint makes, the error shape
+app.py         create_app: the endpoints' modules assembled, the API key, the errors' statuses
+chat_completions.py  POST /v1/chat/completions
+completions.py POST /v1/completions
+embeddings.py  POST /v1/embeddings
+status.py      GET /v1/models, /health, /metrics
 responses.py   the JSON and server-sent-event answers, log-probabilities, /metrics' text
 tokenize.py    /tokenize, /detokenize and /tokenizer_info (vLLM's)
 chat.py        the chat path every chat-shaped API takes (chat, Anthropic's Messages, Responses)

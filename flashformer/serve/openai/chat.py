@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 
 from flashformer.generate.constraints import Constraint
+from flashformer.generate.sampling_options import REQUEST_OPTIONS
 from flashformer.serve.engine import Busy, Engine, Event, SamplingParams, Thinking
 from flashformer.serve.engine import Request as EngineRequest
 from flashformer.serve.openai.answer import AnswerPlan
@@ -134,16 +135,6 @@ def tag_tokens(tokenizer) -> tuple[int, int] | None:
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
-def check_model(name: str, served: str) -> None:
-    if name != served:
-        raise APIError(
-            404,
-            f"the model {name!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
 def message_fields(message) -> dict:
     """A request's message for the chat template: its other fields (name, ...) reach the
     template too, as in transformers; an assistant's calls without text keep content None."""
@@ -227,14 +218,8 @@ def params_of(
             400, f"min_tokens ({min_tokens}) must be at most max_tokens ({limit})", param="min_tokens"
         )
     return SamplingParams(
+        **{option.name: option.from_request(getattr(body, option.name)) for option in REQUEST_OPTIONS},
         max_tokens=limit,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),  # -1 and 0: none
-        min_p=body.min_p or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias,
         min_tokens=min_tokens,
         seed=body.seed,

@@ -1,12 +1,16 @@
-"""OpenAI's request bodies (pydantic: fastapi checks them and answers 400 by name) and its
-error shape, for the endpoints of app.py."""
+"""OpenAI's request bodies (pydantic: fastapi checks them and answers 400 by name), the checks
+every endpoint makes (the model's name, a text model), and the error shape: for the endpoint
+modules create_app assembles (app.py)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from flashformer.generate.sampling_options import REQUEST_OPTIONS, SamplingOption
+from flashformer.serve.embeddings import EmbeddingEngine
 
 # ---- request bodies ----
 
@@ -18,24 +22,22 @@ class StreamOptions(BaseModel):
 Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 
-class Sampling(BaseModel):
-    """The settings both endpoints share: OpenAI's names, defaults and ranges, and vLLM's for
-    the fields OpenAI lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-    stop_token_ids). Null is the default. Every one reaches generate.sampling (engine.py)."""
+def option_field(option: SamplingOption) -> tuple[Any, Any]:
+    """A sampling option as a request field: null by default, its range (the request's, where
+    it differs from generate()'s: temperature's 0 and 2, top_k's -1) checked by pydantic, so
+    fastapi's 400 names the field and the bound."""
+    bounds = option.request_bounds if option.request_bounds is not None else option.bounds
+    finite = {"allow_inf_nan": False} if option.type is float else {}
+    return option.type | None, Field(None, **bounds, **finite)
 
+
+class _SamplingFields(BaseModel):
     # other fields are kept for refuse_unsupported: each is refused by name unless it cannot
     # change the answer (user, metadata, ...) or holds its no-op value
     model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k filter (vLLM's)
-    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
@@ -57,6 +59,18 @@ class Sampling(BaseModel):
     guided_grammar: Any = None
 
     most_stops: ClassVar[int] = 4  # OpenAI's rule for `stop` (the engine has none)
+
+
+Sampling = create_model(
+    "Sampling",
+    __base__=_SamplingFields,
+    __module__=__name__,
+    __doc__="""The settings both endpoints share: OpenAI's names, defaults and ranges, and vLLM's
+    for the fields OpenAI lacks. The sampling options (temperature, top_p, top_k, min_p, the
+    penalties, ...) are the rows of generate.sampling_options.REQUEST_OPTIONS; the others are
+    _SamplingFields'. Null is the default. Every one reaches generate.sampling (engine.py).""",
+    **{option.name: option_field(option) for option in REQUEST_OPTIONS},
+)
 
 
 # ---- tools (serve/openai/tools.py uses them) ----
@@ -162,6 +176,29 @@ def refuse_unsupported(body: BaseModel) -> None:
         if name in NO_OP_VALUES and any(value == no_op for no_op in NO_OP_VALUES[name]):
             continue
         raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
+
+
+# ---- checks every endpoint makes ----
+
+
+def check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_generates(engine, model_name: str) -> None:
+    """A text endpoint refuses a server of sentence embeddings by name."""
+    if isinstance(engine, EmbeddingEngine):
+        raise APIError(
+            400,
+            f"the model {model_name!r} is an encoder (sentence embeddings); use /v1/embeddings",
+            param="model",
+        )
 
 
 # ---- errors ----

@@ -1,19 +1,49 @@
-"""What the endpoints answer: a whole completion's JSON, a stream of server-sent events, their
-log-probabilities (chat's and completions' shapes), embeddings' vectors, and the Prometheus
-text of /metrics. OpenAI's shapes, so the `openai` client reads them unchanged."""
+"""What the endpoints answer: a whole completion's JSON, a stream of server-sent events (respond:
+a request submitted and answered either way), their log-probabilities (chat's and completions'
+shapes), embeddings' vectors, and the Prometheus text of /metrics. OpenAI's shapes, so the
+`openai` client reads them unchanged."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import time
+import uuid
 
 import numpy as np
-from fastapi.responses import JSONResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from flashformer.serve.engine import Engine
-from flashformer.serve.openai.answer import ChatDeltas, message_of
+from flashformer.serve.engine import Engine, SamplingParams
+from flashformer.serve.openai.answer import AnswerPlan, ChatDeltas, message_of
+from flashformer.serve.openai.chat import submit
 from flashformer.serve.openai.protocol import APIError
+
+
+async def respond(
+    engine: Engine,
+    http: Request,
+    body,
+    prompt: list[int],
+    params: SamplingParams,
+    model_name: str,
+    chat: bool,
+    echo: str | None = None,
+    answer: AnswerPlan | None = None,
+):
+    """Submit a chat or completions request (`body`: its n, stream and stream_options) and
+    answer it: server-sent events with stream, else one JSON when it is done."""
+    request, events = submit(engine, prompt, params, body.n)
+    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            stream_events(request, events, ident, created, model_name, chat, usage, engine, answer),
+            media_type="text/event-stream",
+        )
+    return await collect(request, events, http, ident, created, model_name, chat, engine, echo, answer)
 
 
 class ClientGone(Exception):

@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashformer.serve.openai.answer import Answer, AnswerReader, read_answer
-from flashformer.serve.openai.chat import ServerOptions, check_model, prepare_chat, submit
-from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest
+from flashformer.serve.openai.chat import ServerOptions, prepare_chat, submit
+from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest, check_model
 from flashformer.serve.openai.responses import ClientGone, until_done
 from flashformer.text.reasoning import Thought
 from flashformer.text.tool_calls import ToolCall
