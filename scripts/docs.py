@@ -415,6 +415,34 @@ def paged_attention_table(payload: dict) -> str:
     return markdown_table(["batch", "keys per sequence", *(heading for heading, _ in columns)], rows)
 
 
+LOAD_FILES = (  # docs/figures/load/NAME.json (scripts/gguf_memory.py --out), the table's rows in order
+    ("SmolLM2-135M Q4_1", "smollm2"),
+    ("Gemma 3 270M Q4_K_M", "gemma3"),
+    ("Llama-3.2-1B shapes Q4_K_M", "llama1b-shape"),
+)
+
+
+def load_time_table(docs: Path) -> str:
+    """The load alone (our flashformer.load against llama.cpp's model and context) and the whole
+    wait, process start to first token, fresh processes in turns: best (worst) seconds."""
+    header = ["file (size)", "load: flashformer", "llama.cpp", "best / best", "to first token: flashformer",
+              "llama.cpp", "best / best", "peak RSS MB ours / llama.cpp", "load average"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, name in LOAD_FILES:
+        run = stored(docs, f"load/{name}.json")
+        ours, theirs = run["load_s"]["flashformer"], run["load_s"]["llama.cpp"]
+        cold = run["cold_start"]["summary"]
+        first, second = cold["flashformer"], cold["llama.cpp"]
+        cells = [f"{label} ({run['file_bytes'] / 1e6:.0f} MB)", f"{min(ours):.2f} ({max(ours):.2f}) s",
+                 f"{min(theirs):.2f} ({max(theirs):.2f}) s", f"**{min(ours) / min(theirs):.2f}x**",
+                 f"{first['best']:.2f} ({first['worst']:.2f}) s", f"{second['best']:.2f} ({second['worst']:.2f}) s",
+                 f"**{first['best'] / second['best']:.2f}x**",
+                 f"{first['max_rss_of_best'] / 1e6:.0f} / {second['max_rss_of_best'] / 1e6:.0f}",
+                 " -> ".join(f"{v:.1f}" for v in run["load_average"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def kld_programs_table(payload: dict) -> str:
     """eval kld beside llama-perplexity on one text: each run's base, each program's figures, and
     the mean KLD over llama-perplexity's on the same base."""
@@ -487,6 +515,7 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     for marker, name in (("kv-cache-smollm2", "smollm2-4k"), ("kv-cache-gemma3", "gemma3-4k")):
         found[benchmarks, marker] = kv_cache.table(stored(docs, f"kv-cache/{name}.json"))
     found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
+    found[benchmarks, "load-time"] = load_time_table(docs)
     found[docs / "cli.md", "kld-programs"] = kld_programs_table(stored(docs, "kld/smollm2-programs.json"))
     for marker, name in (
         ("long-context-gemma3", "gemma-3-270m-32k"),

@@ -2,6 +2,7 @@
 with a llama.cpp tree and build, the load time against llama.cpp's in the same run.
 
     python scripts/gguf_memory.py FILE.gguf [--runs 3] [--llama-cpp-src SRC --llama-cpp-build BUILD]
+                                  [--cold-starts N] [--out JSON]
 
 Each load runs in a fresh process (a process's heap remembers what came before); "held" is
 the RSS after the load less the RSS before it, as `bench generate` reports it. The model alone
@@ -12,16 +13,24 @@ llama.cpp's side is a small C++ program compiled here against the build's static
 (BUILD_SHARED_LIBS=OFF, as scripts' llama.cpp builds are): llama_model_load_from_file and
 llama_init_from_model with a 768-token context and 2 threads, what llama-cpp-python's
 `Llama(...)` calls beneath its Python. The two loads alternate, a fresh process each.
+--cold-starts N adds the whole wait of a user, process start to first token (bench/cold_start.py:
+`flashformer generate` against the build's llama-simple), and --out keeps both as JSON, which
+docs/benchmarks.md's load-time table is drawn from (scripts/docs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from flashformer.bench import cold_start
+from flashformer.files import write_json
+from flashformer.kernels.machine import machine_info
 
 WORKER = """
 import json, sys, time
@@ -83,6 +92,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--llama-cpp-src", type=Path, help="llama.cpp's source tree (its include/)")
     parser.add_argument("--llama-cpp-build", type=Path, help="its cmake build folder (static libraries)")
+    parser.add_argument(
+        "--cold-starts", type=int, default=0, help="with llama.cpp: also N fresh processes to first token"
+    )
+    parser.add_argument("--out", type=Path, help="with llama.cpp: write the runs here as JSON")
     args = parser.parse_args()
     if (args.llama_cpp_src is None) != (args.llama_cpp_build is None):
         parser.error("--llama-cpp-src and --llama-cpp-build go together")
@@ -111,6 +124,7 @@ def main() -> None:
 
 def compare_load_time(args) -> None:
     """Our load (model and tokenizer) and llama.cpp's, in turns, a fresh process each."""
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         binary = llama_cpp_loader(args.llama_cpp_src, args.llama_cpp_build, Path(folder))
         ours, theirs = [], []
@@ -123,6 +137,15 @@ def compare_load_time(args) -> None:
     print(f"flashformer (model and tokenizer) {min(ours):.2f}-{max(ours):.2f} s")
     print(f"llama.cpp (model and context)     {min(theirs):.2f}-{max(theirs):.2f} s")
     print(f"best against best: {min(ours) / min(theirs):.2f}x llama.cpp's")
+    found = {"file": args.file.name, "file_bytes": args.file.stat().st_size, "runs": args.runs,
+             "load_s": {"flashformer": ours, "llama.cpp": theirs}, "machine": machine_info(), "load_average": [load_before]}  # fmt: skip
+    if args.cold_starts:
+        found["cold_start"] = cold_start.run(str(args.file), str(args.llama_cpp_build), args.cold_starts)
+        for name, figures in found["cold_start"]["summary"].items():
+            print(f"{name} to first token: best {figures['best']:.2f} s, worst {figures['worst']:.2f} s")
+    found["load_average"].append(os.getloadavg()[0])
+    if args.out is not None:
+        write_json(args.out, found)
 
 
 if __name__ == "__main__":
