@@ -13,7 +13,8 @@ of the Markdown files, so prose around them stays hand-written. Each table
 and figure is made by the module that owns its data (the benchmarks, the
 cost formulas, the HF name mapping, the CLI's own parser); this script only
 runs them and puts their output in place. Every table of figures is drawn from JSON
-stored under docs/figures (`tables`), so a table typed by hand fails tests/test_docs.py.
+stored under docs/figures (`tables`; the table functions are scripts/doc_tables.py's), so a
+table typed by hand fails tests/test_docs.py.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from pathlib import Path
 import torch
 
 from flashformer import costs
-from flashformer.bench import alternatives_report, kv_cache, long_context, serve, speculative, turns
+from flashformer.bench import alternatives_report, kv_cache, long_context, speculative
 from flashformer.bench import attention as bench_attention
 from flashformer.cli import commands as cli
 from flashformer.costs import report
 from flashformer.encoders import study
-from flashformer.formatting import markdown_table
 from flashformer.model import hf
 from flashformer.viz import positional, tiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # doc_tables.py beside this script
+import doc_tables  # noqa: E402
+from doc_tables import stored  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -292,202 +296,6 @@ def fill_alternatives(docs: Path) -> None:
     replace_generated(docs / "alternatives.md", "alternatives-study", alternatives_section(docs))
 
 
-# ---- tables drawn from several stored runs: README.md's headline, docs/benchmarks.md's summaries ----
-
-
-def stored(docs: Path, relative: str) -> dict:
-    """A stored run's JSON, docs/figures/RELATIVE."""
-    path = docs / "figures" / relative
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the stored run a generated table is drawn from is missing")
-    return json.loads(path.read_text())
-
-
-# the native decoder against llama-bench (scripts/bench_isa_turns.py): (file, JSON name, decode target)
-TURNS_FILES = (
-    ("SmolLM2-135M Q4_1", "smollm2", 1.3),
-    ("Gemma 3 270M Q4_K_M", "gemma3", 1.3),
-    ("Llama-3.2-1B shapes Q4_K_M (0.8 GB)", "llama1b-shape", 1.1),
-)
-TURNS_PATHS = (("native (AMX, VNNI)", "native"), ("AVX2", "avx2"))
-PROMPT_TARGET = 2.0
-# flashformer serve against llama-server, one client and 16: (label, JSON name)
-SERVE_RUNS = (
-    ("SmolLM2, native", "smollm2-native"),
-    ("SmolLM2, AVX2", "smollm2-avx2-forced"),
-    ("Gemma 3, native", "gemma3-native"),
-    ("Gemma 3, AVX2", "gemma3-avx2-forced"),
-)
-
-
-def native_decoder_table(docs: Path) -> str:
-    rows = [
-        (file, path, stored(docs, f"measured/turns-{name}-{suffix}.json"), target, PROMPT_TARGET)
-        for file, name, target in TURNS_FILES
-        for path, suffix in TURNS_PATHS
-    ]
-    return turns.summary_table(rows)
-
-
-def native_serve_table(docs: Path) -> str:
-    rows = [
-        (
-            label,
-            stored(docs, f"measured/serve-{name}-1-client.json"),
-            stored(docs, f"measured/serve-{name}.json"),
-        )
-        for label, name in SERVE_RUNS
-    ]
-    return serve.versus_table(rows)
-
-
-def readme_headline(docs: Path) -> str:
-    """README.md's one table: the default path against llama.cpp on the same files, from the runs
-    docs/benchmarks.md's "The native decoder" tabulates in full."""
-    rows, machine = [], None
-    for file, name, _ in TURNS_FILES:
-        payload = stored(docs, f"measured/turns-{name}-native.json")
-        machine = machine or payload["machine"]
-        ours, theirs = payload["summary"]["flashformer"], payload["summary"]["llama.cpp"]
-        decode = ours["decode"]["best"], theirs["decode"]["best"]
-        prompt = ours["prompt"]["best"], theirs["prompt"]["best"]
-        row = [
-            file,
-            f"{decode[0]:.0f} / {decode[1]:.0f} (**{decode[0] / decode[1]:.1f}x**)",
-            f"{prompt[0]:.0f} / {prompt[1]:.0f} (**{prompt[0] / prompt[1]:.1f}x**)",
-        ]
-        path = docs / "figures" / "measured" / f"serve-{name}-native.json"
-        if path.is_file():
-            ours_served, theirs_served = serve.ours_and_theirs(json.loads(path.read_text()))
-            rate = ours_served["output_tokens_per_s"], theirs_served["output_tokens_per_s"]
-            row.append(f"{rate[0]:.0f} / {rate[1]:.0f} (**{rate[0] / rate[1]:.1f}x**)")
-        else:
-            row.append("-")
-        rows.append(row)
-    header = [
-        "GGUF file",
-        "decode tokens/s: flashformer / llama.cpp",
-        "512-token prompt tokens/s",
-        "served, 16 clients: output tokens/s against llama-server",
-    ]
-    return (
-        f"{machine['cpu']}, {machine['threads']} threads, batch 1, greedy; best of fresh processes in "
-        "turns against llama-bench's tg128 and pp512 on the same file; llama.cpp built for the same "
-        "CPU.\n\n" + markdown_table(header, rows)
-    )
-
-
-# ---- the maintainer scripts' attention runs (scripts/bench_paged_attention.py, bench_decode_attention.py) ----
-
-# a column of the paged-attention table: its heading, and the run it shows (a name in ms_per_step)
-PAGED_COLUMNS = {
-    "cpu": (
-        ("paged, cpu (one C++ call; auto)", "paged/cpu (one call)"),
-        ("paged, torch (per sequence, SDPA)", "paged/torch (per sequence, SDPA)"),
-        ("paged, flash (per sequence)", "paged/flash"),
-        ("one padded call", "batched (not invariant)"),
-        ("dense static cache", "dense static cache"),
-    ),
-    "cuda": (
-        ("paged, triton (splits of 256)", "paged/triton split 256"),
-        ("triton, splits 64-512", "paged/triton split"),  # the range over every split length
-        ("paged, auto per sequence (SDPA)", "paged/auto"),
-        ("paged, flash per sequence", "paged/flash"),
-        ("one padded call (not invariant)", "batched (not invariant)"),
-        ("dense static cache", "dense static cache"),
-    ),
-}
-
-
-def paged_attention_table(payload: dict) -> str:
-    """One decode step's attention over every layer's paged pool, ms per step, by batch and lengths."""
-    columns = PAGED_COLUMNS[payload["device"]]
-    rows = []
-    for result in payload["results"]:
-        row = [str(result["batch"]), result["lengths"]]
-        for _, run in columns:
-            if run in result["ms_per_step"]:
-                row.append(f"{result['ms_per_step'][run]:.1f}")
-            else:
-                splits = [ms for name, ms in result["ms_per_step"].items() if name.startswith(run + " ")]
-                row.append(f"{min(splits):.1f}-{max(splits):.1f}")
-        rows.append(row)
-    return markdown_table(["batch", "keys per sequence", *(heading for heading, _ in columns)], rows)
-
-
-LOAD_FILES = (  # docs/figures/load/NAME.json (scripts/gguf_memory.py --out), the table's rows in order
-    ("SmolLM2-135M Q4_1", "smollm2"),
-    ("Gemma 3 270M Q4_K_M", "gemma3"),
-    ("Llama-3.2-1B shapes Q4_K_M", "llama1b-shape"),
-)
-
-
-def load_time_table(docs: Path) -> str:
-    """The load alone (our flashformer.load against llama.cpp's model and context) and the whole
-    wait, process start to first token, fresh processes in turns: best (worst) seconds."""
-    header = ["file (size)", "load: flashformer", "llama.cpp", "best / best", "to first token: flashformer",
-              "llama.cpp", "best / best", "peak RSS MB ours / llama.cpp", "load average"]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, name in LOAD_FILES:
-        run = stored(docs, f"load/{name}.json")
-        ours, theirs = run["load_s"]["flashformer"], run["load_s"]["llama.cpp"]
-        cold = run["cold_start"]["summary"]
-        first, second = cold["flashformer"], cold["llama.cpp"]
-        cells = [f"{label} ({run['file_bytes'] / 1e6:.0f} MB)", f"{min(ours):.2f} ({max(ours):.2f}) s",
-                 f"{min(theirs):.2f} ({max(theirs):.2f}) s", f"**{min(ours) / min(theirs):.2f}x**",
-                 f"{first['best']:.2f} ({first['worst']:.2f}) s", f"{second['best']:.2f} ({second['worst']:.2f}) s",
-                 f"**{first['best'] / second['best']:.2f}x**",
-                 f"{first['max_rss_of_best'] / 1e6:.0f} / {second['max_rss_of_best'] / 1e6:.0f}",
-                 " -> ".join(f"{v:.1f}" for v in run["load_average"])]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def kld_programs_table(payload: dict) -> str:
-    """eval kld beside llama-perplexity on one text: each run's base, each program's figures, and
-    the mean KLD over llama-perplexity's on the same base."""
-    header = ["MODEL", "base file", "program", "PPL(Q)", "PPL(base)", "mean KLD", "median KLD", "99 % KLD",
-              "RMS Δp", "same top", "mean KLD / llama-perplexity's"]  # fmt: skip
-    lines = []
-    for run in payload["runs"]:
-        lines += [f"{run['date']}, the base's tokens: {run['base_tokens']}", ""]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        theirs = {
-            (r["model"], r["base"]): r["mean_kld"] for r in run["rows"] if r["program"] == "llama-perplexity"
-        }
-        for r in run["rows"]:
-            ratio = r["mean_kld"] / theirs[r["model"], r["base"]]
-            cells = [r["model"], r["base"], r["program"], f"{r['ppl_q']:.4f}", f"{r['ppl_base']:.4f}",
-                     f"{r['mean_kld']:.6f} ± {r['kld_error']:.6f}", f"{r['median_kld']:.4g}", f"{r['p99_kld']:.4g}",
-                     f"{r['rms_dp_percent']:.3f} %", f"{r['same_top_percent']:.2f} %", f"{ratio:.3f}"]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines).rstrip("\n")
-
-
-def decode_attention_table(payload: dict) -> str:
-    """attention() over a static cache, backend "cpu" against "torch", µs a call, by key count."""
-    lengths = sorted({r["k_len"] for r in payload["results"]})
-    cells: dict[tuple, dict[int, str]] = {}
-    for r in payload["results"]:
-        key = (r["model"], r["batch"], r["q_len"])
-        cells.setdefault(key, {})[r["k_len"]] = (
-            f"{r['us']['cpu']:.0f} / {r['us']['torch']:.0f} ({r['torch_over_cpu']:.2f})"
-        )
-    header = [
-        "heads (q/kv x dim)",
-        "batch",
-        "queries a row",
-        f"{lengths[0]} keys: cpu / torch µs (torch/cpu)",
-        *(f"{n} keys" for n in lengths[1:]),
-    ]
-    rows = [
-        [model, str(batch), str(q_len), *(row.get(n, "-") for n in lengths)]
-        for (model, batch, q_len), row in cells.items()
-    ]
-    return markdown_table(header, rows)
-
-
 def tables(docs: Path) -> dict[tuple[Path, str], str]:
     """Every generated table of README.md and docs/, as {(page, marker): text}, drawn from the JSON
     stored under docs/figures and from the code (the CLI's parser, the cost formulas, the HF names)
@@ -497,8 +305,8 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     found = {
         (benchmarks, "attention-table"): bench_attention.table(attention),
         (benchmarks, "measured-runs"): measured_section(docs, redraw=False),
-        (benchmarks, "native-decoder-turns"): native_decoder_table(docs),
-        (benchmarks, "native-decoder-serve"): native_serve_table(docs),
+        (benchmarks, "native-decoder-turns"): doc_tables.native_decoder_table(docs),
+        (benchmarks, "native-decoder-serve"): doc_tables.native_serve_table(docs),
         (docs / "costs.md", "preset-costs"): report.preset_costs_table(),
         (docs / "costs.md", "memory-agreement"): bench_attention.memory_agreement_table(attention),
         (docs / "models.md", "hf-names"): hf.names_table(),
@@ -515,8 +323,10 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     for marker, name in (("kv-cache-smollm2", "smollm2-4k"), ("kv-cache-gemma3", "gemma3-4k")):
         found[benchmarks, marker] = kv_cache.table(stored(docs, f"kv-cache/{name}.json"))
     found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
-    found[benchmarks, "load-time"] = load_time_table(docs)
-    found[docs / "cli.md", "kld-programs"] = kld_programs_table(stored(docs, "kld/smollm2-programs.json"))
+    found[benchmarks, "load-time"] = doc_tables.load_time_table(docs)
+    found[docs / "cli.md", "kld-programs"] = doc_tables.kld_programs_table(
+        stored(docs, "kld/smollm2-programs.json")
+    )
     for marker, name in (
         ("long-context-gemma3", "gemma-3-270m-32k"),
         ("long-context-qwen-32k", "qwen2.5-0.5b-shape-32k"),
@@ -527,12 +337,15 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
         ("paged-attention-cpu", "paged-attention-cpu"),
         ("paged-attention-cuda", "paged-attention-cuda"),
     ):
-        found[benchmarks, marker] = paged_attention_table(stored(docs, f"measured/{name}.json"))
-    found[benchmarks, "decode-attention-cpu"] = decode_attention_table(
+        found[benchmarks, marker] = doc_tables.paged_attention_table(stored(docs, f"measured/{name}.json"))
+    found[benchmarks, "decode-attention-cpu"] = doc_tables.decode_attention_table(
         stored(docs, "measured/decode-attention-cpu.json")
     )
+    found[benchmarks, "epyc-serve"] = doc_tables.epyc_serve_table(docs)
+    for (page, marker), relative in doc_tables.TRANSCRIBED.items():
+        found[docs / page, marker] = doc_tables.transcribed_table(stored(docs, relative))
     if readme.is_file():  # absent beside a copy of docs/ alone
-        found[readme, "headline"] = readme_headline(docs)
+        found[readme, "headline"] = doc_tables.readme_headline(docs)
     return found
 
 

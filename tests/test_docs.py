@@ -72,6 +72,13 @@ def test_every_generated_table_is_its_stored_json():
         assert not unknown, f"{page.name} has generated blocks nothing fills: {unknown}"
 
 
+def test_a_transcribed_table_keeps_its_cells_and_says_whence():
+    table = docs.doc_tables.transcribed_table({"header": ["", "cold"], "rows": [["before", ""]]})
+    assert table == "| | cold |\n|---|---|\n| before | |"
+    for relative in docs.doc_tables.TRANSCRIBED.values():
+        assert "transcribed on" in docs.stored(DOCS, relative)["provenance"], relative
+
+
 def test_a_table_edited_by_hand_is_found(tmp_path):
     copy = tmp_path / "docs"
     shutil.copytree(DOCS, copy, ignore=shutil.ignore_patterns("*.png"))
