@@ -225,6 +225,7 @@ TRANSCRIBED = {
     ("serving.md", "avx2-serve"): "serve/avx2-llama-server.json",
     ("serving.md", "prefill-budget"): "serve/prefill-budget.json",
     ("serving.md", "prefix-cache"): "serve/prefix-cache.json",
+    ("serving.md", "serve-under-load"): "serve/llama-server-2026-12-02.json",
 }
 
 
