@@ -242,3 +242,68 @@ def test_alternatives_sections_come_from_the_stored_json(tmp_path):
         "\n\nWidth and parameters: corpus / tasks (the vocabularies differ). Accuracy: on the answer tokens only.",
         "",
     )
+
+
+# A ratio as the generated tables print it ("2.09x", "**1.33**") and as prose would retype it.
+RATIO = re.compile(r"(?<![\w.*])(\d+\.\d+)x(?!\w)|\*\*(\d+(?:\.\d+)?)x?\*\*")
+
+# Sentences that hold a ratio one of their page's tables also shows, but of another run: the
+# same value by chance, each typed once. (page, the words around it, why it stays)
+RATIOS_OF_OTHER_RUNS = (
+    (
+        "benchmarks.md",
+        "the same measurement then: 353-354 MB, 1.40x",
+        "Gemma's RSS before text.sentencepiece",
+    ),
+    ("benchmarks.md", "846 MB before (1.05x the file)", "the memory-mapped weights' before/after probe"),
+    ("benchmarks.md", "Gemma's AVX2 decode from 1.31x", "the AVX2 turns before the prefetch"),
+    (
+        "benchmarks.md",
+        "edit-code 1.06x, quote 1.58x, poem 1.80x, explain 0.97x",
+        "5 December's lookup run, not stored",
+    ),
+    ("benchmarks.md", "the step from 5 December's 1.06x", "5 December's lookup run, not stored"),
+    ("benchmarks.md", "below the 1.5x target", "a target, not a measurement"),
+    ("benchmarks.md", "short of the 1.5x", "a target, not a measurement"),
+    (
+        "benchmarks.md",
+        "gets 1.77x on edit-code at c = 0.15, 1.62x at 0.25; one rate for every draft 1.39x at 0.15 "
+        "(1.20x at 0.25), the rate per match length kept here 1.42x (1.23x)",
+        "scripts/speculative_replay.py's cost model",
+    ),
+    (
+        "benchmarks.md",
+        "measured 1.34x, 0.93x, 0.84x, 0.91x and 1.05x",
+        "the served run before the batch weighed",
+    ),
+    ("benchmarks.md", "gave 1.48x, 1.42x, 1.25x and 1.55x", "the EPYC 16-client runs' one-client passes"),
+    ("benchmarks.md", "p99 between tokens 1.02x, 0.87x, 0.95x and 0.66x", "the same passes"),
+    ("benchmarks.md", "one such pass at 1.09x", "the first EPYC campaign"),
+    ("benchmarks.md", "one-client run: 1.37x, p99 0.76x", "the first EPYC campaign"),
+    ("benchmarks.md", "reached 1.39x", "the AVX2-only EPYC campaign before"),
+    ("benchmarks.md", "went from 0.76-0.94x", "the server before the step moved to the main thread"),
+    ("serving.md", "54.6 with (1.76x", "one draft-model request"),
+)
+
+
+def test_prose_does_not_retype_its_tables_ratios():
+    """A ratio a generated table shows is not typed again in the prose of its page: the prose names
+    the table or row and says what it shows, so a rerun that regenerates the table leaves no sentence
+    stale (issue 52: every figure typed once). Repeats of another run's value are listed above."""
+    retyped, stale = [], []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text()
+        shown = {a or b for body in generated_blocks(page).values() for a, b in RATIO.findall(body)}
+        prose = " ".join(
+            re.sub(r"<!-- generated: ([\w.-]+) -->\n.*?<!-- end: \1 -->", " ", text, flags=re.S).split()
+        )
+        for name, words, _ in RATIOS_OF_OTHER_RUNS:
+            if name == page.name:
+                if words not in prose:
+                    stale.append(f"{name}: {words}")
+                prose = prose.replace(words, " ")
+        for match in RATIO.finditer(prose):
+            if (match.group(1) or match.group(2)) in shown:
+                retyped.append(f"{page.name}: ...{prose[max(0, match.start() - 60) : match.end()]}")
+    assert not stale, f"RATIOS_OF_OTHER_RUNS names words no page holds any more: {stale}"
+    assert not retyped, f"prose retypes a ratio its page's generated table shows: {retyped}"
