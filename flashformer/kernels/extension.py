@@ -48,6 +48,7 @@ INCLUDES = [
     _CSRC / "decoder_call.h",
     _CSRC / "kv_blocks.h",
     _CSRC / "quantized_x86.inc",
+    _CSRC / "quantized_amx.inc",
     _CSRC / "kquants_x86.inc",
     _CSRC / "kquants_panel_x86.inc",
     _CSRC / "kquants_amx.inc",

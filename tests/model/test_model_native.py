@@ -166,13 +166,13 @@ def test_quantized_rows_have_the_same_bits_alone_and_among_others(gemma3_folder,
 
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
 def test_every_kernel_path_gives_the_same_bits(gemma3_folder, mode):
-    """The scalar, AVX2 and AVX-512 VNNI kernels (those this CPU has) compute the same bits:
+    """The scalar, AVX2, AVX-512 VNNI and AMX kernels (those this CPU has) compute the same bits:
     float32 weights (float_cpu.cpp) and quantized ones."""
     model = flashformer.from_pretrained(gemma3_folder, quantize=mode).eval()
     ids = random_ids(model.config.vocab_size, 12, 9)
     results = {}
     try:
-        for isa in ("scalar", "avx2", "avx512-vnni"):
+        for isa in ("scalar", "avx2", "avx512-vnni", "amx-int8"):
             results[kernel_isa(isa)] = native_logits(model, [ids], [[8, 1, 1, 1, 1]])[0]
     finally:
         kernel_isa("best")
@@ -272,3 +272,35 @@ def test_real_gguf_files_give_their_modules_tokens(which):
     assert torch.equal(native.sequences, eager.sequences)
     for a, b in zip(native.logits, eager.logits):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
+
+
+def test_smollm2_tokens_are_the_same_on_every_kernel_path():
+    """SmolLM2-135M's Q4_1 file with int8 activations, in the native decoder: the prompt's rows
+    (16 and more) take AMX's tiles where the CPU has them (quantized_amx.inc), and the greedy
+    tokens and logits are the VNNI and AVX2 kernels' bits."""
+    paths = []
+    try:
+        paths = [isa for isa in ("avx2", "avx512-vnni", "amx-int8") if kernel_isa(isa) == isa]
+    finally:
+        kernel_isa("best")
+    if len(paths) < 2:
+        pytest.skip(f"this CPU runs only {paths or ['scalar']} of the vector kernel paths")
+    if "amx-int8" not in paths:
+        print("AMX int8 tiles: not on this CPU, so its path is not compared")
+    model, tokenizer = flashformer.load(smollm2_path(), quantize="gguf")
+    ids = torch.tensor([tokenizer.encode("def add(a, b):\n    return a + b\n\n" * 3 + "def sub(a, b):")])
+    assert ids.shape[1] >= 16
+    results = {}
+    try:
+        for isa in paths:
+            assert kernel_isa(isa) == isa
+            out = model.generate(
+                ids, max_new_tokens=8, eos_token_id=[], return_dict_in_generate=True, output_logits=True
+            )
+            results[isa] = (out.sequences, torch.stack(out.logits))
+    finally:
+        kernel_isa("best")
+    first = results[paths[0]]
+    for isa in paths[1:]:
+        assert torch.equal(results[isa][0], first[0]), isa
+        assert torch.equal(results[isa][1], first[1]), isa

@@ -87,6 +87,16 @@ inline std::atomic<int>& use_isa() {
   return isa;
 }
 
+// AMX's tile configuration (palette 1), as _tile_loadconfig reads it: each tile's rows and bytes
+// per row (kquants_amx.inc, quantized_amx.inc).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 inline float half_to_float(uint16_t bits) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 }

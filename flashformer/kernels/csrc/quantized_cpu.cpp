@@ -45,6 +45,8 @@
 //   (torch.library.register_autograd) adds a fixed cost to every call, even under no_grad, as
 //   large as a small product's whole time (docs/benchmarks.md, "Packed layouts and call costs").
 
+#include <cstring>
+
 #include "products.h"
 
 namespace {
@@ -284,7 +286,25 @@ namespace vnni {
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+#include "quantized_amx.inc"
+}  // namespace amx
+#pragma GCC pop_options
 #endif  // FF_X86
+
+// Whether a product runs on AMX's tiles (quantized_amx.inc): int8 activations and from
+// kAmxMinRows x rows. Below, the unit's packing (once per product, weights streamed from memory)
+// costs more than the tiles save: SmolLM2-135M Q4_1 in the native decoder, one thread, its up
+// projections: AMX ~3.7 ms + 0.26 ms per x row, VNNI ~0.65 ms + 0.49 ms (even at ~13 rows;
+// docs/benchmarks.md).
+constexpr int64_t kAmxMinRows = 16;
+
+bool on_amx_tiles(int64_t rows, bool int8_activations, int isa) {
+  return FF_X86 && isa == kAmx && int8_activations && rows >= kAmxMinRows;
+}
 
 // ---- drivers: a product's units (products.h) ----
 
@@ -583,23 +603,43 @@ void sum_blocks32(const float* x, int64_t first, int64_t last, float* sums) {
 }
 
 int64_t nibble_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
+  if (on_amx_tiles(rows, int8_activations, isa)) return (w.groups + 1) / 2;
   return nibble_plan(rows, int8_activations, vector_isa(isa)) == NibblePlan::kPairs ? (w.groups + 1) / 2 : w.groups;
 }
 
 void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                 int64_t first, int64_t last) {
+#if FF_X86
+  if (on_amx_tiles(x.rows, int8_activations, isa)) {
+    if (w.packing == kInt5) {
+      return amx::nibble_units(static_cast<const Int5Block*>(w.data), static_cast<const Int4Scales*>(w.scales),
+                               w.groups, w.nb, x.blocks32, x.rows, out, first, last);
+    }
+    return amx::nibble_units(static_cast<const Int4Block*>(w.data), static_cast<const Int4Scales*>(w.scales),
+                             w.groups, w.nb, x.blocks32, x.rows, out, first, last);
+  }
+#endif
   isa = vector_isa(isa);
   if (w.packing == kInt5) return nibble_run_block<Int5Block>(w, x, out, int8_activations, isa, first, last);
   nibble_run_block<Int4Block>(w, x, out, int8_activations, isa, first, last);
 }
 
 int64_t int8_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
-  (void)rows;
+  if (on_amx_tiles(rows, int8_activations, isa)) return (w.groups + 3) / 4;
   return int8_quads(int8_activations, vector_isa(isa)) ? (w.groups + 3) / 4 : w.groups;
 }
 
 void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
               int64_t first, int64_t last) {
+#if FF_X86
+  if (on_amx_tiles(x.rows, int8_activations, isa)) {
+    const bool per_block = w.packing == kInt8PerBlock;
+    return amx::int8_units(static_cast<const Int8Block*>(w.data),
+                           per_block ? static_cast<const Int8BlockScales*>(w.scales) : nullptr,
+                           per_block ? nullptr : static_cast<const float*>(w.scales), w.groups, w.nb, x.blocks32,
+                           x.rows, out, first, last);
+  }
+#endif
   isa = vector_isa(isa);
   if (w.packing == kInt8PerBlock) return int8_run_scales<true>(w, x, out, int8_activations, isa, first, last);
   int8_run_scales<false>(w, x, out, int8_activations, isa, first, last);
