@@ -131,50 +131,6 @@ def _finish(args, payload: dict, lines: list[str]) -> dict:
     return payload
 
 
-def _check_logits_file(args, base) -> None:
-    """MODEL is a base file: it can only be measured against --base, and has no KV cache."""
-    if base is None:
-        raise ValueError(
-            f"MODEL {args.model} is a base logits file; it is measured against another: give --base FILE "
-            "(--save-base runs a model)"
-        )
-    if args.cache_type_k is not None or args.cache_type_v is not None:
-        raise ValueError(
-            f"--cache-type-k/--cache-type-v choose a model's KV cache; MODEL {args.model} is a logits file"
-        )
-
-
-def _finish(args, payload: dict, lines: list[str]) -> dict:
-    """Print the report, then the JSON to --out (or after the report)."""
-    print("\n".join(lines))
-    if args.out is not None:
-        write_json(args.out, payload)
-    else:
-        print(json.dumps(payload))
-    return payload
-
-
-def _compare_files(args, base) -> dict:
-    """MODEL is a base file: its log-probabilities against --base's, no model run."""
-    if base is None:
-        raise ValueError(
-            f"MODEL {args.model} is a base logits file; it can only be measured against another: "
-            "give --base FILE (--save-base runs a model)"
-        )
-    if args.cache_type_k is not None or args.cache_type_v is not None:
-        raise ValueError(
-            f"--cache-type-k/--cache-type-v choose a model's KV cache; MODEL {args.model} is a logits file"
-        )
-    result = file_divergence(read_base_logits(args.model), base, args.chunks)
-    payload = dict(model=str(args.model), **result.to_dict())
-    print("\n".join(report(result)))
-    if args.out is not None:
-        write_json(args.out, payload)
-    else:
-        print(json.dumps(payload))
-    return payload
-
-
 def report(result: KLDResult) -> list[str]:
     """The statistics in llama-perplexity --kl-divergence's words and units."""
     s = result.stats

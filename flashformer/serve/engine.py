@@ -285,18 +285,7 @@ class Engine(ModelLoop):
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe). Raises Busy past max_waiting and ValueError for a
         prompt that can never fit (the context, or the whole pool)."""
-        length = len(request.prompt_ids)
-        if length < 1:
-            raise ValueError("the prompt is empty: give at least one token")
-        if length >= self.context:
-            raise ValueError(
-                f"the prompt is {length} tokens; this model's context is {self.context} tokens "
-                f"(prompt and completion together)"
-            )
-        if self.pool.blocks_for(length + 1) > self.pool.capacity:
-            raise ValueError(
-                f"the prompt is {length} tokens; the KV pool holds {self.pool.capacity * self.pool.block_size}"
-            )
+        check_prompt_fits(len(request.prompt_ids), self.context, self.pool.capacity * self.pool.block_size)
         request.process = LogitsProcessor(request.settings, self.device)
         for sequence in request.sequences:
             sequence.detokenizer = Detokenizer(self.tokenizer, request.params.stop)
@@ -549,6 +538,20 @@ class Engine(ModelLoop):
                 "prompt_tokens_details": {"cached_tokens": request.sequences[0].cached_tokens or 0},
             }
             request.emit(Event("done", usage=usage))
+
+
+def check_prompt_fits(length: int, context: int, pool_tokens: int) -> None:
+    """ValueError for a prompt that can never run: empty, the context's length or more, or more
+    than the KV pool holds with the first generated token (an engine's, or its replicas')."""
+    if length < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    if length >= context:
+        raise ValueError(
+            f"the prompt is {length} tokens; this model's context is {context} tokens "
+            f"(prompt and completion together)"
+        )
+    if length + 1 > pool_tokens:
+        raise ValueError(f"the prompt is {length} tokens; the KV pool holds {pool_tokens}")
 
 
 def generation_settings(params: SamplingParams) -> GenerationSettings:

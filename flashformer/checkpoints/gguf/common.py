@@ -151,6 +151,18 @@ def llama_shaped_config(file: GGUFFile, arch: str, rope_dims: str = "all") -> di
     }
 
 
+def embedding_and_head_specs(hf: dict) -> list[TensorSpec]:
+    """A transformers-named decoder's (model.*, lm_head) embedding, final norm and, untied, head."""
+    d, vocab = hf["hidden_size"], hf["vocab_size"]
+    specs = [
+        TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, d)),
+        TensorSpec("output_norm.weight", "model.norm.weight", (d,)),
+    ]
+    if not hf["tie_word_embeddings"]:
+        specs.append(TensorSpec("output.weight", "lm_head.weight", (vocab, d)))
+    return specs
+
+
 def llama_shaped_tensors(
     hf: dict,
     rope_permuted: bool,
@@ -161,17 +173,12 @@ def llama_shaped_tensors(
     """Embedding, final norm, head (untied) and each block's norms, separate q, k, v, o and
     gate, up, down, with the biases asked for. rope_permuted: llama.cpp reordered the q/k rows
     for ggml's interleaved RoPE (llama), q over the query heads and k over the KV heads."""
-    d, vocab, ff = hf["hidden_size"], hf["vocab_size"], hf["intermediate_size"]
+    d, ff = hf["hidden_size"], hf["intermediate_size"]
     q_rows = hf["num_attention_heads"] * hf["head_dim"]
     kv_rows = hf["num_key_value_heads"] * hf["head_dim"]
     q_rope_heads = hf["num_attention_heads"] if rope_permuted else None
     k_rope_heads = hf["num_key_value_heads"] if rope_permuted else None
-    specs = [
-        TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, d)),
-        TensorSpec("output_norm.weight", "model.norm.weight", (d,)),
-    ]
-    if not hf["tie_word_embeddings"]:
-        specs.append(TensorSpec("output.weight", "lm_head.weight", (vocab, d)))
+    specs = embedding_and_head_specs(hf)
     for i in range(hf["num_hidden_layers"]):
         blk, layer = f"blk.{i}", f"model.layers.{i}"
         attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flashformer.checkpoints.gguf.common import (
     LLAMA_SHAPED_KEYS,
     TensorSpec,
+    embedding_and_head_specs,
     llama_shaped_config,
     refuse_unread_keys,
 )
@@ -58,15 +59,10 @@ class Phi3:
         }
 
     def tensors(self, hf: dict) -> list[TensorSpec]:
-        d, vocab, ff = hf["hidden_size"], hf["vocab_size"], hf["intermediate_size"]
+        d, ff = hf["hidden_size"], hf["intermediate_size"]
         head_dim = d // hf["num_attention_heads"]
         qkv_rows = (hf["num_attention_heads"] + 2 * hf["num_key_value_heads"]) * head_dim
-        specs = [
-            TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, d)),
-            TensorSpec("output_norm.weight", "model.norm.weight", (d,)),
-        ]
-        if not hf["tie_word_embeddings"]:
-            specs.append(TensorSpec("output.weight", "lm_head.weight", (vocab, d)))
+        specs = embedding_and_head_specs(hf)
         for i in range(hf["num_hidden_layers"]):
             blk, layer = f"blk.{i}", f"model.layers.{i}"
             specs += [

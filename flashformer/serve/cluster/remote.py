@@ -33,7 +33,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from flashformer.generate.constraints import ConstraintSpec
 from flashformer.serve.cluster.affinity import prefix_key
-from flashformer.serve.engine import Busy, Engine, Event, Request, SamplingParams
+from flashformer.serve.engine import Busy, Engine, Event, Request, SamplingParams, check_prompt_fits
 from flashformer.serve.openai.responses import prometheus
 
 # counters a replica's engine reports that add up across replicas (the rest are per replica)
@@ -107,15 +107,7 @@ class RemoteEngine(Engine):
         """Send the request to a replica (from the app's event loop). Raises as Engine.submit
         does: ValueError for a prompt that can never fit, Busy past the replicas' queues."""
         length, count = len(request.prompt_ids), len(request.sequences)
-        if length < 1:
-            raise ValueError("the prompt is empty: give at least one token")
-        if length >= self.context:
-            raise ValueError(
-                f"the prompt is {length} tokens; this model's context is {self.context} tokens "
-                f"(prompt and completion together)"
-            )
-        if length + 1 > self.pool_tokens:
-            raise ValueError(f"the prompt is {length} tokens; the KV pool holds {self.pool_tokens}")
+        check_prompt_fits(length, self.context, self.pool_tokens)
         if self.in_flight + count > self.max_in_flight:
             raise Busy(
                 f"{self.in_flight} sequences are in flight over {self.replicas} replicas "

@@ -166,14 +166,17 @@ NO_OP_VALUES: dict[str, tuple] = {
 }
 
 
-def refuse_unsupported(body: BaseModel) -> None:
+def refuse_unsupported(
+    body: BaseModel, no_effect: set = NO_EFFECT, no_op_values: dict[str, tuple] = NO_OP_VALUES
+) -> None:
     """Raise a 400 naming the first field of the request that this server would not honour: a
-    field it does not know or implement, unless it cannot change the answer or holds its no-op
-    value (null counts as absent). Nothing a client sends is silently ignored."""
+    field it does not know or implement, unless it cannot change the answer (no_effect) or holds
+    its no-op value (no_op_values; null counts as absent). Nothing a client sends is silently
+    ignored. The defaults are chat's and completions' fields; the Responses API passes its own."""
     for name, value in (body.model_extra or {}).items():
-        if value is None or name in NO_EFFECT:
+        if value is None or name in no_effect:
             continue
-        if name in NO_OP_VALUES and any(value == no_op for no_op in NO_OP_VALUES[name]):
+        if name in no_op_values and any(value == no_op for no_op in no_op_values[name]):
             continue
         raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashformer.serve.openai.answer import Answer, AnswerReader, read_answer
 from flashformer.serve.openai.chat import ServerOptions, prepare_chat, submit
-from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest, check_model
+from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest, check_model, refuse_unsupported
 from flashformer.serve.openai.responses import ClientGone, until_done
 from flashformer.text.reasoning import Thought
 from flashformer.text.tool_calls import ToolCall
@@ -103,7 +103,7 @@ def add_responses_routes(app: FastAPI, engine, model_name: str, server: ServerOp
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: Request):
         check_model(body.model, model_name)
-        _refuse_unsupported(body)
+        refuse_unsupported(body, NO_EFFECT, NO_OP_VALUES)
         history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
         conversation = history + _input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -125,15 +125,6 @@ def add_responses_routes(app: FastAPI, engine, model_name: str, server: ServerOp
     @app.get("/v1/responses/{ident}")
     async def retrieve(ident: str):
         return store.get(ident)[0]
-
-
-def _refuse_unsupported(body: ResponsesRequest) -> None:
-    for name, value in (body.model_extra or {}).items():
-        if value is None or name in NO_EFFECT:
-            continue
-        if name in NO_OP_VALUES and any(value == no_op for no_op in NO_OP_VALUES[name]):
-            continue
-        raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
 
 
 def _input_messages(given) -> list[dict]:
