@@ -118,7 +118,7 @@ def test_linear_matches_float64_reference(type_name, shape):
     for activations in ("int8", "float32"):
         for b in (None, bias):
             lin = QuantizedLinear.from_gguf_blocks(type_name, raw, shape, bias=b, activations=activations)
-            for rows in (1, 5, 9):  # 9: the K-quants' panel kernels (8 x rows and more)
+            for rows in (1, 5, 9, 33):  # 5, 9: tiles of x rows against ready weights; 33: the panels
                 x = torch.randn(rows, shape[1])
                 x64 = quantize_activations(x, block) if activations == "int8" else x.double()
                 for isa in kernel_paths():  # AVX2 and AVX-512 VNNI where this CPU has it
@@ -153,6 +153,9 @@ def test_every_isa_gives_the_scalar_bits(type_name):
     torch.manual_seed(5)
     x = torch.randn(11, 512)  # 11 rows: whole tiles and a tail on every ISA
     prompt = torch.randn(19, 512)  # a prompt: AVX2's int5 panel (16 rows and more), 4 tiles of 4 and 3
+    # the K-quants: 8 ready weight rows against tiles of up to 8 x rows (2, 7, 11 rows), the panels
+    # from 16 (AMX), 24 (AVX2) or 32 (VNNI) rows
+    many = torch.randn(35, 512)
     # 42 and 50 rows: int5's pairs of groups of 8 with a partial last group, and an odd last group
     for activations, out_features in ((a, n) for a in ("int8", "float32") for n in (42, 50)):
         raw = random_blocks(type_name, out_features, 512, seed=out_features)
@@ -163,13 +166,12 @@ def test_every_isa_gives_the_scalar_bits(type_name):
         try:
             for isa in isas:
                 assert kernel_isa(isa) == isa
-                results[isa] = (lin(x), lin(x[:1]), lin(prompt))
+                results[isa] = (lin(x), lin(x[:1]), lin(prompt), lin(x[:2]), lin(x[:7]), lin(many))
         finally:
             kernel_isa(previous)
         for isa in isas[1:]:
-            assert torch.equal(results[isa][0], results["scalar"][0]), (activations, out_features, isa)
-            assert torch.equal(results[isa][1], results["scalar"][1]), (activations, out_features, isa)
-            assert torch.equal(results[isa][2], results["scalar"][2]), (activations, out_features, isa)
+            for i, (got, scalar) in enumerate(zip(results[isa], results["scalar"])):
+                assert torch.equal(got, scalar), (activations, out_features, isa, i)
 
 
 def test_fallbacks_match_reference():

@@ -18,11 +18,13 @@
 //   sum_i sc[i] * xsum_i, the -32's), whole and exact whatever the order they are added in;
 //   then per block one float multiply-add each, by d * dx and -dmin * dx (Q6_K: -32 d * dx), in
 //   block order, and the two sums added at the end: the same on every ISA and in every kernel.
-//   Rows of x in the hundreds (a prompt) take the panel kernels (kquants_panel_x86.inc): 16 or 8
-//   weight rows unpacked once per call into a transposed panel, each row in a vector lane, so
-//   that one x word broadcast serves them all; a few x rows take the row kernels
-//   (kquants_x86.inc), which form the same integers; one x row (decoding) takes 8 weight rows at
-//   a time, their scales unpacked and their float steps taken in 8-lane vectors (lane r: row r).
+//   Rows of x from 16-32 (a prompt; products.h, kquant_panel_min_rows) take the panel kernels
+//   (kquants_panel_x86.inc): 16 or 8 weight rows unpacked once per call into a transposed panel,
+//   each row in a vector lane, so that one x word broadcast serves them all. Fewer x rows
+//   (decoding, a speculative verify, a small batch) take 8 weight rows at a time (kquants_x86.inc):
+//   their scales unpacked and each block made ready once for a tile of up to 8 x rows, their float
+//   steps taken in 8-lane vectors (lane r: row r); the row kernels, which form the same integers,
+//   take a matrix's last rows past a multiple of 8 and the float activations.
 // - float activations: each block is dequantized to 256 floats exactly as gguf does, and x . w is
 //   formed in 8 float lanes (lane l: values l, l + 8, ...) added at the end; exact with respect to
 //   the dequantized weights, and the same bits on every ISA.
@@ -305,7 +307,7 @@ void panel_units(void (*chunk)(const Block*, int64_t, int64_t, int64_t, const Su
 // rows; otherwise a chunk of kChunkRows weight rows, whose x tiles stay in L1 while it passes.
 int64_t kquant_unit_rows(int64_t rows, bool int8_activations, int isa) {
 #if FF_X86
-  if (int8_activations && isa != kScalar && rows >= kKquantPanelMinRows) {
+  if (int8_activations && isa != kScalar && rows >= kquant_panel_min_rows(isa)) {
     return isa == kAmx ? amx::kAmxRows : isa == kVnni ? vnni::kPanelRows : avx2::kPanelRows;
   }
 #endif
@@ -321,12 +323,12 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
   const SuperRows& xa = x.blocks256;
   const FloatX xf{x.x, x.k};
 #if FF_X86
-  if (int8_activations && isa == kAmx && rows >= kKquantPanelMinRows) {
+  if (int8_activations && isa == kAmx && rows >= kquant_panel_min_rows(isa)) {
     amx::amx_units(weights, nb, n, x.amx256, rows, result, first, last);
     return;
   }
   isa = vector_isa(isa);
-  if (int8_activations && isa != kScalar && rows >= kKquantPanelMinRows) {
+  if (int8_activations && isa != kScalar && rows >= kquant_panel_min_rows(isa)) {
     if (isa == kVnni) {
       panel_units(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result, first, last);
     } else {
@@ -366,15 +368,19 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
     const int64_t r1 = std::min(n, (c + 1) * kChunkRows);
     int64_t r0 = c * kChunkRows;
 #if FF_X86
-    // one x row: 8 weight rows at a time (kquants_x86.inc, "one x row against 8 weight rows")
-    const bool eights = int8_activations && isa != kScalar && rows == 1;
+    // 8 weight rows at a time against tiles of x rows (kquants_x86.inc, "a weight row's block,
+    // made ready once for the x rows of a tile")
+    const bool eights = int8_activations && isa != kScalar;
     for (; eights && r0 + 8 <= r1; r0 += 8) {
       const Block* eight[8];
       for (int i = 0; i < 8; ++i) eight[i] = weights + (r0 + i) * nb;
-      if (isa == kVnni) {
-        vnni::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
-      } else {
-        avx2::kquant_int8act_rows8(eight, nb, xa, 0, result.part(0, r0, 8));
+      for (int64_t m0 = 0; m0 < rows; m0 += vnni::kRows8Tile) {
+        const int tile = static_cast<int>(std::min<int64_t>(vnni::kRows8Tile, rows - m0));
+        if (isa == kVnni) {
+          vnni::kquant_int8act_rows8(tile, eight, nb, xa, m0, result.part(m0, r0, 8));
+        } else {
+          avx2::kquant_int8act_rows8(tile, eight, nb, xa, m0, result.part(m0, r0, 8));
+        }
       }
     }
 #endif

@@ -58,7 +58,12 @@ struct AmxRows {
   AmxXBlock& at(int64_t tile, int64_t block) const { return tiles[tile * blocks + block]; }
 };
 
-constexpr int64_t kKquantPanelMinRows = 8;  // x rows from which the K-quants' panel kernels run
+// x rows from which the K-quants' panel kernels run (below: 8 ready weight rows against tiles of
+// x rows). The crossover, a 1B-shaped Q4_K_M forward in the native decoder on a Sapphire Rapids
+// core pair: AMX's panels from 16 rows (at 16: 145 ms both, at 24: 183 against 230), VNNI's from 32
+// (at 24: 255 against 205, at 32: 283 against 276), AVX2's from 24 (at 16: 206 against 179, at 24:
+// 272 against 284); docs/benchmarks.md, "K-quant products of a few rows".
+inline int64_t kquant_panel_min_rows(int isa) { return isa >= kAmx ? 16 : isa == kVnni ? 32 : 24; }
 
 // How a layer holds its weight (the layouts: kernels/quantized.py and gguf_blocks.py).
 enum Packing : int {
@@ -97,7 +102,7 @@ inline XForm x_form(Packing packing, bool int8_activations, int64_t rows, int is
       return int8_activations ? kXBlocks32 : kXFloat;
     default:
       if (!int8_activations) return kXFloat;
-      return isa >= kAmx && rows >= kKquantPanelMinRows ? kXAmx256 : kXBlocks256;
+      return isa >= kAmx && rows >= kquant_panel_min_rows(isa) ? kXAmx256 : kXBlocks256;
   }
 }
 
