@@ -162,6 +162,48 @@ def load_time_table(docs: Path) -> str:
     return "\n".join(lines)
 
 
+ROW_COST_MODELS = (  # scripts/row_cost.py's model file names, the table's order, and their labels
+    ("llama-1b-shape.q4_k_m.gguf", "Llama-3.2-1B shapes Q4_K_M"),
+    ("gemma-3-270m-q4_k_m.gguf", "Gemma 3 270M Q4_K_M"),
+)
+
+
+def row_cost_table(payload: dict, before: str = "before", after: str = "after") -> str:
+    """scripts/row_cost.py's runs of two labels: per model and rows, the best forward over the
+    fresh processes of each label (ms, the range), their ratio, and what each row past the first
+    costs against the label's own one-row forward."""
+    header = ["model", "rows", f"{before} ms", f"{after} ms", f"{after} / {before}",
+              f"a row past the first, {before}", f"{after}"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for model, label in ROW_COST_MODELS:
+        runs = {
+            name: [r for r in payload["runs"] if r["model"] == model and r["label"] == name]
+            for name in (before, after)
+        }
+        if not runs[before] or not runs[after]:
+            continue
+        rows = [r for r in runs[after][0]["rows"] if r in runs[before][0]["rows"]]
+
+        def best(name: str, r: str, runs: dict = runs) -> tuple[float, float]:
+            times = [run["rows"][r]["best_s"] * 1e3 for run in runs[name]]
+            return min(times), max(times)
+
+        for r in rows:
+            (b, b_hi), (a, a_hi) = best(before, r), best(after, r)
+            per_row = ["" if r == "1" else f"{(best(name, r)[0] / best(name, '1')[0] - 1) / (int(r) - 1):.2f}"
+                       for name in (before, after)]  # fmt: skip
+            cells = [
+                label,
+                r,
+                f"{b:.1f} ({b_hi:.1f})",
+                f"{a:.1f} ({a_hi:.1f})",
+                f"**{a / b:.2f}x**",
+                *per_row,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def kld_programs_table(payload: dict) -> str:
     """eval kld beside llama-perplexity on one text: each run's base, each program's figures, and
     the mean KLD over llama-perplexity's on the same base."""

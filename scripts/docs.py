@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from flashformer import costs
-from flashformer.bench import alternatives_report, kv_cache, long_context, speculative
+from flashformer.bench import alternatives_report, kv_cache, long_context, serve, speculative
 from flashformer.bench import attention as bench_attention
 from flashformer.cli import commands as cli
 from flashformer.costs import report
@@ -318,6 +318,7 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
         ("speculative-smollm2", "speculative-smollm2-135m-instruct"),
         ("speculative-smollm2-slow-day", "speculative-smollm2-135m-instruct-slow-day"),
         ("speculative-gemma3", "speculative-gemma-3-270m-q4_k_m"),
+        ("speculative-gemma3-previous-kernels", "speculative-gemma-3-270m-q4_k_m-previous-kernels"),
         ("speculative-draft", "speculative-smollm2-f16-draft"),
     ):
         found[benchmarks, marker] = speculative.table(stored(docs, f"speculative/{name}.json"))
@@ -328,6 +329,11 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
         found[benchmarks, marker] = kv_cache.table(stored(docs, f"kv-cache/{name}.json"))
     found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
     found[benchmarks, "load-time"] = doc_tables.load_time_table(docs)
+    found[benchmarks, "kquant-rows"] = doc_tables.row_cost_table(stored(docs, "row_cost/kquant-rows.json"))
+    for marker, name in (("kquant-serve-before", "before"), ("kquant-serve-after", "after")):
+        found[benchmarks, marker] = serve.table(
+            stored(docs, f"row_cost/serve-1b-shape-4-clients-{name}.json")
+        )
     found[docs / "cli.md", "kld-programs"] = doc_tables.kld_programs_table(
         stored(docs, "kld/smollm2-programs.json")
     )
