@@ -9,7 +9,9 @@ k drafts and costs 1 + c * k one-row forwards (c: what a row adds, as DraftLengt
 it emits the drafts kept and one more token. "perfect" drafts exactly the lookup's tokens that will
 be kept (no row wasted): no causal rule can beat it with this proposer. The ratio is the tokens
 emitted after the first over the cost (plain decoding: one forward a token), the speedup a rule
-would have if rows cost exactly c and nothing else did.
+would have if rows cost exactly c and nothing else did. First, per answer, how often its next
+token is among the first 1, 2 or 3 distinct continuations of its longest match (what a tree of
+drafts, several candidates checked in one forward, could add).
 """
 
 from __future__ import annotations
@@ -50,6 +52,34 @@ def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
     return (len(answer) - 1) / spent
 
 
+def continuations(context: list[int], max_ngram: int, count: int) -> list[int]:
+    """The first tokens after earlier occurrences of the context's last n tokens, the longest n
+    first and the latest occurrence first, up to `count` distinct ones: what a tree of drafts could
+    offer for the next token where a lookup offers one."""
+    found: list[int] = []
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == tail and context[start + n] not in found:
+                found.append(context[start + n])
+                if len(found) == count:
+                    return found
+    return found
+
+
+def candidate_hits(prompt: list[int], answer: list[int], counts=(1, 2, 3)) -> dict[int, float]:
+    """Over the answer's positions with any match: how often its next token is among the first k
+    continuations, for each k in counts."""
+    hits, positions = dict.fromkeys(counts, 0), 0
+    for at in range(len(answer) - 1):
+        found = continuations(prompt + answer[: at + 1], 3, max(counts))
+        if found:
+            positions += 1
+            for k in counts:
+                hits[k] += answer[at + 1] in found[:k]
+    return {k: hits[k] / max(positions, 1) for k in counts}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
@@ -61,6 +91,12 @@ def main() -> None:
         prompt = tokenizer.encode(prompt_text(tokenizer, message, base))
         out = model.generate(torch.tensor([prompt]), max_new_tokens=128, do_sample=False, eos_token_id=[])
         answers[name] = (prompt, out[0, len(prompt) :].tolist())
+    for name, (p, a) in answers.items():
+        hits = candidate_hits(p, a)
+        print(
+            f"{name}: next token among the first k continuations "
+            + ", ".join(f"k={k} {h:.2f}" for k, h in hits.items())
+        )
     for cost in (float(c) for c in args.costs.split(",")):
         for rule in ("perfect", "one rate", "per match"):
             ratios = {name: replay(p, a, cost, rule) for name, (p, a) in answers.items()}
