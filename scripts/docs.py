@@ -322,9 +322,11 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
         ("speculative-draft", "speculative-smollm2-f16-draft"),
     ):
         found[benchmarks, marker] = speculative.table(stored(docs, f"speculative/{name}.json"))
-    found[benchmarks, "speculative-served-idle"] = speculative.served_table(
-        stored(docs, "speculative/speculative-smollm2-135m-instruct.json")
-    )
+    for marker, name in (
+        ("speculative-served-idle", "speculative-smollm2-135m-instruct"),
+        ("speculative-served-gemma3", "speculative-gemma-3-270m-q4_k_m"),
+    ):
+        found[benchmarks, marker] = speculative.served_table(stored(docs, f"speculative/{name}.json"))
     for marker, name in (("kv-cache-smollm2", "smollm2-4k"), ("kv-cache-gemma3", "gemma3-4k")):
         found[benchmarks, marker] = kv_cache.table(stored(docs, f"kv-cache/{name}.json"))
     found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
