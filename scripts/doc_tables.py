@@ -204,6 +204,21 @@ def row_cost_table(payload: dict, before: str = "before", after: str = "after") 
     return "\n".join(lines)
 
 
+def speculative_runs_table(docs: Path, runs: tuple[tuple[str, str], ...]) -> str:
+    """Several `bench generate --prompt-lookup` runs of one model side by side, a row each: each
+    workload's lookup / plain ratio (its best process against its best) and the served passes'."""
+    payloads = [(label, stored(docs, f"speculative/{name}.json")) for label, name in runs]
+    workloads = list(payloads[0][1]["summary"])
+    clients = list(payloads[0][1].get("served", {}))
+    header = ["run", *workloads, *(f"served, {c} client{'s' if c != '1' else ''}" for c in clients)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, payload in payloads:
+        cells = [label, *(f"{payload['summary'][w]['speculative / plain']:.2f}x" for w in workloads)]
+        cells += [f"{payload['served'][c]['speculative / plain']:.2f}x" for c in clients]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def kld_programs_table(payload: dict) -> str:
     """eval kld beside llama-perplexity on one text: each run's base, each program's figures, and
     the mean KLD over llama-perplexity's on the same base."""

@@ -322,6 +322,14 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
         ("speculative-draft", "speculative-smollm2-f16-draft"),
     ):
         found[benchmarks, marker] = speculative.table(stored(docs, f"speculative/{name}.json"))
+    found[benchmarks, "speculative-smollm2-ngram"] = doc_tables.speculative_runs_table(
+        docs,
+        (
+            ("matches of up to 4 tokens (the table above)", "speculative-smollm2-135m-instruct"),
+            ("matches of up to 4 tokens, again", "speculative-smollm2-135m-instruct-ngram4-second"),
+            ("matches of up to 3 tokens (the previous tree)", "speculative-smollm2-135m-instruct-ngram3"),
+        ),
+    )
     for marker, name in (
         ("speculative-served-idle", "speculative-smollm2-135m-instruct"),
         ("speculative-served-gemma3", "speculative-gemma-3-270m-q4_k_m"),

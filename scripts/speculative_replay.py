@@ -23,12 +23,13 @@ import torch
 import flashformer
 from flashformer.bench.speculative import WORKLOADS, prompt_text
 from flashformer.generate import speculative
+from flashformer.generate.sampling import GenerationSettings
 
 
 def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
     """rule(lookup, context, room) -> drafts, and afterwards rule.observe(drafted, kept); or None:
     the perfect draft length."""
-    lookup = speculative.PromptLookup(prompt, 3)
+    lookup = speculative.PromptLookup(prompt, GenerationSettings.max_matching_ngram_size)
     speed = speculative.DraftLength(10, cost)
     at, spent = 0, 0.0  # answer[at] is the newest token; answer[0] came from the prompt's forward
     while at < len(answer) - 1:
@@ -72,7 +73,9 @@ def candidate_hits(prompt: list[int], answer: list[int], counts=(1, 2, 3)) -> di
     continuations, for each k in counts."""
     hits, positions = dict.fromkeys(counts, 0), 0
     for at in range(len(answer) - 1):
-        found = continuations(prompt + answer[: at + 1], 3, max(counts))
+        found = continuations(
+            prompt + answer[: at + 1], GenerationSettings.max_matching_ngram_size, max(counts)
+        )
         if found:
             positions += 1
             for k in counts:

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         metavar="JSON",
         help='speculative decoding, vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 8, '
-        '"prompt_lookup_max": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 4}, or {"method": '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 4}, or {"method": '
         '"draft_model", "model": PATH, "quantization": MODE, ...} (greedy requests draft)',
     )
     parser.add_argument(

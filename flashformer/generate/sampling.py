@@ -94,7 +94,7 @@ class GenerationSettings(SamplingValues):
     # prompt_lookup_num_tokens tokens, matching up to max_matching_ngram_size tokens; or a draft
     # model with the same tokenizer (assistant_model) running up to num_assistant_tokens ahead
     prompt_lookup_num_tokens: int | None = None
-    max_matching_ngram_size: int = 3
+    max_matching_ngram_size: int = 4  # llama.cpp's lookup matches up to 4 too
     assistant_model: object | None = None
     num_assistant_tokens: int = 5
     # the KV cache's element types for keys and values, llama.cpp's names (kernels/kv_blocks.py:

@@ -43,7 +43,7 @@ METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 8
-    prompt_lookup_max: int = 3
+    prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     model: str | None = None  # draft_model: the draft's file or folder (the same tokenizer)
