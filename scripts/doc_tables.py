@@ -48,16 +48,21 @@ def native_decoder_table(docs: Path) -> str:
     return turns.summary_table(rows)
 
 
-def native_serve_table(docs: Path) -> str:
+def serve_versus_table(docs: Path, folder: str) -> str:
+    """SERVE_RUNS' one-client and 16-client runs stored in docs/figures/FOLDER, a row each."""
     rows = [
         (
             label,
-            stored(docs, f"measured/serve-{name}-1-client.json"),
-            stored(docs, f"measured/serve-{name}.json"),
+            stored(docs, f"{folder}/serve-{name}-1-client.json"),
+            stored(docs, f"{folder}/serve-{name}.json"),
         )
         for label, name in SERVE_RUNS
     ]
     return serve.versus_table(rows)
+
+
+def native_serve_table(docs: Path) -> str:
+    return serve_versus_table(docs, "measured")
 
 
 def readme_headline(docs: Path) -> str:
@@ -146,7 +151,7 @@ def load_time_table(docs: Path) -> str:
     wait, process start to first token, fresh processes in turns: best (worst) seconds."""
     header = ["file (size)", "load: flashformer", "llama.cpp", "best / best", "to first token: flashformer",
               "llama.cpp", "best / best", "peak RSS MB ours / llama.cpp", "load average"]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for label, name in LOAD_FILES:
         run = stored(docs, f"load/{name}.json")
         ours, theirs = run["load_s"]["flashformer"], run["load_s"]["llama.cpp"]
@@ -158,8 +163,8 @@ def load_time_table(docs: Path) -> str:
                  f"**{first['best'] / second['best']:.2f}x**",
                  f"{first['max_rss_of_best'] / 1e6:.0f} / {second['max_rss_of_best'] / 1e6:.0f}",
                  " -> ".join(f"{v:.1f}" for v in run["load_average"])]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(header, rows)
 
 
 ROW_COST_MODELS = (  # scripts/row_cost.py's model file names, the table's order, and their labels
@@ -174,34 +179,25 @@ def row_cost_table(payload: dict, before: str = "before", after: str = "after") 
     costs against the label's own one-row forward."""
     header = ["model", "rows", f"{before} ms", f"{after} ms", f"{after} / {before}",
               f"a row past the first, {before}", f"{after}"]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for model, label in ROW_COST_MODELS:
-        runs = {
-            name: [r for r in payload["runs"] if r["model"] == model and r["label"] == name]
-            for name in (before, after)
-        }
-        if not runs[before] or not runs[after]:
+        # label -> rows -> (the best process's best ms, the worst process's best ms)
+        best = {}
+        for name in (before, after):
+            runs = [r for r in payload["runs"] if r["model"] == model and r["label"] == name]
+            if runs:
+                times = {n: [run["rows"][n]["best_s"] * 1e3 for run in runs] for n in runs[0]["rows"]}
+                best[name] = {n: (min(ms), max(ms)) for n, ms in times.items()}
+        if len(best) < 2:
             continue
-        rows = [r for r in runs[after][0]["rows"] if r in runs[before][0]["rows"]]
-
-        def best(name: str, r: str, runs: dict = runs) -> tuple[float, float]:
-            times = [run["rows"][r]["best_s"] * 1e3 for run in runs[name]]
-            return min(times), max(times)
-
-        for r in rows:
-            (b, b_hi), (a, a_hi) = best(before, r), best(after, r)
-            per_row = ["" if r == "1" else f"{(best(name, r)[0] / best(name, '1')[0] - 1) / (int(r) - 1):.2f}"
+        for n in (n for n in best[after] if n in best[before]):
+            (b, b_hi), (a, a_hi) = best[before][n], best[after][n]
+            per_row = ["" if n == "1" else f"{(best[name][n][0] / best[name]['1'][0] - 1) / (int(n) - 1):.2f}"
                        for name in (before, after)]  # fmt: skip
-            cells = [
-                label,
-                r,
-                f"{b:.1f} ({b_hi:.1f})",
-                f"{a:.1f} ({a_hi:.1f})",
-                f"**{a / b:.2f}x**",
-                *per_row,
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append(
+                [label, n, f"{b:.1f} ({b_hi:.1f})", f"{a:.1f} ({a_hi:.1f})", f"**{a / b:.2f}x**", *per_row]
+            )
+    return markdown_table(header, rows)
 
 
 def speculative_runs_table(docs: Path, runs: tuple[tuple[str, str], ...]) -> str:
@@ -211,12 +207,12 @@ def speculative_runs_table(docs: Path, runs: tuple[tuple[str, str], ...]) -> str
     workloads = list(payloads[0][1]["summary"])
     clients = list(payloads[0][1].get("served", {}))
     header = ["run", *workloads, *(f"served, {c} client{'s' if c != '1' else ''}" for c in clients)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, payload in payloads:
-        cells = [label, *(f"{payload['summary'][w]['speculative / plain']:.2f}x" for w in workloads)]
-        cells += [f"{payload['served'][c]['speculative / plain']:.2f}x" for c in clients]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [
+        [label, *(f"{payload['summary'][w]['speculative / plain']:.2f}x" for w in workloads)]
+        + [f"{payload['served'][c]['speculative / plain']:.2f}x" for c in clients]
+        for label, payload in payloads
+    ]
+    return markdown_table(header, rows)
 
 
 def kld_programs_table(payload: dict) -> str:
@@ -224,21 +220,22 @@ def kld_programs_table(payload: dict) -> str:
     the mean KLD over llama-perplexity's on the same base."""
     header = ["MODEL", "base file", "program", "PPL(Q)", "PPL(base)", "mean KLD", "median KLD", "99 % KLD",
               "RMS Δp", "same top", "mean KLD / llama-perplexity's"]  # fmt: skip
-    lines = []
+    sections = []
     for run in payload["runs"]:
-        lines += [f"{run['date']}, the base's tokens: {run['base_tokens']}", ""]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         theirs = {
             (r["model"], r["base"]): r["mean_kld"] for r in run["rows"] if r["program"] == "llama-perplexity"
         }
+        rows = []
         for r in run["rows"]:
             ratio = r["mean_kld"] / theirs[r["model"], r["base"]]
             cells = [r["model"], r["base"], r["program"], f"{r['ppl_q']:.4f}", f"{r['ppl_base']:.4f}",
                      f"{r['mean_kld']:.6f} ± {r['kld_error']:.6f}", f"{r['median_kld']:.4g}", f"{r['p99_kld']:.4g}",
                      f"{r['rms_dp_percent']:.3f} %", f"{r['same_top_percent']:.2f} %", f"{ratio:.3f}"]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines).rstrip("\n")
+            rows.append(cells)
+        sections.append(
+            f"{run['date']}, the base's tokens: {run['base_tokens']}\n\n" + markdown_table(header, rows)
+        )
+    return "\n\n".join(sections)
 
 
 def decode_attention_table(payload: dict) -> str:
@@ -298,23 +295,10 @@ def transcribed_table(payload: dict) -> str:
 
 # ---- flashformer serve against llama-server, from the runs' own JSON ----
 
-# the AVX-512 EPYC's campaign (2026-12-05, the decode step compiled), docs/figures/serve-epyc
-EPYC_SERVE_RUNS = (
-    ("SmolLM2, native", "smollm2-native"),
-    ("SmolLM2, AVX2", "smollm2-avx2-forced"),
-    ("Gemma 3, native", "gemma3-native"),
-    ("Gemma 3, AVX2", "gemma3-avx2-forced"),
-)
-
 
 def epyc_serve_table(docs: Path) -> str:
-    rows = [
-        (
-            label,
-            stored(docs, f"serve-epyc/serve-{name}-1-client.json"),
-            stored(docs, f"serve-epyc/serve-{name}.json"),
-        )
-        for label, name in EPYC_SERVE_RUNS
-    ]
-    # the one-client ITL column (the first of the two) names that campaign's target
-    return serve.versus_table(rows).replace("| ITL p99 ms |", "| ITL p99 ms (target ratio <= 1.2) |", 1)
+    """The AVX-512 EPYC's campaign (2026-12-05, the decode step compiled), docs/figures/serve-epyc:
+    the same runs as SERVE_RUNS; the one-client ITL column (the first of the two) names that
+    campaign's target."""
+    table = serve_versus_table(docs, "serve-epyc")
+    return table.replace("| ITL p99 ms |", "| ITL p99 ms (target ratio <= 1.2) |", 1)

@@ -204,17 +204,9 @@ def test_batch_invariance(source):
         assert torch.equal(lin(x)[7], lin(x[7:8])[0])
 
 
-def amx_available() -> bool:
-    if load_kernels() != "cpp":
-        return False
-    previous = kernel_isa()
-    try:
-        return kernel_isa("amx-int8") == "amx-int8"
-    finally:
-        kernel_isa(previous)
-
-
-@pytest.mark.skipif(not amx_available(), reason="this CPU (or its kernel) gives no AMX int8 tiles")
+@pytest.mark.skipif(
+    "amx-int8" not in kernel_paths(), reason="this CPU (or its kernel) gives no AMX int8 tiles"
+)
 @pytest.mark.parametrize("source", SOURCES)
 def test_amx_tiles_match_the_reference_and_the_scalar_bits(source):
     """AMX's path (quantized_amx.inc: int8 activations, 16 x rows and more) at every tile shape: a
@@ -223,17 +215,13 @@ def test_amx_tiles_match_the_reference_and_the_scalar_bits(source):
     torch.manual_seed(6)
     weight, bias = torch.randn(200, 576) * 0.05, torch.randn(200)
     lin, w64 = make_linear(source, weight, bias, "int8")
-    previous = kernel_isa()
-    try:
-        for rows in (16, 19, 40):
-            x = torch.randn(rows, 576)
-            assert kernel_isa("amx-int8") == "amx-int8"
+    for rows in (16, 19, 40):
+        x = torch.randn(rows, 576)
+        with on_path("amx-int8"):
             amx = lin(x)
-            check_close(amx, quantize_activations(x), w64, bias)
-            assert kernel_isa("scalar") == "scalar"
+        check_close(amx, quantize_activations(x), w64, bias)
+        with on_path("scalar"):
             assert torch.equal(amx, lin(x)), rows
-    finally:
-        kernel_isa(previous)
 
 
 @pytest.mark.skipif(load_kernels() != "cpp", reason="the C++ kernels are not built here")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import hf_config, perturbed
 from helpers.gguf import tiny_new_decoder
+from helpers.kernel_paths import kernel_paths, on_path
 
 import flashformer
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
@@ -278,28 +279,21 @@ def test_smollm2_tokens_are_the_same_on_every_kernel_path():
     """SmolLM2-135M's Q4_1 file with int8 activations, in the native decoder: the prompt's rows
     (16 and more) take AMX's tiles where the CPU has them (quantized_amx.inc), and the greedy
     tokens and logits are the VNNI and AVX2 kernels' bits."""
-    paths = []
-    try:
-        paths = [isa for isa in ("avx2", "avx512-vnni", "amx-int8") if kernel_isa(isa) == isa]
-    finally:
-        kernel_isa("best")
+    paths = kernel_paths()
     if len(paths) < 2:
-        pytest.skip(f"this CPU runs only {paths or ['scalar']} of the vector kernel paths")
+        pytest.skip(f"this CPU runs only {paths} of the kernel paths")
     if "amx-int8" not in paths:
         print("AMX int8 tiles: not on this CPU, so its path is not compared")
     model, tokenizer = flashformer.load(smollm2_path(), quantize="gguf")
     ids = torch.tensor([tokenizer.encode("def add(a, b):\n    return a + b\n\n" * 3 + "def sub(a, b):")])
     assert ids.shape[1] >= 16
     results = {}
-    try:
-        for isa in paths:
-            assert kernel_isa(isa) == isa
+    for isa in paths:
+        with on_path(isa):
             out = model.generate(
                 ids, max_new_tokens=8, eos_token_id=[], return_dict_in_generate=True, output_logits=True
             )
-            results[isa] = (out.sequences, torch.stack(out.logits))
-    finally:
-        kernel_isa("best")
+        results[isa] = (out.sequences, torch.stack(out.logits))
     first = results[paths[0]]
     for isa in paths[1:]:
         assert torch.equal(results[isa][0], first[0]), isa

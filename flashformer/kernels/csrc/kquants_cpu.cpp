@@ -47,6 +47,7 @@ using namespace flashformer_cpu;
 
 constexpr int64_t kChunkRows = 16;  // weight rows a task's x tiles pass over (in L2, the tile in L1)
 constexpr int kScalarTile = 4;      // x rows per scalar kernel call (any tile gives the same bits)
+constexpr int kRows8Tile = 8;       // x rows a block's 8 ready weight rows serve (kquant_int8act_rows8)
 
 // ---- the blocks, as in the file ----
 
@@ -374,8 +375,8 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
     for (; eights && r0 + 8 <= r1; r0 += 8) {
       const Block* eight[8];
       for (int i = 0; i < 8; ++i) eight[i] = weights + (r0 + i) * nb;
-      for (int64_t m0 = 0; m0 < rows; m0 += vnni::kRows8Tile) {
-        const int tile = static_cast<int>(std::min<int64_t>(vnni::kRows8Tile, rows - m0));
+      for (int64_t m0 = 0; m0 < rows; m0 += kRows8Tile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kRows8Tile, rows - m0));
         if (isa == kVnni) {
           vnni::kquant_int8act_rows8(tile, eight, nb, xa, m0, result.part(m0, r0, 8));
         } else {
