@@ -11,7 +11,7 @@ from helpers.engine import run_requests
 import flashformer
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.generate import speculative
-from flashformer.serve.engine import Engine, SamplingParams
+from flashformer.serve.engine import Engine, Request, SamplingParams
 from flashformer.serve.speculation import SpeculativeConfig
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=6)
@@ -66,6 +66,23 @@ def test_greedy_requests_keep_their_tokens_alone_and_batched(quantized):
     )
     assert run(small, prompts) == plain  # through preemptions and a pool with no room for drafts
     assert small.stats["preemptions"] > 0 and small.pool.in_use == 0
+
+
+def test_a_verify_sends_its_kept_tokens_as_one_delta(quantized):
+    """As a plain step sends one: a client (an SSE chunk each) is not told several times a step."""
+    model, tokenizer = quantized
+    prompt = prompts_of(tokenizer)[0]
+    expected = run(Engine(model, tokenizer, max_batch=4, num_blocks=32), [prompt])[0]
+    engine = Engine(model, tokenizer, max_batch=4, num_blocks=32, speculative=NGRAM)
+    deltas = []
+    request = Request(prompt, SamplingParams(max_tokens=40, temperature=0), 1, deltas.append)
+    engine.submit(request)
+    engine.waiting.extend(engine._inbox.get().sequences)
+    while not request.finished:
+        engine.step()
+    texts = [e.text for e in deltas if e.kind == "delta"]
+    assert "".join(texts) == expected["text"]
+    assert len(texts) <= engine.stats["steps"] < 0.8 * len(expected["tokens"])
 
 
 def test_the_eager_packed_step_verifies_alike(quantized):
