@@ -214,9 +214,13 @@ def peer_binary(folder: str, draft: bool) -> Path:
 
 def serve_run(model: str, config: dict, threads: int) -> dict:
     """`flashformer serve` on the model without and with --speculative-config (ngram, or the
-    draft model; on at every batch size: where it stops paying is what this measures), the copying workloads asked
-    by 1, 2, 4, 8 and 16 clients in flight (greedy, max_tokens new_tokens, 3 requests a client).
-    Returns clients -> {"plain", "speculative"} load summaries (serve_load.drive's)."""
+    draft model; on at every batch size: where it stops paying is what this measures), the copying
+    workloads asked by each of config["serve_clients"] clients in flight (greedy, max_tokens
+    new_tokens, 3 requests a client and at least 6). Each contender runs in config["processes"] fresh servers, in
+    turns; each server answers one short request of another prompt first (its first request pays
+    for allocations that later ones reuse), then the passes. Returns clients -> {"plain",
+    "speculative"}: each the pass of most output tokens/s (serve_load.drive's summary) with
+    "runs_tokens_per_s", every server's."""
     import asyncio
     import sys
 
@@ -227,6 +231,7 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
     tokenizer = flashformer.load_tokenizer(model)
     chat = getattr(tokenizer, "chat_template", None) is not None
     copying = [(message if chat else base) for copies, message, base in WORKLOADS.values() if copies]
+    warm_up = [((WORKLOADS["poem"][1] if chat else WORKLOADS["poem"][2]), 8)]
     method = {"method": "ngram"}
     if config.get("draft"):
         method = {
@@ -237,26 +242,37 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
     speculative = json.dumps(
         {**method, "num_speculative_tokens": config["prompt_lookup"], "disable_by_batch_size": 64}
     )
-    found: dict[int, dict] = {}
-    for label, extra in (("plain", []), ("speculative", ["--speculative-config", speculative])):
-        port = free_port()
-        command = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", str(port), "--api-key",
-                   "bench", "--threads", str(threads), "--max-batch", "16", *extra]  # fmt: skip
-        if config["quantize"]:
-            command += ["--quantize", config["quantize"]]
-        url = f"http://127.0.0.1:{port}"
-        process = start(command, url + "/health")
-        try:
-            from openai import OpenAI
+    passes: dict[int, dict[str, list[dict]]] = {}
+    for _ in range(config["processes"]):
+        for label, extra in (("plain", []), ("speculative", ["--speculative-config", speculative])):
+            port = free_port()
+            command = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", str(port), "--api-key",
+                       "bench", "--threads", str(threads), "--max-batch", "16", *extra]  # fmt: skip
+            if config["quantize"]:
+                command += ["--quantize", config["quantize"]]
+            url = f"http://127.0.0.1:{port}"
+            process = start(command, url + "/health")
+            try:
+                from openai import OpenAI
 
-            served = OpenAI(base_url=url + "/v1", api_key="bench").models.list().data[0].id
-            for clients in config["serve_clients"]:
-                jobs = [(copying[i % len(copying)], config["new_tokens"]) for i in range(3 * clients)]
-                result = asyncio.run(drive(url + "/v1", served, jobs, clients, "bench", completions=not chat))
-                found.setdefault(clients, {})[label] = result
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+                served = OpenAI(base_url=url + "/v1", api_key="bench").models.list().data[0].id
+                asyncio.run(drive(url + "/v1", served, warm_up, 1, "bench", completions=not chat))
+                for clients in config["serve_clients"]:
+                    requests = max(3 * clients, 6)  # each copying workload alike often, and enough of them
+                    jobs = [(copying[i % len(copying)], config["new_tokens"]) for i in range(requests)]
+                    result = asyncio.run(
+                        drive(url + "/v1", served, jobs, clients, "bench", completions=not chat)
+                    )
+                    passes.setdefault(clients, {}).setdefault(label, []).append(result)
+            finally:
+                process.terminate()
+                process.wait(timeout=60)
+    found: dict[int, dict] = {}
+    for clients, by_label in passes.items():
+        for label, results in by_label.items():
+            best = max(results, key=lambda r: r["output_tokens_per_s"] or 0.0)
+            runs = [r["output_tokens_per_s"] for r in results]
+            found.setdefault(clients, {})[label] = {**best, "runs_tokens_per_s": runs}
     return found
 
 
@@ -366,11 +382,19 @@ def served_table(payload: dict) -> str:
         plain, spec = runs["plain"], runs["speculative"]
         ratio = runs["speculative / plain"]
         lines.append(
-            f"| {clients} | {plain['output_tokens_per_s']:.1f} | {spec['output_tokens_per_s']:.1f} | "
+            f"| {clients} | {_served_rate(plain)} | {_served_rate(spec)} | "
             f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
             f"{1e3 * (plain['itl_p50_s'] or 0):.1f} / {1e3 * (spec['itl_p50_s'] or 0):.1f} |"
         )
     return "\n".join(lines)
+
+
+def _served_rate(run: dict) -> str:
+    """A contender's output tokens/s: the best pass, with the range over its servers when it ran in
+    several (runs before 6 December 2026 ran one)."""
+    runs = run.get("runs_tokens_per_s")
+    best = run["output_tokens_per_s"]
+    return f"{best:.1f} ({min(runs):.1f}-{best:.1f})" if runs and len(runs) > 1 else f"{best:.1f}"
 
 
 def method(payload: dict) -> tuple[str, str]:

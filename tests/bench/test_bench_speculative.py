@@ -99,3 +99,18 @@ def test_a_draft_model_is_timed_against_plain_decoding():
     assert "llama-speculative" in speculative.table(
         {"summary": speculative.summarize([result], []), "point": point}
     )
+
+
+def test_the_served_pass_reports_each_contender_s_best_server_and_its_range():
+    config = {"processes": 1, "serve_clients": [1], "new_tokens": 4, "quantize": "gguf", "prompt_lookup": 4}
+    served = speculative.serve_run(str(smollm2_path()), config, threads=2)
+    for label in ("plain", "speculative"):
+        run = served[1][label]
+        assert run["errors"] == 0 and run["output_tokens"] == 6 * 4  # 6 requests of 4 tokens
+        assert run["runs_tokens_per_s"] == [run["output_tokens_per_s"]]
+    two = {"output_tokens_per_s": 300.0, "runs_tokens_per_s": [250.0, 300.0], "itl_p50_s": 0.004}
+    one = {"output_tokens_per_s": 200.0, "itl_p50_s": 0.005}  # a run of one server (before the ranges)
+    table = speculative.served_table(
+        {"served": {"1": {"plain": one, "speculative": two, "speculative / plain": 1.5}}}
+    )
+    assert table.splitlines()[-1] == "| 1 | 200.0 | 300.0 (250.0-300.0) | 1.50x | 5.0 / 4.0 |"
