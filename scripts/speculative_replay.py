@@ -11,7 +11,9 @@ be kept (no row wasted): no causal rule can beat it with this proposer. The rati
 emitted after the first over the cost (plain decoding: one forward a token), the speedup a rule
 would have if rows cost exactly c and nothing else did. First, per answer, how often its next
 token is among the first 1, 2 or 3 distinct continuations of its longest match (what a tree of
-drafts, several candidates checked in one forward, could add).
+drafts, several candidates checked in one forward, could add); last, trees of drafts from those
+continuations: the bound for 1-8 branches (a tree that drafted only what it keeps) and a few fixed
+trees.
 """
 
 from __future__ import annotations
@@ -53,19 +55,47 @@ def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
     return (len(answer) - 1) / spent
 
 
-def continuations(context: list[int], max_ngram: int, count: int) -> list[int]:
-    """The first tokens after earlier occurrences of the context's last n tokens, the longest n
-    first and the latest occurrence first, up to `count` distinct ones: what a tree of drafts could
-    offer for the next token where a lookup offers one."""
+def continuation_starts(context: list[int], max_ngram: int, count: int) -> list[int]:
+    """Where the first continuations of the context's last n tokens start, the longest n first and
+    the latest occurrence first, up to `count` with distinct first tokens: what a tree of drafts
+    could offer for the next token where a lookup offers one."""
     found: list[int] = []
     for n in range(min(max_ngram, len(context) - 1), 0, -1):
         tail = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
-            if context[start : start + n] == tail and context[start + n] not in found:
-                found.append(context[start + n])
+            if context[start : start + n] == tail and context[start + n] not in [context[f] for f in found]:
+                found.append(start + n)
                 if len(found) == count:
                     return found
     return found
+
+
+def continuations(context: list[int], max_ngram: int, count: int) -> list[int]:
+    """The first tokens of continuation_starts' continuations."""
+    return [context[start] for start in continuation_starts(context, max_ngram, count)]
+
+
+def replay_tree(prompt: list[int], answer: list[int], cost: float, depths: list[int], oracle: bool) -> float:
+    """A tree of drafts: each round checks len(depths) branches, the i-th the copy of depths[i]
+    tokens after the i-th continuation (continuation_starts), and keeps the longest that agrees.
+    It costs 1 + c x (every branch's drafts), or with oracle 1 + c x (the kept ones): a tree rule
+    that wasted no row, a bound for any tree over these branches."""
+    at, spent = 0, 0.0
+    while at < len(answer) - 1:
+        context = prompt + answer[: at + 1]
+        room = len(answer) - 2 - at
+        best, drafted = 0, 0
+        for start, depth in zip(continuation_starts(context, 4, len(depths)), depths):
+            branch: list[int] = []
+            while len(branch) < min(depth, room):  # a copy that reaches the end runs into itself
+                branch.append((context + branch)[start + len(branch)])
+            kept = 0
+            while kept < len(branch) and branch[kept] == answer[at + 1 + kept]:
+                kept += 1
+            best, drafted = max(best, kept), drafted + len(branch)
+        spent += 1 + cost * (best if oracle else drafted)
+        at += best + 1
+    return (len(answer) - 1) / spent
 
 
 def candidate_hits(prompt: list[int], answer: list[int], counts=(1, 2, 3)) -> dict[int, float]:
@@ -104,6 +134,23 @@ def main() -> None:
         for rule in ("perfect", "one rate", "per match"):
             ratios = {name: replay(p, a, cost, rule) for name, (p, a) in answers.items()}
             print(f"c={cost:<5} {rule:10s} " + "  ".join(f"{n} {r:.2f}x" for n, r in ratios.items()))
+        for depths, oracle in TREES:
+            ratios = {name: replay_tree(p, a, cost, depths, oracle) for name, (p, a) in answers.items()}
+            label = f"tree {'perfect ' if oracle else ''}{depths}"
+            print(f"c={cost:<5} {label:10s} " + "  ".join(f"{n} {r:.2f}x" for n, r in ratios.items()))
+
+
+# (each branch's depth, perfect): bounds for trees of 1-8 branches, then fixed trees a rule might use
+TREES = (
+    ([10], True),
+    ([10] * 2, True),
+    ([10] * 3, True),
+    ([10] * 8, True),
+    ([2], False),
+    ([4, 2], False),
+    ([6, 2], False),
+    ([4, 2, 1], False),
+)
 
 
 if __name__ == "__main__":
