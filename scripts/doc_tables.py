@@ -215,6 +215,19 @@ def speculative_runs_table(docs: Path, runs: tuple[tuple[str, str], ...]) -> str
     return markdown_table(header, rows)
 
 
+def served_runs_table(docs: Path, runs: tuple[tuple[str, str], ...]) -> str:
+    """The served passes of several runs side by side, a row each: speculative / plain output
+    tokens/s at each client count (its best server against its best), "-" where a run had none."""
+    payloads = [(label, stored(docs, f"speculative/{name}.json")["served"]) for label, name in runs]
+    clients = sorted({c for _, served in payloads for c in served}, key=int)
+    header = ["run", *(f"{c} client{'s' if c != '1' else ''}" for c in clients)]
+    rows = [
+        [label, *(f"{served[c]['speculative / plain']:.2f}x" if c in served else "-" for c in clients)]
+        for label, served in payloads
+    ]
+    return markdown_table(header, rows)
+
+
 def kld_programs_table(payload: dict) -> str:
     """eval kld beside llama-perplexity on one text: each run's base, each program's figures, and
     the mean KLD over llama-perplexity's on the same base."""

@@ -325,9 +325,31 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     found[benchmarks, "speculative-smollm2-ngram"] = doc_tables.speculative_runs_table(
         docs,
         (
-            ("matches of up to 4 tokens (the table above)", "speculative-smollm2-135m-instruct"),
-            ("matches of up to 4 tokens, again", "speculative-smollm2-135m-instruct-ngram4-second"),
-            ("matches of up to 3 tokens (the previous tree)", "speculative-smollm2-135m-instruct-ngram3"),
+            ("08:04, matches of up to 4 tokens", "speculative-smollm2-135m-instruct-ngram4-first"),
+            ("minutes later, again", "speculative-smollm2-135m-instruct-ngram4-second"),
+            (
+                "between them, matches of up to 3 tokens (the tree before)",
+                "speculative-smollm2-135m-instruct-ngram3",
+            ),
+            ("09:41, a verify's tokens in one delta (the table above)", "speculative-smollm2-135m-instruct"),
+        ),
+    )
+    found[benchmarks, "speculative-served-runs"] = doc_tables.served_runs_table(
+        docs,
+        (
+            (
+                "09:41, the table above (3 servers each, 6+ requests a pass)",
+                "speculative-smollm2-135m-instruct",
+            ),
+            ("09:39, the served passes alone (the same)", "speculative-smollm2-135m-instruct-0939-served"),
+            (
+                "09:27, 3 servers each, 3 requests a client",
+                "speculative-smollm2-135m-instruct-0927-three-requests",
+            ),
+            (
+                "09:31, the same, the machine busy",
+                "speculative-smollm2-135m-instruct-0931-three-requests-busy",
+            ),
         ),
     )
     for marker, name in (
