@@ -355,6 +355,7 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     for marker, name in (
         ("speculative-served-idle", "speculative-smollm2-135m-instruct"),
         ("speculative-served-gemma3", "speculative-gemma-3-270m-q4_k_m"),
+        ("speculative-served-gemma3-servers", "speculative-gemma-3-270m-q4_k_m-1001-served"),
     ):
         found[benchmarks, marker] = speculative.served_table(stored(docs, f"speculative/{name}.json"))
     for marker, name in (("kv-cache-smollm2", "smollm2-4k"), ("kv-cache-gemma3", "gemma3-4k")):
