@@ -43,9 +43,7 @@ def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
             match = lookup.match(context) if rule == "per match" else min(1, lookup.match(context))
             k = min(speed.next(match=match), room)
             drafts = lookup.draft(context, k)[0] if k > 0 else []
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == answer[at + 1 + kept]:
-            kept += 1
+        kept = agreeing(drafts, answer, at)
         if rule == "perfect":
             drafts = drafts[:kept]
         elif drafts:
@@ -53,6 +51,14 @@ def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
         spent += 1 + cost * len(drafts)
         at += kept + 1
     return (len(answer) - 1) / spent
+
+
+def agreeing(drafts: list[int], answer: list[int], at: int) -> int:
+    """How many drafts, from the first, are the answer's tokens after answer[at] (a verify keeps)."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == answer[at + 1 + kept]:
+        kept += 1
+    return kept
 
 
 def continuation_starts(context: list[int], max_ngram: int, count: int) -> list[int]:
@@ -85,13 +91,14 @@ def replay_tree(prompt: list[int], answer: list[int], cost: float, depths: list[
         context = prompt + answer[: at + 1]
         room = len(answer) - 2 - at
         best, drafted = 0, 0
-        for start, depth in zip(continuation_starts(context, 4, len(depths)), depths):
+        starts = continuation_starts(context, GenerationSettings.max_matching_ngram_size, len(depths))
+        for start, depth in zip(starts, depths):
+            source = context[start:]
             branch: list[int] = []
             while len(branch) < min(depth, room):  # a copy that reaches the end runs into itself
-                branch.append((context + branch)[start + len(branch)])
-            kept = 0
-            while kept < len(branch) and branch[kept] == answer[at + 1 + kept]:
-                kept += 1
+                i = len(branch)
+                branch.append(source[i] if i < len(source) else branch[i - len(source)])
+            kept = agreeing(branch, answer, at)
             best, drafted = max(best, kept), drafted + len(branch)
         spent += 1 + cost * (best if oracle else drafted)
         at += best + 1

@@ -163,7 +163,7 @@ class Sequence:
         self.matcher = None if constraint is None else constraint.matcher()
         self.phase, self.thought = request.params.thinking and request.params.thinking.state, 0  # reasoning
         self.finish_reason: str | None = None
-        self.held: tuple[str, list] = ("", [])  # a verify's text and logprobs not yet sent (one event)
+        self.held_text, self.held_logprobs = "", []  # this step's, sent as one delta at its end
         self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)
         self.draft_match = 0  # how well its last drafts' source matched (DraftLength's classes)
         self.arrival = next(Sequence._order)
@@ -356,6 +356,8 @@ class Engine(ModelLoop):
         self.scheduler.admit()
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.runner.kv_bytes_held())
         self._step()
+        for sequence in self.running:  # a step's tokens reach each client as one delta (a verify's several)
+            self._send_held(sequence)
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.runner.kv_bytes_held())
         self.counts["steps"] += 1
 
@@ -419,12 +421,11 @@ class Engine(ModelLoop):
         draft there; an accepted draft's keys are in the cache already."""
         kept = 0
         for i, row_logits in enumerate(rows):
-            self._sample(sequence, row_logits, hold=True)
+            self._sample(sequence, row_logits)
             if sequence.finish_reason is not None or i == len(guesses) or sequence.tokens[-1] != guesses[i]:
                 break
             kept += 1
             sequence.computed += 1
-        self._send_held(sequence)  # the kept tokens' text in one delta, as a plain step sends one
         self.speculator.observe(sequence, len(guesses), kept)
         self.counts["speculative_drafted_tokens"] += len(guesses)
         self.counts["speculative_accepted_tokens"] += kept
@@ -446,9 +447,8 @@ class Engine(ModelLoop):
 
     # ---- tokens out ----
 
-    def _sample(self, sequence: Sequence, logits: torch.Tensor, hold: bool = False) -> None:
-        """Pick the next token from one row's logits (V,), then stream and check for the end
-        (hold: keep its text for _send_held, unless the sequence ends)."""
+    def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
+        """Pick the next token from one row's logits (V,), then stream and check for the end."""
         request = sequence.request
         logits = logits.float()
         if sequence.history is None and needs_history(request.settings):
@@ -478,11 +478,11 @@ class Engine(ModelLoop):
             sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
         self._note_progress(1)
-        self._stream(sequence, token_logprobs(logits, token, request.params.logprobs), hold)
+        self._stream(sequence, token_logprobs(logits, token, request.params.logprobs))
 
-    def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob], hold: bool = False) -> None:
-        """Send the text the newest token made certain; end the sequence at a stop token, a
-        stop string, max_tokens or the context (then the held-back text goes too)."""
+    def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob]) -> None:
+        """Hold the text the newest token made certain for the step's delta; end the sequence at a
+        stop token, a stop string, max_tokens or the context (then the held-back text goes too)."""
         params, token = sequence.request.params, sequence.tokens[-1]
         detokenizer = sequence.detokenizer
         text, reason = "", None
@@ -504,24 +504,22 @@ class Engine(ModelLoop):
             reason = "length"
         if reason is None and len(sequence.tokens) >= self.context:
             reason = "length"
-        sequence.held = (sequence.held[0] + text, sequence.held[1] + logprobs)
+        sequence.held_text += text
+        sequence.held_logprobs += logprobs
         if reason is None:
-            if not hold:
-                self._send_held(sequence)
             return
         sequence.finish_reason = reason
         self._last_delta(sequence)
         self._retire(sequence)
 
     def _send_held(self, sequence: Sequence) -> None:
-        text, logprobs = sequence.held
-        if text or logprobs:
-            sequence.request.emit(Event("delta", sequence.index, text, logprobs))
-        sequence.held = ("", [])
+        if sequence.held_text or sequence.held_logprobs:
+            sequence.request.emit(Event("delta", sequence.index, sequence.held_text, sequence.held_logprobs))
+        sequence.held_text, sequence.held_logprobs = "", []
 
     def _last_delta(self, sequence: Sequence) -> None:
         """An ending sequence's last text (held, then what the detokenizer held back) and its count."""
-        sequence.held = (sequence.held[0] + sequence.detokenizer.finish(), sequence.held[1])
+        sequence.held_text += sequence.detokenizer.finish()
         self._send_held(sequence)
         sequence.request.completion_tokens += len(sequence.generated)
 
