@@ -5,8 +5,8 @@ tokens/s (512 tokens), 2 threads; the best of --repeats fresh processes per cont
     PYTHONPATH=. python scripts/bench_isa_turns.py FILE [--isa avx2] [--llama-bench PATH]
                                                    [--repeats 5] [--threads 2] [--out FILE.json]
 
-Contenders: flashformer (quantize="gguf", its default path: the native decoder, nothing
-compiled, as `bench generate` runs it; --isa sets FLASHFORMER_CPU_ISA and ATEN_CPU_CAPABILITY
+Contenders: flashformer as typed (`flashformer.load(FILE)`, no flag: the file's own blocks on
+the native decoder, nothing compiled; its peak RSS beside the file's and the KV cache's bytes; --isa sets FLASHFORMER_CPU_ISA and ATEN_CPU_CAPABILITY
 in its processes),
 llama.cpp's `llama-bench -p 512 -n 128 -r 3` (-r: --llama-bench-repetitions) when --llama-bench is given, else
 llama-cpp-python (native only). Prints one line per process with the load average, then each
@@ -35,7 +35,7 @@ def flashformer_worker(path: str, threads: int) -> dict:
     from flashformer.kernels.quantized import kernel_isa
 
     torch.set_num_threads(threads)
-    model, tokenizer = flashformer.load(path, quantize="gguf")
+    model, tokenizer = flashformer.load(path)  # as typed: no flag (a GGUF file's own blocks)
     ids = torch.tensor([tokenizer.encode("Once upon a time, in a lighthouse by the sea,")])
     long_ids = torch.tensor([(ids[0].tolist() * PROMPT)[:PROMPT]])
 
@@ -48,7 +48,21 @@ def flashformer_worker(path: str, threads: int) -> dict:
     run(long_ids, 1)
     decode = min(run(ids, NEW + 1) - run(ids, 1) for _ in range(2))
     prompt = min(run(long_ids, 1) for _ in range(2))
-    return {"isa": kernel_isa(), "decode": NEW / decode, "prompt": PROMPT / prompt}
+    return {"isa": kernel_isa(), "decode": NEW / decode, "prompt": PROMPT / prompt, **memory(model, path)}
+
+
+def memory(model, path: str) -> dict:
+    """The process's peak RSS against what it must hold: the file, and the KV cache of the longest
+    sequence run (the prompt's 512 + 1 tokens, keys and values in the model's cache type)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    config = model.config
+    element = 2 if getattr(model, "kv_cache_dtype", None) is not None else 4  # float16, else float32
+    kv = 2 * config.n_layers * config.n_kv_heads * config.head_dim * (PROMPT + 1) * element
+    return {
+        "peak_rss_bytes": int(status["VmHWM"].split()[0]) * 1024,
+        "file_bytes": os.path.getsize(path),
+        "kv_bytes": kv,
+    }
 
 
 def llama_cpp_python_worker(path: str, threads: int) -> dict:

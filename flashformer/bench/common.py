@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from flashformer.checkpoints.loading import AUTO, QUANTIZE_CHOICES, quantize_mode
+
 # ---- the command line every benchmark shares ----
 
 
@@ -37,6 +39,22 @@ def numbers(text: str) -> list[int]:
         return [int(item) for item in names(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas; got {text!r}") from None
+
+
+def add_quantize_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--quantize as the commands take it (default auto: a GGUF file's own blocks); a benchmark
+    resolves it once for its model (resolved_quantize) and records the mode its contender ran."""
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=AUTO, help=what)
+
+
+def resolved_quantize(model: str, quantize: str | None) -> str | None:
+    """The mode `flashformer.load(model, quantize=...)` applies: "gguf", "int8", "int4" or None (float)."""
+    return quantize_mode(model, quantize)
+
+
+def quantize_flags(mode: str | None) -> list[str]:
+    """A resolved mode as a flashformer command's flag: None is "none" (no flag would be the default)."""
+    return ["--quantize", mode or "none"]
 
 
 def add_run_arguments(

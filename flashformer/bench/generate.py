@@ -28,13 +28,22 @@ from pathlib import Path
 import torch
 
 from flashformer.bench import generate_model
-from flashformer.bench.common import add_run_arguments, bench_main, names, numbers, run_worker, time_in_turns
+from flashformer.bench.common import (
+    add_quantize_argument,
+    add_run_arguments,
+    bench_main,
+    names,
+    numbers,
+    resolved_quantize,
+    run_worker,
+    time_in_turns,
+)
 from flashformer.bench.llama_cpp_binaries import REPETITIONS
 from flashformer.bench.model_shapes import SHAPES, shape_named, write_shape
+from flashformer.checkpoints.loading import QUANTIZE_CHOICES
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
-from flashformer.model.quantize import MODES
 
 MODULE = "flashformer.bench.generate"
 CONTENDERS = ["transformers", "flashformer", "flashformer+compile"]
@@ -237,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --llama-cpp-dir: llama-bench's -r (fewer for a model whose pp512 takes minutes)",
     )
     parser.add_argument("--question", default=generate_model.QUESTION, help="with --model: the chat message")
-    parser.add_argument("--quantize", choices=MODES, help="with --model: flashformer's model quantized so")
+    add_quantize_argument(parser, "with --model: how flashformer loads it (as `generate --quantize`)")
     parser.add_argument("--activations", choices=("int8", "float32"), default="int8", help="with --quantize")
     parser.add_argument(
         "--llama-cpp-dir",
@@ -286,7 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="with --prompt-lookup N: a draft model drafts up to N tokens instead (beside llama-speculative -md)",
     )
-    parser.add_argument("--draft-quantize", choices=MODES, help="with --draft: how the draft model loads")
+    parser.add_argument(
+        "--draft-quantize", choices=QUANTIZE_CHOICES, help="with --draft: how the draft model loads"
+    )
     parser.add_argument(
         "--serve-clients",
         type=numbers,
@@ -308,6 +319,10 @@ def main_from_args(args: argparse.Namespace) -> dict:
         args.write_shape = ["llama-3.2-1b", str(args.write_1b_shape)]
     if args.write_shape is not None:
         args.model = write_shape_once(args)
+    if args.model is not None:  # the modes the contenders run, as `generate` would load them
+        if args.draft is not None:  # a draft loads as --quantize unless told
+            args.draft_quantize = resolved_quantize(args.draft, args.draft_quantize or args.quantize)
+        args.quantize = resolved_quantize(args.model, args.quantize)
     if args.cache_types is not None:
         if args.model is None:
             raise ValueError("--cache-types needs --model")
@@ -368,8 +383,6 @@ def write_shape_once(args: argparse.Namespace) -> str:
         written = write_shape(name, path)
         print(f"wrote {path} ({written['bytes'] / 1e9:.2f} GB) in {written['seconds']:.0f} s")
         args.written = {"shape": name, "bytes": written["bytes"], "seconds": written["seconds"]}
-    if args.quantize is None:
-        args.quantize = "gguf"
     args.transformers = False
     return path
 

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from flashformer.bench.common import grouped_bars
+from flashformer.bench.common import grouped_bars, quantize_flags
 from flashformer.bench.kv_cache import label, parse_types
 from flashformer.bench.serve_load import corpus
 from flashformer.bench.serve_peers import free_port, start
@@ -131,8 +131,7 @@ def ours(model: str, pair, prompt: list[int], args) -> dict:
     command += ["--threads", str(args.threads)]
     command += ["--max-batch", "1", "--kv-blocks", str(need), "--block-size", str(BLOCK_SIZE)]
     command += ["--cache-type-k", pair[0], "--cache-type-v", pair[1], "--api-key", "bench"]
-    if args.quantize:
-        command += ["--quantize", args.quantize]
+    command += quantize_flags(args.quantize)
     process = start(command, f"http://127.0.0.1:{port}/health")
     try:
         idle = server_status(process.pid)

@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashformer.bench.common import add_quantize_argument, quantize_flags, resolved_quantize
 from flashformer.bench.llama_cpp_binaries import version
 from flashformer.bench.serve_load import (
     WORKLOADS,
@@ -72,7 +73,6 @@ from flashformer.bench.serve_replicas import (
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
 from flashformer.kernels.machine import machine_info
-from flashformer.model.quantize import MODES
 
 
 def servers(model: str, args) -> dict[str, Server]:
@@ -81,8 +81,7 @@ def servers(model: str, args) -> dict[str, Server]:
     ours = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", "{port}", "--api-key", "bench"]
     if args.threads:
         ours += ["--threads", str(args.threads)]
-    if args.quantize:
-        ours += ["--quantize", args.quantize]
+    ours += quantize_flags(args.quantize)
     for flag in ("prefill_chunk", "prefill_budget", "kv_blocks"):
         if getattr(args, flag, None):
             ours += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -471,7 +470,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="the longest output drawn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="threads of every server")
-    parser.add_argument("--quantize", choices=MODES, help="flashformer's servers load the model quantized so")
+    add_quantize_argument(parser, "how flashformer's servers load the model (as `serve --quantize`)")
     parser.add_argument(
         "--prefill-chunk", type=int, help="flashformer serve's --prefill-chunk (default: its own)"
     )
@@ -546,6 +545,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
+    args.quantize = resolved_quantize(args.model, args.quantize)
     if args.long_context is not None:
         return _long_context(args)
     if args.cache_types is not None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from flashformer.bench.common import grouped_bars, run_worker
+from flashformer.bench.common import grouped_bars, quantize_flags, run_worker
 
 CODE = """def parse_range(text):
     start, _, end = text.partition("-")
@@ -248,8 +248,7 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
             port = free_port()
             command = [sys.executable, "-m", "flashformer.cli", "serve", model, "--port", str(port), "--api-key",
                        "bench", "--threads", str(threads), "--max-batch", "16", *extra]  # fmt: skip
-            if config["quantize"]:
-                command += ["--quantize", config["quantize"]]
+            command += quantize_flags(config["quantize"])
             url = f"http://127.0.0.1:{port}"
             process = start(command, url + "/health")
             try:

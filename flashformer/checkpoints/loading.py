@@ -11,6 +11,11 @@
     model, tokenizer = flashformer.load(path)            # and the tokenizer it was trained with
     tokenizer = load_tokenizer(path)                     # the tokenizer alone
 
+A GGUF file runs on its own quantized blocks by default (quantize="auto"), as llama.cpp,
+llama-cpp-python and ollama run it: its users type no flag, and an 8B Q4_K_M file expanded to
+float32 would need 32 GB. quantize=None is the float path (every weight dequantized to float32,
+as transformers' GGUF loader reads it).
+
 `export_hf` writes a run's model as a Hugging Face folder, `export_gguf` a run's or a
 Hugging Face folder's model as a GGUF file (for llama.cpp and ollama).
 """
@@ -37,8 +42,34 @@ from flashformer.kernels.huge_pages import use_huge_pages
 from flashformer.model import hf
 from flashformer.model.config import ModelConfig
 from flashformer.model.models import PreTrainedModel, build, build_with_weights
-from flashformer.model.quantize import quantize
+from flashformer.model.quantize import MODES, quantize
 from flashformer.text.bpe import read_saved_tokenizer
+
+AUTO = "auto"  # quantize's default: a GGUF file's own blocks, a folder's weights as stored
+# what quantize takes, as typed on a command line: "none" (or None) is the float path
+QUANTIZE_CHOICES = (AUTO, "none", *MODES)
+
+
+def resolve_quantize(quantize: str | None, kind: str, dtype: torch.dtype | None = None) -> str | None:
+    """quantize as the loader applies it to a source of this kind ("gguf", "hf", "checkpoint"):
+    "auto" is "gguf" for a GGUF file, None (as stored) for a folder; "none" is None; the rest as given."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES} or None; got {quantize!r}")
+    if quantize != AUTO:
+        return None if quantize == "none" else quantize
+    if kind != "gguf":
+        return None
+    if dtype not in (None, torch.float32):
+        raise ValueError(
+            f"dtype={dtype}: a GGUF file runs on its own quantized blocks by default, whose layers take "
+            f"float32 activations; pass quantize=None for the float path in {dtype}"
+        )
+    return "gguf"
+
+
+def quantize_mode(path: str | Path, quantize: str | None = AUTO) -> str | None:
+    """The quantize mode load(path, quantize=...) applies: what a benchmark records of a run."""
+    return resolve_quantize(quantize, locate(path)[0])
 
 
 def locate(path: str | Path) -> tuple[str, Path]:
@@ -65,15 +96,19 @@ def locate(path: str | Path) -> tuple[str, Path]:
 
 
 def from_pretrained(
-    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, activations: str = "int8"
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    quantize: str | None = AUTO,
+    activations: str = "int8",
 ) -> PreTrainedModel:
     """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
 
-    dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file gives float32).
-    quantize: None, "int8" or "int4" (any float decoder, quantized here), or "gguf" (a GGUF
-    file's own blocks with no float32 copy of them: K-quants used in place from the file's
-    memory map, Q4/Q5/Q8 blocks repacked once from it; the model holds about the file's size);
-    see flashformer.model.quantize. activations: what a quantized layer does
+    dtype: None keeps the stored dtype (transformers' "auto"; a GGUF file's float path gives float32).
+    quantize: "auto" (the default: "gguf" for a GGUF file, None for a folder), None (float weights:
+    a GGUF file dequantized to float32), "int8" or "int4" (any float decoder, quantized here), or
+    "gguf" (a GGUF file's own blocks with no float32 copy of them: K-quants used in place from the
+    file's memory map, Q4/Q5/Q8 blocks repacked once from it; the model holds about the file's
+    size); see flashformer.model.quantize. activations: what a quantized layer does
     with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
     with respect to the quantized weights, slower). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
@@ -81,6 +116,7 @@ def from_pretrained(
     """
     use_huge_pages()
     kind, where = locate(path)
+    quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":
         return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False)[0]
     if kind == "hf":
@@ -99,7 +135,10 @@ def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, activation
 
 
 def load(
-    path: str | Path, dtype: torch.dtype | None = None, quantize: str | None = None, activations: str = "int8"
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    quantize: str | None = AUTO,
+    activations: str = "int8",
 ):
     """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
     folder; dtype, quantize and activations as in from_pretrained.
@@ -108,6 +147,7 @@ def load(
     """
     use_huge_pages()
     kind, folder = locate(path)
+    quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":  # one read of the file serves the model and the tokenizer
         return _load_gguf(folder, dtype, quantize, activations, with_tokenizer=True)
     try:
@@ -135,7 +175,7 @@ def export_hf(path: str | Path, folder: str | Path) -> Path:
     The folder is written beside its final place and renamed into it, as a
     checkpoint is: an interrupted export leaves the previous one (or none).
     """
-    model, tokenizer = load(path)
+    model, tokenizer = load(path, quantize=None)  # float weights: a GGUF file's dequantized
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
@@ -169,7 +209,7 @@ def export_gguf(
         raise ValueError(
             f"{path} is a GGUF file already; export takes a run, checkpoint or Hugging Face folder"
         )
-    model, tokenizer = load(where)
+    model, tokenizer = load(where, quantize=None)
     try:
         hf_config, weights = hf.to_hf(model)
     except ValueError as error:

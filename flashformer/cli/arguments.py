@@ -9,11 +9,10 @@ import functools
 import typing
 from pathlib import Path
 
-from flashformer.checkpoints.loading import load
+from flashformer.checkpoints.loading import AUTO, QUANTIZE_CHOICES, load
 from flashformer.generate.chat import Chat
 from flashformer.generate.sampling_options import CLI_OPTIONS
 from flashformer.kernels import kv_blocks
-from flashformer.model.quantize import MODES
 from flashformer.text.bpe import EOS
 
 MODEL_HELP = (
@@ -24,16 +23,24 @@ MODEL_HELP = (
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """MODEL and how to load it (shared by generate, chat, eval, serve)."""
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument(
-        "--quantize",
-        choices=MODES,
-        help="weight-only quantized layers: int8 / int4 from the float weights, or a GGUF file's own blocks (gguf)",
-    )
+    add_quantize_arguments(parser)
+
+
+QUANTIZE_HELP = (
+    "auto (default): a GGUF file runs on its own quantized blocks, as llama.cpp runs it, and a folder as "
+    "stored; none: float32 weights (a GGUF file dequantized, as transformers reads it); int8 / int4: a float "
+    "model quantized at load; gguf: a GGUF file's own blocks"
+)
+
+
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """--quantize and --activations: how MODEL loads."""
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=AUTO, help=QUANTIZE_HELP)
     parser.add_argument(
         "--activations",
         choices=("int8", "float32"),
         default="int8",
-        help="with --quantize: inputs of the quantized layers quantized to int8 per block of 32 (as llama.cpp "
+        help="what a quantized layer does with its input: quantized to int8 per block of 32 (as llama.cpp "
         "does; faster) or kept float32 (exact with respect to the quantized weights)",
     )
 
@@ -85,8 +92,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     )
     parser.add_argument(
         "--draft-quantize",
-        choices=MODES,
-        help="with --draft: load it quantized so (default: as --quantize; a float model's own GGUF file with "
+        choices=QUANTIZE_CHOICES,
+        help="with --draft: how it loads (default: as --quantize; a float model's own GGUF file with "
         "--draft-quantize gguf drafts for it)",
     )
 

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 
 import flashformer
 from flashformer.bench import generate, model_shapes
+from flashformer.bench.common import resolved_quantize
 from flashformer.bench.model_shapes import SHAPES, Shape, parameter_count, weight_shapes
 from flashformer.checkpoints.gguf import read_file
 from flashformer.checkpoints.gguf.architectures import ARCHITECTURES
@@ -115,16 +116,17 @@ def test_write_shape_takes_a_name_and_a_path_and_the_1b_flag_is_its_alias(tmp_pa
     written = []
     monkeypatch.setattr(generate, "write_shape", lambda name, path: written.append((name, path)))
     existing = tmp_path / "8b.gguf"
-    existing.write_bytes(b"")
+    existing.write_bytes(b"GGUF")  # its magic: what tells a GGUF file from a folder
     args = parse("--write-shape", "llama-3.1-8b", str(existing))
-    assert generate.write_shape_once(args) == str(existing) and not written  # there already: not rewritten
-    assert args.quantize == "gguf" and args.transformers is False  # its own blocks; no float32 copy
+    path = generate.write_shape_once(args)
+    assert path == str(existing) and not written  # there already: not rewritten
+    assert resolved_quantize(path, args.quantize) == "gguf" and args.transformers is False  # its own blocks
     args = parse("--write-shape", "llama-3.1-8b", str(existing), "--quantize", "int8")
     generate.write_shape_once(args)
     assert args.quantize == "int8"
 
     calls = []
-    monkeypatch.setattr(generate, "write_shape_once", lambda a: calls.append(a.write_shape) or "x.gguf")
+    monkeypatch.setattr(generate, "write_shape_once", lambda a: calls.append(a.write_shape) or str(existing))
     monkeypatch.setattr(
         generate.generate_model, "run", lambda model, config, *rest: {"points": [{"error": "-"}]}
     )

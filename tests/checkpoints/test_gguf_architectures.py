@@ -96,7 +96,7 @@ def _inputs(length: int = 40) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_equal_transformers_gguf_load(case, name):
     path, original, theirs = case(name)
-    ours = flashformer.from_pretrained(path)
+    ours = flashformer.from_pretrained(path, quantize=None)
     ids = _inputs()
     with torch.no_grad():
         expected = theirs(ids).logits
@@ -259,7 +259,7 @@ def test_gguf_blocks_run_in_place(name, tmp_path):
     path = write_gguf(
         tmp_path / f"{name}.gguf", name.split("_")[0], metadata(model), tensors(model, cycle_types("Q8_0"))
     )
-    dequantized = flashformer.from_pretrained(path)
+    dequantized = flashformer.from_pretrained(path, quantize=None)
     blocks = flashformer.from_pretrained(path, quantize="gguf", activations="float32")
     assert type(blocks.decoder.blocks[0].attn.qkv).__name__ == "QuantizedLinear"
     with torch.no_grad():

@@ -54,7 +54,7 @@ def their_gguf_model(path, model):
 def test_logits_equal_transformers(tmp_path, arch):
     model, path = write_tiny(tmp_path, arch)
     reference = model if arch == "gemma" else their_gguf_model(path, model)
-    ours = flashformer.from_pretrained(path)
+    ours = flashformer.from_pretrained(path, quantize=None)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = reference(ids).logits, ours(ids).logits
@@ -157,7 +157,7 @@ def test_real_gemma3_greedy_continuation_equals_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gemma3_path()
-    model, _ = flashformer.load(path)
+    model, _ = flashformer.load(path, quantize=None)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     theirs = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32

@@ -192,7 +192,7 @@ def test_logits_equal_the_model_rounded_through_the_format(folder, tmp_path, nam
     assert set(types.values()) == expected_types
     with torch.no_grad():
         expected = through_the_format(model, types, ARCHITECTURE.get(name, "llama"))(input_ids()).logits
-        ours = flashformer.from_pretrained(out)(input_ids()).logits
+        ours = flashformer.from_pretrained(out, quantize=None)(input_ids()).logits
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()(input_ids()).logits
     assert (ours - expected).abs().max() < 1e-4
     assert (theirs - expected).abs().max() < 1e-4  # transformers reads the file as we do
@@ -211,7 +211,7 @@ def test_llama3_rope_scaling_is_written_as_rope_freqs(folder, tmp_path):
     assert read_gguf(out, show_progress=False).config["rope_parameters"]["rope_type"] == "llama3"
     with torch.no_grad():
         expected = through_the_format(model, types, "llama")(input_ids(1, 40)).logits  # past 32 positions
-        ours = flashformer.from_pretrained(out)(input_ids(1, 40)).logits
+        ours = flashformer.from_pretrained(out, quantize=None)(input_ids(1, 40)).logits
     assert (ours - expected).abs().max() < 1e-4
 
 
@@ -275,7 +275,7 @@ def test_q4_k_m_file_reads_as_transformers_reads_it(folder, tmp_path, name):
     if name == "llama-64":  # rows of 64: llama.cpp's fallbacks (Q4_K -> Q5_0, the head Q8_0)
         assert set(types.values()) == {"F32", "Q5_0", "Q8_0"} and types["output.weight"] == "Q8_0"
     with torch.no_grad():
-        ours = flashformer.from_pretrained(out)(input_ids()).logits
+        ours = flashformer.from_pretrained(out, quantize=None)(input_ids()).logits
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()(input_ids()).logits
         original = model(input_ids()).logits
     assert (ours - theirs).abs().max() < 1e-4
@@ -356,7 +356,7 @@ def test_a_training_run_exports(tmp_path):
     out = tmp_path / "run.gguf"
     export_gguf(tmp_path / "run", out, "f16", show_progress=False)
     model, tokenizer = flashformer.load(tmp_path / "run")
-    exported, exported_tokenizer = flashformer.load(out)
+    exported, exported_tokenizer = flashformer.load(out, quantize=None)
     rounded = model
     with torch.no_grad():  # as the f16 file stores them: the matrices float16, the position table float32
         for name, parameter in rounded.named_parameters():
@@ -491,7 +491,7 @@ def test_llama_cpp_loads_the_file_and_agrees(folder, tmp_path, name, file_type):
         f"llama.cpp could not evaluate the {file_type} file ({sorted(set(types.values()))})"
     )
     with torch.no_grad():
-        ours = flashformer.from_pretrained(out)(torch.tensor([ids])).logits[0]  # dequantized
+        ours = flashformer.from_pretrained(out, quantize=None)(torch.tensor([ids])).logits[0]  # dequantized
         kernels = flashformer.from_pretrained(out, quantize="gguf")(torch.tensor([ids])).logits[0]
     # llama.cpp computes on int8 activations (Q8_0 / Q8_K blocks) where a weight is quantized: its
     # distance to the dequantized model is that rounding, of the size our own int8-activation

@@ -75,6 +75,61 @@ def test_mixed_types_load_equals_the_float_path_bit_for_bit(tmp_path, activation
         assert isinstance(ours.embeddings.tokens.weight, torch.nn.Parameter)
 
 
+# ---- the default: a GGUF file runs on its own blocks, the float path one argument away ----
+
+
+def _q4_file(tmp_path):
+    model = tiny_llama(hidden=256, ff=512, tie=True)
+    types = lambda name: "F32" if name.endswith("norm.weight") else "Q4_1"  # noqa: E731
+    return model, write_gguf(
+        tmp_path / "q4.gguf", "llama", llama_metadata(model), llama_tensors(model, types)
+    )
+
+
+def test_a_gguf_file_loads_its_own_blocks_by_default(tmp_path):
+    model, path = _q4_file(tmp_path)
+    typed = flashformer.from_pretrained(path)  # as a llama.cpp user types it: no flag
+    assert typed.quantization == "gguf"
+    assert isinstance(typed.decoder.blocks[0].attn.qkv, QuantizedLinear)
+    _assert_same_model(typed, flashformer.from_pretrained(path, quantize="gguf"), model.config.vocab_size)
+    loaded, _ = flashformer.load(path)
+    assert loaded.quantization == "gguf"
+
+
+def test_the_float_path_is_quantize_none(tmp_path):
+    model, path = _q4_file(tmp_path)
+    for spelled in (None, "none"):  # the argument, and the command line's word for it
+        floats = flashformer.from_pretrained(path, quantize=spelled)
+        assert getattr(floats, "quantization", None) is None
+        assert floats.decoder.blocks[0].attn.qkv.weight.dtype == torch.float32
+        # the dequantized weights: the blocks' values as gguf's dequantizer gives them
+        _assert_same_model(
+            floats, _model_from_gguf(read_gguf(path, show_progress=False)), model.config.vocab_size
+        )
+
+
+def test_a_folder_loads_as_stored_by_default(tmp_path):
+    model = tiny_llama()
+    model.save_pretrained(tmp_path)
+    ours = flashformer.from_pretrained(tmp_path)
+    assert getattr(ours, "quantization", None) is None
+    assert ours.decoder.blocks[0].attn.qkv.weight.dtype == torch.float32
+
+
+def test_a_gguf_file_in_another_dtype_needs_the_float_path(tmp_path):
+    _, path = _q4_file(tmp_path)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16.*quantize=None"):
+        flashformer.from_pretrained(path, dtype=torch.bfloat16)
+    floats = flashformer.from_pretrained(path, dtype=torch.bfloat16, quantize=None)
+    assert floats.decoder.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+
+
+def test_an_unknown_quantize_is_refused_by_name(tmp_path):
+    _, path = _q4_file(tmp_path)
+    with pytest.raises(ValueError, match=r"quantize must be one of .*'q4'"):
+        flashformer.from_pretrained(path, quantize="q4")
+
+
 # ---- memory: a fresh process, its RSS before and after the load ----
 
 MEASURE = r"""

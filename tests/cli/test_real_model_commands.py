@@ -8,6 +8,7 @@ import json
 import pytest
 from helpers.gguf import smollm2_model, smollm2_tokenizer
 
+import flashformer
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.cli import commands as cli
 from flashformer.eval.perplexity import perplexity
@@ -47,7 +48,8 @@ def test_eval_perplexity_prints_and_writes_json(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["texts"] == 2 and "bits/byte" in capsys.readouterr().out
     texts = [(tmp_path / name).read_text() for name in ("a.txt", "b.md")]
-    expected = perplexity(smollm2_model(), smollm2_tokenizer(), texts, context=64, stride=32)
+    as_typed = flashformer.from_pretrained(smollm2_path())  # the default: the file's own blocks
+    expected = perplexity(as_typed, smollm2_tokenizer(), texts, context=64, stride=32)
     assert result["perplexity"] == pytest.approx(expected.perplexity, rel=1e-12)
     assert result["tokens"] == expected.tokens
 

@@ -28,10 +28,10 @@ def smollm2_checkpoint():
 
 @functools.cache
 def smollm2_model():
-    """flashformer's model of the file, through the public loader."""
+    """flashformer's float model of the file (its blocks dequantized), through the public loader."""
     import flashformer
 
-    return flashformer.from_pretrained(smollm2_path())
+    return flashformer.from_pretrained(smollm2_path(), quantize=None)  # the float path
 
 
 @functools.cache
