@@ -2,20 +2,13 @@
 
 The package is a house of rooms, each importing only the rooms before it (docs/architecture.md):
 kernels, attention, text, generate, model, checkpoints, train, encoders, eval, serve, costs,
-viz, bench, cli. This module re-exports the entry points most code needs.
+viz, bench, cli. This module re-exports the entry points most code needs, each imported at its
+first use (flashformer.startup): `import flashformer` costs no torch until one is read.
 """
 
-from flashformer.attention.api import attention
-from flashformer.checkpoints.loading import from_pretrained, load, load_tokenizer
-from flashformer.model.config import ModelConfig, preset
-from flashformer.model.models import (
-    DecoderModel,
-    EncoderDecoderModel,
-    EncoderModel,
-    ModelOutput,
-    add_task_head,
-    build,
-)
+from typing import TYPE_CHECKING
+
+from flashformer.startup import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,3 +25,32 @@ __all__ = [
     "DecoderModel",
     "EncoderDecoderModel",
 ]
+
+lazy_exports(
+    __name__,
+    {
+        "attention": "flashformer.attention.api",
+        "from_pretrained": "flashformer.checkpoints.loading",
+        "load": "flashformer.checkpoints.loading",
+        "load_tokenizer": "flashformer.checkpoints.loading",
+        "ModelConfig": "flashformer.model.config",
+        "preset": "flashformer.model.config",
+        **dict.fromkeys(
+            ("DecoderModel", "EncoderDecoderModel", "EncoderModel", "ModelOutput", "add_task_head", "build"),
+            "flashformer.model.models",
+        ),
+    },
+)
+
+if TYPE_CHECKING:  # the same names, for type checkers, editors and the room order's test
+    from flashformer.attention.api import attention
+    from flashformer.checkpoints.loading import from_pretrained, load, load_tokenizer
+    from flashformer.model.config import ModelConfig, preset
+    from flashformer.model.models import (
+        DecoderModel,
+        EncoderDecoderModel,
+        EncoderModel,
+        ModelOutput,
+        add_task_head,
+        build,
+    )

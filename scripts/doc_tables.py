@@ -167,6 +167,60 @@ def load_time_table(docs: Path) -> str:
     return markdown_table(header, rows)
 
 
+COLD_START_COMMANDS = ("generate", "chat", "serve")  # scripts/cold_start_turns.py's, the table's rows
+
+
+def cold_start_table(payload: dict) -> str:
+    """scripts/cold_start_turns.py's run: each command's wall seconds to its first token (serve: to
+    /health) from the base tree and this one, and what it takes beyond a bare `import torch`."""
+    summary = payload["summary"]
+    torch_best, torch_median = summary["import torch"]["best"], summary["import torch"]["median"]
+
+    def seconds(s: dict | None) -> str:
+        if not s or "best" not in s:
+            return "-"
+        return f"{s['best']:.2f} / {s['median']:.2f} ({s['best']:.2f}-{s['worst']:.2f})"
+
+    def cpu(s: dict | None) -> str:
+        return "-" if not s or "best" not in s else f"{s['cpu_median']:.2f}"
+
+    rows = [["`python -c \"import torch\"`", "-", seconds(summary["import torch"]), "-", "-",
+             cpu(summary["import torch"])]]  # fmt: skip
+    for name in COLD_START_COMMANDS:
+        before, after = summary.get(f"{name} (base)"), summary.get(f"{name} (this)")
+        beyond = "-"
+        if after and "best" in after:
+            beyond = f"**{after['best'] - torch_best:+.2f}** / {after['median'] - torch_median:+.2f}"
+        rows.append([f"`{name}`", seconds(before), seconds(after), beyond, cpu(before), cpu(after)])
+    loads = [v for s in summary.values() if "load_average" in s for v in s["load_average"]]
+    head = (
+        f"{payload['config']['runs']} fresh processes of each, in turns; wall seconds best / median (range); "
+        f"load average {min(loads):.1f}-{max(loads):.1f}\n\n"
+    )
+    header = ["command", "before: seconds", "after: seconds", "after - import torch: best / median",
+              "CPU s before (median)", "after"]  # fmt: skip
+    return head + markdown_table(header, rows) + "\n\n" + cold_start_phases_table(payload)
+
+
+def cold_start_phases_table(payload: dict) -> str:
+    """`generate`'s phases in its main thread's CPU seconds, the median over the turns, each tree."""
+    from cold_start_turns import phase_medians
+
+    medians = phase_medians(payload)
+    trees = [tree for tree in ("base", "this") if tree in medians]
+    names = list(medians[trees[-1]])
+    rows = [[name, *(f"{medians[tree][name] * 1e3:.0f}" if name in medians[tree] else "-" for tree in trees)]
+            for name in names]  # fmt: skip
+    if "import torch" in medians:
+        alone = f"{medians['import torch']['total'] * 1e3:.0f}"
+        rows.append(['`python -c "import torch"` (its interpreter included)', *[alone] * len(trees)])
+    header = [
+        "`generate`, main thread CPU ms (median)",
+        *("before" if t == "base" else "after" for t in trees),
+    ]
+    return markdown_table(header, rows)
+
+
 ROW_COST_MODELS = (  # scripts/row_cost.py's model file names, the table's order, and their labels
     ("llama-1b-shape.q4_k_m.gguf", "Llama-3.2-1B shapes Q4_K_M"),
     ("gemma-3-270m-q4_k_m.gguf", "Gemma 3 270M Q4_K_M"),

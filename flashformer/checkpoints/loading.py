@@ -36,13 +36,13 @@ from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.checkpoints.gguf import GGUFCheckpoint, QuantizedTensor, read_gguf
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer, tokenizer_from_metadata
-from flashformer.checkpoints.gguf.writer import FILE_TYPES, write_gguf
 from flashformer.files import publish_folder
 from flashformer.kernels.huge_pages import use_huge_pages
 from flashformer.model import hf
 from flashformer.model.config import ModelConfig
 from flashformer.model.models import PreTrainedModel, build, build_with_weights
 from flashformer.model.quantize import MODES, quantize
+from flashformer.startup import paused_gc
 from flashformer.text.bpe import read_saved_tokenizer
 
 AUTO = "auto"  # quantize's default: a GGUF file's own blocks, a folder's weights as stored
@@ -199,6 +199,8 @@ def export_gguf(
 
     The file appears whole or not at all. An existing `out` is kept unless force=True (a
     FileExistsError says so); a GGUF file as the source is refused (it is one already)."""
+    from flashformer.checkpoints.gguf.writer import FILE_TYPES, write_gguf  # gguf's writer: export only
+
     if file_type not in FILE_TYPES:
         raise ValueError(f"--type must be one of {', '.join(FILE_TYPES)}; got {file_type!r}")
     out = Path(out)
@@ -234,13 +236,14 @@ def _starts_like_gguf(path: Path) -> bool:
 
 def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, with_tokenizer: bool):
     """(model, tokenizer or None) from one read of a GGUF file."""
-    checkpoint = read_gguf(path, dequantize=quantize_mode != "gguf", show_progress=False)
-    with _one_thread():
-        if quantize_mode == "gguf":
-            model = _quantized_model_from_gguf(checkpoint, dtype, activations)
-        else:
-            model = _finish(_model_from_gguf(checkpoint), dtype, quantize_mode, activations, checkpoint)
-    tokenizer = tokenizer_from_metadata(checkpoint.metadata, source=str(path)) if with_tokenizer else None
+    with paused_gc():  # the metadata's, the tokenizer's and the modules' objects all live on
+        checkpoint = read_gguf(path, dequantize=quantize_mode != "gguf", show_progress=False)
+        with _one_thread():
+            if quantize_mode == "gguf":
+                model = _quantized_model_from_gguf(checkpoint, dtype, activations)
+            else:
+                model = _finish(_model_from_gguf(checkpoint), dtype, quantize_mode, activations, checkpoint)
+        tokenizer = tokenizer_from_metadata(checkpoint.metadata, source=str(path)) if with_tokenizer else None
     # the pages read to repack or dequantize leave the RSS; a layer's own (the K-quants' blocks,
     # in place) come back at its first read. The map itself lives on while a layer uses it.
     checkpoint.mapping.drop_resident_pages()

@@ -13,6 +13,7 @@ from flashformer.checkpoints.loading import AUTO, QUANTIZE_CHOICES, load
 from flashformer.generate.chat import Chat
 from flashformer.generate.sampling_options import CLI_OPTIONS
 from flashformer.kernels import kv_blocks
+from flashformer.startup import paused_gc
 from flashformer.text.bpe import EOS
 
 MODEL_HELP = (
@@ -57,8 +58,10 @@ def add_cache_type_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model(args):
-    """(model, tokenizer) as the model arguments ask."""
-    return load(args.model, quantize=args.quantize, activations=args.activations)
+    """(model, tokenizer) as the model arguments ask; what the load leaves alive is frozen out of
+    the garbage collector's later walks (flashformer.startup.paused_gc)."""
+    with paused_gc(freeze=True):
+        return load(args.model, quantize=args.quantize, activations=args.activations)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:

@@ -1,8 +1,9 @@
 """The `flashformer` command: one table of commands, each a module with
 `add_arguments(parser)` and `main_from_args(args)`.
 
-A command's module is imported only when the parser is built or the command
-runs, so `flashformer --help` does not pay for what it does not use.
+A command's module is imported only when its parser is built or it runs: `flashformer CMD`
+imports CMD's module alone (torch, the model and what CMD uses) and `flashformer --help` none,
+so that a command's start costs only what it runs (docs/benchmarks.md, "Cold start").
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.kernels.huge_pages import use_huge_pages
+from flashformer.startup import paused_gc
 
 
 @dataclass(frozen=True)
@@ -156,27 +157,40 @@ COMMANDS: dict[str, Command | tuple[str, dict[str, Command]]] = {
     ),
 }
 
-# what a command raises for bad input: reported as "flashformer NAME: error: ..." with exit code 2
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError)
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """What a command raises for bad input: reported as "flashformer NAME: error: ..." with exit
+    code 2. Read when an error comes (CheckpointError's module imports torch)."""
+    from flashformer.checkpoints.checkpoint import CheckpointError
+
+    return (ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command. With argv, only the command it names gets its arguments
+    (its module imported): the others are listed with their help, as `flashformer --help` shows
+    them, without importing what they run."""
     parser = argparse.ArgumentParser(prog="flashformer", description="The Transformer, exact and measured.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    def named(*path: str) -> bool:
+        return argv is None or tuple(argv[: len(path)]) == path
+
     for name, entry in COMMANDS.items():
         if isinstance(entry, Command):
-            _add(commands, name, entry, (name,))
+            _add(commands, name, entry, (name,), with_arguments=named(name))
             continue
         group_help, members = entry
         group = commands.add_parser(name, help=group_help).add_subparsers(dest="subcommand", required=True)
         for sub_name, command in members.items():
-            _add(group, sub_name, command, (name, sub_name))
+            _add(group, sub_name, command, (name, sub_name), with_arguments=named(name, sub_name))
     return parser
 
 
-def _add(subparsers, name: str, command: Command, path: tuple[str, ...]) -> None:
+def _add(subparsers, name: str, command: Command, path: tuple[str, ...], with_arguments: bool) -> None:
     parser = subparsers.add_parser(name, help=command.help, description=command.description)
-    importlib.import_module(command.module).add_arguments(parser)
+    if with_arguments:
+        importlib.import_module(command.module).add_arguments(parser)
     parser.set_defaults(command_path=path, command_module=command.module)
 
 
@@ -198,15 +212,16 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     use_huge_pages()  # before any tensor is allocated (PyTorch reads it once)
-    parser = build_parser()
     argv, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    with paused_gc(freeze=True):  # the command's module imports torch and the rooms it uses
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
     if overrides and args.command not in ("train", "finetune"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
     try:
         importlib.import_module(args.command_module).main_from_args(args)
-    except USER_ERRORS as error:
+    except user_errors() as error:
         parser.exit(2, f"flashformer {' '.join(args.command_path)}: error: {error}\n")
     return 0
 

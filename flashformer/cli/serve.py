@@ -27,6 +27,7 @@ from pathlib import Path
 from flashformer.cli import arguments
 from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments
 from flashformer.formatting import format_bytes
+from flashformer.startup import paused_gc
 from flashformer.text.reasoning import FORMATS as REASONING_FORMATS
 from flashformer.text.tool_calls import PARSERS
 
@@ -107,17 +108,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args) -> None:
-    import torch
-    import uvicorn
+    with paused_gc():  # the server's imports: thousands of objects that all live on (flashformer.startup)
+        import torch
+        import uvicorn
 
-    from flashformer.checkpoints.loading import load
-    from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
-    from flashformer.kernels.machine import process_seconds
-    from flashformer.model.models import EncoderModel
-    from flashformer.serve.embeddings import EmbeddingEngine
-    from flashformer.serve.engine import Engine
-    from flashformer.serve.openai import create_app
-    from flashformer.serve.speculation import SpeculativeConfig
+        from flashformer.checkpoints.loading import load
+        from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
+        from flashformer.kernels.machine import process_seconds
+        from flashformer.model.models import EncoderModel
+        from flashformer.serve.embeddings import EmbeddingEngine
+        from flashformer.serve.engine import Engine
+        from flashformer.serve.openai import create_app
+        from flashformer.serve.speculation import SpeculativeConfig
 
     # checked before the model loads
     speculative = (

@@ -125,11 +125,11 @@ def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str,
     data = data.reshape(n, blocks, block_bytes)
     if row.layout == "int5":
         return ("int5", *pack_int5(*gguf_blocks.parse_int5(type_name, data)))
-    d = data[..., :2].contiguous().view(torch.float16).squeeze(-1)  # (N, blocks)
+    d = data[..., :2].view(torch.float16).squeeze(-1)  # (N, blocks), a strided view of the blocks
     if type_name == "Q8_0":
         return ("int8", *pack_int8(data[..., 2:].view(torch.int8), d))  # quants (N, blocks, 32), strided
     if type_name == "Q4_1":
-        m = data[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+        m = data[..., 2:4].view(torch.float16).squeeze(-1)
         return ("int4", *pack_int4(d, m, data[..., 4:]))
     m = d * -8
     if not torch.isfinite(m).all():

@@ -19,7 +19,6 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from flashformer.files import write_atomic
-from flashformer.text.chat_template import render_chat_template
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -177,6 +176,8 @@ class Tokenizer:
         (bos_token, eos_token, ...) and any extra keyword argument. tokenize=True encodes the
         text without adding BOS/EOS (the template writes them). A list of conversations gives a
         list of results. chat_template: a template string, or the name of one of the model's."""
+        from flashformer.text.chat_template import render_chat_template  # Jinja: for chats only
+
         template = self.chat_template_for(chat_template, tools)
         batch = bool(messages) and isinstance(messages[0], list | tuple)
         variables = {name: token for name, token in self.special_tokens.items() if token is not None}

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from flashformer.kernels.block_types import TYPES
 
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -220,11 +221,7 @@ class _Parser:
             if name in names:
                 raise BadTensor(name, "the file holds two tensors of this name")
             names.add(name)
-            try:
-                ggml_type = GGMLQuantizationType(type_id)
-            except ValueError:
-                raise BadTensor(name, f"its type id {type_id} is not a GGML type") from None
-            block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+            type_name, block_size, block_bytes = _tensor_type(name, type_id)
             shape = tuple(int(n) for n in reversed(dims))  # torch order: the fastest dim last
             if not shape or shape[-1] % block_size:
                 raise BadTensor(name, f"shape {shape} does not hold whole blocks of {block_size}")
@@ -232,11 +229,29 @@ class _Parser:
             start = data_start + offset
             if start + n_bytes > self.size:
                 raise ShortRead(start + n_bytes, name)
-            dtype = VALUE_DTYPES.get(ggml_type.name)
+            dtype = VALUE_DTYPES.get(type_name)
             if dtype is None:
                 view = np.frombuffer(self.data, np.uint8, n_bytes, start)
                 view = view.reshape(*shape[:-1], shape[-1] // block_size * block_bytes)
             else:
                 view = np.frombuffer(self.data, dtype, int(np.prod(shape)), start).reshape(shape)
-            entries.append(TensorEntry(name, ggml_type.name, shape, view))
+            entries.append(TensorEntry(name, type_name, shape, view))
         return entries
+
+
+_BY_ID = {row.ggml_id: (row.name, row.block_values, row.block_bytes) for row in TYPES.values()}
+
+
+def _tensor_type(tensor: str, type_id: int) -> tuple[str, int, int]:
+    """(name, values per block, bytes per block) of a tensor's type id: the types flashformer
+    reads from its own table (kernels/block_types.py), any other from gguf's (imported only
+    then: 30-50 ms of a cold start), so that the reader can refuse it by name."""
+    if type_id in _BY_ID:
+        return _BY_ID[type_id]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        ggml_type = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise BadTensor(tensor, f"its type id {type_id} is not a GGML type") from None
+    return (ggml_type.name, *GGML_QUANT_SIZES[ggml_type])

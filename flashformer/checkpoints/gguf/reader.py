@@ -12,13 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from torch import Tensor
 
-from flashformer.checkpoints.gguf.header import BadTensor, FileMapping, HeaderError, ShortRead, read_header
+from flashformer.checkpoints.gguf.header import (
+    VALUE_DTYPES,
+    BadTensor,
+    FileMapping,
+    HeaderError,
+    ShortRead,
+    read_header,
+)
 from flashformer.kernels.block_types import TYPES
 
 # Tensor types read here: kernels/block_types.py's rows, plain floats, the legacy block types and
@@ -64,8 +69,7 @@ class QuantizedTensor:
 
     def dequantize(self) -> Tensor:
         """float32 (out, in), exactly gguf's dequantization, rows in transformers' order."""
-        values = gguf.quants.dequantize(self.blocks.numpy(), GGMLQuantizationType[self.ggml_type])
-        return torch.from_numpy(values)  # (out, in)
+        return torch.from_numpy(_dequantize(self.blocks.numpy(), self.ggml_type))  # (out, in)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class RawTensor:
 
     def to_float(self) -> Tensor:
         """float32 of the logical shape, as gguf.quants.dequantize gives it."""
-        values = gguf.quants.dequantize(self.data, GGMLQuantizationType[self.ggml_type])
+        values = _dequantize(self.data, self.ggml_type)
         if np.may_share_memory(values, self.data):  # F32 comes back as a view of the file map:
             values = values.copy()  # a tensor of our own, or the model would keep the map alive
         return torch.from_numpy(values.reshape(self.shape))
@@ -93,6 +97,16 @@ class RawTensor:
         row) uint8, at the file's alignment (32 bytes by default; the kernels load unaligned).
         The map is copy-on-write: writing to the view would never reach the file."""
         return torch.from_numpy(self.data)
+
+
+def _dequantize(data: np.ndarray, ggml_type: str) -> np.ndarray:
+    """gguf.quants.dequantize, whose module is imported only for the block types (30-50 ms of a
+    cold start): F32 and F16, the norms of a quantized load, converted as it converts them."""
+    if ggml_type in VALUE_DTYPES:
+        return data.view(VALUE_DTYPES[ggml_type]).astype(np.float32, copy=False)
+    import gguf.quants
+
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[ggml_type])
 
 
 @dataclass(frozen=True)

@@ -185,16 +185,19 @@ def _byte_level_bpe(metadata: dict, tokens: list[str], source: str) -> Backend:
     alphabet = byte_alphabet()
     letters = set(alphabet.values())
     # a token spelled with characters outside the alphabet is written as plain text: respell it
-    spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
-    pairs = []
-    for rank, merge in enumerate(merges):
-        pair = tuple(merge.split(" "))
-        if len(pair) != 2:
-            raise ValueError(
-                f"{source}: tokenizer.ggml.merges[{rank}]={merge!r} is not two tokens joined by a space"
-            )
-        pairs.append(pair)
-    vocab = {token: index for index, token in enumerate(spelled)}
+    # (one look at all the tokens first: a converted file spells them all in the alphabet)
+    spelled = tokens
+    if not set("".join(tokens)) <= letters:
+        spelled = [
+            t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens
+        ]
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    if any(len(pair) != 2 for pair in pairs):
+        rank = next(rank for rank, pair in enumerate(pairs) if len(pair) != 2)
+        raise ValueError(
+            f"{source}: tokenizer.ggml.merges[{rank}]={merges[rank]!r} is not two tokens joined by a space"
+        )
+    vocab = dict(zip(spelled, range(len(spelled))))
     backend = Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     backend.pre_tokenizer = pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
