@@ -39,3 +39,58 @@ def test_forced_avx2_path_in_a_fresh_process():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == expected
+
+
+def test_aten_capabilities_are_what_the_cpu_runs():
+    """PyTorch's capabilities this CPU runs agree with the C++ kernels' own reading of CPUID (GCC's
+    __builtin_cpu_supports): AVX2 where ours run AVX2, AVX-512 where ours run VNNI; every path of
+    ours maps to one of them, clamped."""
+    capabilities = machine.aten_capabilities()
+    assert capabilities[0] == "default" and capabilities == machine.ATEN_CAPABILITIES[: len(capabilities)]
+    assert machine.aten_capability("best") is None
+    for isa in machine.KERNEL_ISAS:
+        assert machine.aten_capability(isa) in capabilities
+    assert machine.aten_capability("scalar") == "default"
+    if load_kernels() == "cpp":
+        previous = kernel_isa()
+        best = kernel_isa("best")
+        kernel_isa(previous)
+        assert ("avx2" in capabilities) == (best != "scalar")
+        if best in ("avx512-vnni", "amx-int8"):
+            assert "avx512" in capabilities
+
+
+def test_the_isa_request_moves_pytorchs_own_kernels():
+    """FLASHFORMER_CPU_ISA in a fresh process sets ATen's capability when flashformer is imported,
+    before ATen's first operation: the widest path asked for gets the widest capability the CPU
+    has, scalar gets ATen's default; an ATEN_CPU_CAPABILITY the user set is left as it is. When
+    an operation ran before flashformer was imported, ATen has chosen: a warning says so."""
+    first_op = "torch.randn(64).exp().sum()"
+    widest = machine.aten_capabilities()[-1]
+    cases = [  # (variables, ATen's capability, the script, whether it warns)
+        ({"FLASHFORMER_CPU_ISA": "amx-int8"}, widest, f"import flashformer, torch; {first_op}", False),
+        ({"FLASHFORMER_CPU_ISA": "scalar"}, "default", f"import flashformer, torch; {first_op}", False),
+        (
+            {"FLASHFORMER_CPU_ISA": "amx-int8", "ATEN_CPU_CAPABILITY": "default"},
+            "default",
+            "import flashformer, torch",
+            False,
+        ),
+        ({"FLASHFORMER_CPU_ISA": "scalar"}, widest, f"import torch; {first_op}; import flashformer", True),
+    ]
+    for variables, expected, script, warns in cases:
+        env = {k: v for k, v in os.environ.items() if k not in ("FLASHFORMER_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+        env.update(variables, PYTHONPATH=str(Path(__file__).parents[2]))
+        done = subprocess.run(
+            [sys.executable, "-c", script + "; print(torch.backends.cpu.get_cpu_capability())"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[-1] == expected.upper(), (variables, done.stderr[-2000:])
+        assert ("chosen before flashformer was imported" in done.stderr) == warns, (
+            variables,
+            done.stderr[-2000:],
+        )
