@@ -7,9 +7,9 @@ the fallbacks see them whether or not the build succeeds) and the class NativeDe
 decoder-only model's whole forward in one call (native_decoder.py, csrc/decoder_cpu.cpp).
 
 Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and
-registers the operators' fallbacks: PyTorch code, exact and slower. Once loaded, the quantized
-kernels take the path FLASHFORMER_CPU_ISA asks for (kernels/machine.py); kernel_isa() reads or
-switches it.
+registers the operators' fallbacks: PyTorch code, exact and slower. Once loaded, every family
+of C++ kernels (the products, the row operations, attention) takes the path FLASHFORMER_CPU_ISA
+asks for (kernels/machine.py); kernel_isa() reads or switches it, kernels_ran() says what ran.
 """
 
 from __future__ import annotations
@@ -93,6 +93,35 @@ def kernel_isa(request: int | str = -1) -> str:
         _isa_index(request) if isinstance(request, str) else request
     )
     return "torch" if isa < 0 else KERNEL_ISAS[isa]
+
+
+# csrc/quantized_common.h's Family: the kernels that each follow the ISA switch and record the
+# builds they ran
+KERNEL_FAMILIES = (
+    "int4/int5 products",
+    "int8 products",
+    "K-quant products",
+    "float32 products",
+    "quantizing x",
+    "row operations",
+    "attention",
+    "widening KV rows",
+)
+
+
+def kernels_ran(reset: bool = False) -> dict[str, set[str]]:
+    """Which code each family of C++ kernels ran since the last reset: its name (KERNEL_FAMILIES)
+    -> the KERNEL_ISAS whose build it ran. Families that ran nothing are left out; without the C++
+    kernels, nothing is. reset=True starts the count again (after reading it). The tests read it
+    to show that a path forced by FLASHFORMER_CPU_ISA or kernel_isa runs that ISA's code in every
+    family; nothing chooses by the CPU's flags behind the switch."""
+    load()
+    ran = torch.ops.flashformer.kernels_ran(reset)
+    return {
+        family: {isa for i, isa in enumerate(KERNEL_ISAS) if bits >> i & 1}
+        for family, bits in zip(KERNEL_FAMILIES, ran)
+        if bits
+    }
 
 
 def _isa_index(name: str) -> int:

@@ -325,10 +325,14 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
   const FloatX xf{x.x, x.k};
 #if FF_X86
   if (int8_activations && isa == kAmx && rows >= kquant_panel_min_rows(isa)) {
+    note_ran(kKQuantProducts, kAmx);
     amx::amx_units(weights, nb, n, x.amx256, rows, result, first, last);
     return;
   }
+#endif
   isa = vector_isa(isa);
+  note_ran(kKQuantProducts, isa);
+#if FF_X86
   if (int8_activations && isa != kScalar && rows >= kquant_panel_min_rows(isa)) {
     if (isa == kVnni) {
       panel_units(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result, first, last);
@@ -452,6 +456,7 @@ namespace flashformer_cpu {
 
 void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& out) {
   const int isa = use_isa().load();
+  note_ran(kQuantizingX, isa == kScalar ? kScalar : kAvx2);
   for (int64_t i = first; i < last; ++i) {
 #if FF_X86
     if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
@@ -466,6 +471,7 @@ void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& 
 
 void quantize_blocks256_amx(const float* x, int64_t first, int64_t last, AmxRows& out) {
 #if FF_X86
+  note_ran(kQuantizingX, kAmx);
   amx::quantize_amx(x, first, last, out);
 #else
   (void)x, (void)first, (void)last, (void)out;

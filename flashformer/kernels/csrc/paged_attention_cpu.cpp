@@ -55,8 +55,8 @@
 namespace flashformer_cpu {
 namespace {
 
-// Eight floats in a vector register (GCC's vector extension: one AVX register in the x86-64-v3 and
-// v4 clones, two SSE registers in the default one).
+// Eight floats in a vector register (GCC's vector extension: one AVX register in the AVX2 and
+// AVX-512 builds, two SSE registers in the baseline one).
 typedef float v8 __attribute__((vector_size(32)));
 
 __attribute__((always_inline)) inline v8 load8(const float* p) {
@@ -115,15 +115,17 @@ __attribute__((always_inline)) inline void dots8(const float* const* q, const fl
   for (; j + 8 <= n; j += 8) {
     v8 x[R];
     for (int r = 0; r < R; ++r) x[r] = load8(q[r] + j);
+#pragma GCC unroll 8  // (rows::fmadd's eight lanes make GCC keep these loops, and acc in memory)
     for (int i = 0; i < 8; ++i) {
       const v8 key = load8(k[i] + j);
-      for (int r = 0; r < R; ++r) acc[r][i] += x[r] * key;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][i] = rows::fmadd(x[r], key, acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
     v8 sums = lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3], acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
     for (int i = 0; i < 8; ++i) {
-      for (int64_t t = j; t < n; ++t) sums[i] += q[r][t] * k[i][t];
+      for (int64_t t = j; t < n; ++t) sums[i] = std::fma(q[r][t], k[i][t], sums[i]);
     }
     store8(out[r], sums * scale);
   }
@@ -146,9 +148,11 @@ __attribute__((always_inline)) inline void weighted_values64(float* const* acc, 
     for (int r = 0; r < R; ++r) wt[r] = w[r][t], any |= wt[r] != 0.f;
     if (!any) continue;
     const float* vt = v[t] + d0;
+#pragma GCC unroll 8  // (as in dots8)
     for (int i = 0; i < 8; ++i) {
       const v8 value = load8(vt + 8 * i);
-      for (int r = 0; r < R; ++r) a[r][i] += wt[r] * value;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r][i] = rows::fmadd(rows::splat(wt[r]), value, a[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -216,8 +220,12 @@ __attribute__((target("avx2,f16c"))) void widen_rows_avx2(int type, const void* 
 
 void kv_widen_rows(int type, const void* base, const int64_t* at, int64_t rows, int64_t n, float* dst) {
 #if defined(__x86_64__)
-  if (use_isa().load() >= kAvx2) return widen_rows_avx2(type, base, at, rows, n, dst);  // the ISA switch
+  if (use_isa().load(std::memory_order_relaxed) >= kAvx2) {  // the ISA switch
+    note_ran(kWideningKv, kAvx2);
+    return widen_rows_avx2(type, base, at, rows, n, dst);
+  }
 #endif
+  note_ran(kWideningKv, kScalar);
   for (int64_t i = 0; i < rows; ++i) {
     float* out = dst + i * n;
     if (type == kKvFloat16) {
@@ -452,7 +460,7 @@ __attribute__((always_inline)) inline void accumulate_values(const Problem& p, i
       for (int64_t t = 0; t < keys; ++t) {
         const float w = wr[r][t];
         if (w == 0.f) continue;
-        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * span.value_rows[t][d];
+        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] = std::fma(w, span.value_rows[t][d], ar[r][d]);
       }
     }
   }
@@ -479,42 +487,46 @@ __attribute__((always_inline)) inline void write_out(const Problem& p, const Tas
 }
 
 // A task's G x n query rows against its keys, span by span in order, with an online softmax.
-// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 with FMA (x86-64-v3) and any x86-64
-// CPU, the same operations in the same order in each; the first two fuse each multiply-add (one
-// rounding, twice the products a cycle), so they give the same bits as each other and the default
-// clone, which rounds twice, its own. The loader picks one per CPU, once. Every step is an
-// always_inline function, so that it is compiled into each clone for its target (a call to a
-// plain function would run the default one). The task (by value) and key0, keys are the clone's
-// own values, which no call inside (widen_rows, expf) can change: they stay in registers, and
-// the compiler knows keys <= kSpan.
+// Compiled for the baseline x86-64, AVX2 and AVX-512 (32 vector registers: kRowsPerPass), the
+// same operations in the same order in each: each multiply-add of the dot products and of the
+// weighted values is fused (rows::fmadd: one rounding, twice the products a cycle where the ISA
+// has an FMA), everything else rounds each operation (-ffp-contract=off), so every build gives the
+// same bits. attend_task runs the build use_isa() says. Every step is an always_inline function,
+// so that it is compiled into each build for its target (a call to a plain function would run the
+// baseline code). The task (by value) and key0, keys are the build's own values, which no call
+// inside (widen_rows, expf) can change: they stay in registers, and the compiler knows keys <= kSpan.
+struct AttendTask {
+  __attribute__((always_inline)) static void run(const Problem& p, const Task task, const int64_t* table,
+                                                 Scratch& scratch) {
+    const int64_t rows = p.q_heads / p.kv_heads * task.n;
+    const float kInf = std::numeric_limits<float>::infinity();
+    scratch.m.assign(rows, -kInf);
+    scratch.rescale.resize(rows);
+    scratch.l.assign(rows, 0.f);
+    scratch.acc.assign(rows * p.dim_v, 0.f);
+    scratch.s.resize(rows * kSpan);
+    if (p.k_type != kKvFloat32) scratch.wide_k.resize(kSpan * p.dim);
+    if (p.v_type != kKvFloat32) scratch.wide_v.resize(kSpan * p.dim_v);
+    const bool plain_rules = p.key_padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
+                             p.slopes == nullptr;
+    Span span;
+    for (int64_t key0 = 0; key0 < task.visible; key0 += kSpan) {
+      const int64_t keys = std::min(kSpan, task.visible - key0);
+      if (p.window_left >= 0 && key0 + keys - 1 < task.first_query - p.window_left) continue;  // before every window
+      const int64_t ahead = load_span(p, task, table, key0, keys, scratch, span);
+      score_span(p, task, rows, span, keys, ahead, scratch.s.data());
+      apply_rules(p, task, rows, plain_rules, key0, keys, scratch.s.data());
+      softmax_update(rows, keys, scratch);
+      accumulate_values(p, rows, span, keys, scratch);
+    }
+    write_out(p, task, rows, scratch);
+  }
+};
+
 }  // namespace
 
-#if defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
-#endif
 void attend_task(const Problem& p, const Task task, const int64_t* table, Scratch& scratch) {
-  const int64_t rows = p.q_heads / p.kv_heads * task.n;
-  const float kInf = std::numeric_limits<float>::infinity();
-  scratch.m.assign(rows, -kInf);
-  scratch.rescale.resize(rows);
-  scratch.l.assign(rows, 0.f);
-  scratch.acc.assign(rows * p.dim_v, 0.f);
-  scratch.s.resize(rows * kSpan);
-  if (p.k_type != kKvFloat32) scratch.wide_k.resize(kSpan * p.dim);
-  if (p.v_type != kKvFloat32) scratch.wide_v.resize(kSpan * p.dim_v);
-  const bool plain_rules = p.key_padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
-                           p.slopes == nullptr;
-  Span span;
-  for (int64_t key0 = 0; key0 < task.visible; key0 += kSpan) {
-    const int64_t keys = std::min(kSpan, task.visible - key0);
-    if (p.window_left >= 0 && key0 + keys - 1 < task.first_query - p.window_left) continue;  // before every window
-    const int64_t ahead = load_span(p, task, table, key0, keys, scratch, span);
-    score_span(p, task, rows, span, keys, ahead, scratch.s.data());
-    apply_rules(p, task, rows, plain_rules, key0, keys, scratch.s.data());
-    softmax_update(rows, keys, scratch);
-    accumulate_values(p, rows, span, keys, scratch);
-  }
-  write_out(p, task, rows, scratch);
+  run_built_for<AttendTask>(use_isa().load(std::memory_order_relaxed), kAttention, p, task, table, scratch);
 }
 
 std::vector<Task> attention_tasks(int64_t sequences, const int64_t* starts, const int64_t* lengths,

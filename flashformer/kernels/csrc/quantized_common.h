@@ -1,7 +1,9 @@
 // What the kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the K-quants; the
 // attention and the native decoder read index tensors with index_values): where a kernel's results
 // go, which ISA runs, the checks of a call's arguments and the no-backward autograd kernel.
-// Functions are inline, so that use_isa() is one switch for all.
+// Functions are inline, so that use_isa() is one switch for all: every family of kernels (the
+// products, the row operations, attention) runs the build of the ISA it says, and records which
+// (kernels_ran), never one chosen by the CPU's flags behind its back.
 
 #pragma once
 
@@ -16,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -85,6 +88,70 @@ inline int vector_isa(int isa) { return isa < kVnni ? isa : kVnni; }
 inline std::atomic<int>& use_isa() {
   static std::atomic<int> isa{best_isa()};
   return isa;
+}
+
+// The families of kernels, each of which records the ISAs whose build it ran (a bit per Isa) for
+// kernels_ran: the tests check that a forced path runs that ISA's code in every family, and the
+// emulated CPU without AVX-512 (docs/architecture.md, "Instruction sets") that nothing else runs.
+enum Family : int {
+  kNibbleProducts = 0,  // int4, int5 (quantized_cpu.cpp)
+  kInt8Products,        // int8 (quantized_cpu.cpp)
+  kKQuantProducts,      // Q4_K, Q5_K, Q6_K (kquants_cpu.cpp)
+  kFloatProducts,       // float32 (float_cpu.cpp)
+  kQuantizingX,         // x quantized per block for int8 activations (products.h's prepare_x)
+  kRowOperations,       // norms, RoPE, activations, adds (row_ops.h)
+  kAttention,           // a task of attention over cached keys (paged_attention_cpu.cpp)
+  kWideningKv,          // float16 / q8_0 / q4_0 cache rows widened to float32 (paged_attention_cpu.cpp)
+  kFamilies
+};
+
+inline std::atomic<unsigned>* families_ran() {
+  static std::atomic<unsigned> ran[kFamilies] = {};
+  return ran;
+}
+
+// Family `family` runs ISA `isa`'s build. Written only when new, so that the hot calls read a line
+// every thread shares and never contend for it.
+inline void note_ran(int family, int isa) {
+  std::atomic<unsigned>& ran = families_ran()[family];
+  const unsigned bit = 1u << isa;
+  if (!(ran.load(std::memory_order_relaxed) & bit)) ran.fetch_or(bit, std::memory_order_relaxed);
+}
+
+// The instruction sets of the vector ISAs' builds, the same for the products' #pragma sections
+// (quantized_cpu.cpp, kquants_cpu.cpp) and run_built_for below: what best_isa() asks of the CPU.
+#define FF_AVX2_TARGET "avx2,fma,f16c"
+#define FF_VNNI_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+
+#if FF_X86
+template <class Op, class... Args>
+__attribute__((target(FF_AVX2_TARGET))) void run_avx2_build(Args&&... args) {
+  Op::run(std::forward<Args>(args)...);
+}
+template <class Op, class... Args>
+__attribute__((target(FF_VNNI_TARGET))) void run_vnni_build(Args&&... args) {
+  Op::run(std::forward<Args>(args)...);
+}
+#endif
+template <class Op, class... Args>
+void run_baseline_build(Args&&... args) {
+  Op::run(std::forward<Args>(args)...);
+}
+
+// Op::run(args...) compiled for `isa` (its vector build: AMX runs VNNI's): the baseline x86-64,
+// AVX2 or AVX-512, and recorded as `family`'s. Op::run and everything it calls must be
+// always_inline, so that each build compiles them for its own target (a plain function called from
+// it would run its baseline code). GCC's target_clones did this by the CPU's flags alone: the
+// AVX-512 clone ran under FLASHFORMER_CPU_ISA=avx2.
+template <class Op, class... Args>
+inline void run_built_for(int isa, int family, Args&&... args) {
+  isa = vector_isa(isa);
+  note_ran(family, isa);
+#if FF_X86
+  if (isa == kVnni) return run_vnni_build<Op>(std::forward<Args>(args)...);
+  if (isa == kAvx2) return run_avx2_build<Op>(std::forward<Args>(args)...);
+#endif
+  run_baseline_build<Op>(std::forward<Args>(args)...);
 }
 
 // AMX's tile configuration (palette 1), as _tile_loadconfig reads it: each tile's rows and bytes

@@ -18,7 +18,10 @@
 //       or float32 (G * 4,) per output row.
 //   flashformer::quantized_kernel_isa(request) -> int: the kernels in use, 0 = scalar, 1 = AVX2,
 //       2 = AVX-512 VNNI, 3 = AMX (kquants_amx.inc); request 0..3 switches to that one or the best
-//       below it this CPU has (tests compare them), -1 only asks.
+//       below it this CPU has (tests compare them), -1 only asks. Every family of kernels follows
+//       it (the products here and in kquants_cpu.cpp, the row operations, attention).
+//   flashformer::kernels_ran(reset) -> int[]: per family of kernels (quantized_common.h's Family),
+//       the ISAs whose build it ran since the last reset, a bit each.
 //
 // Why this shape of kernel (the design of llama.cpp's ggml-cpu AVX2 path, written anew):
 // - A decode step reads every weight once per token, so its time is the time to stream the
@@ -571,6 +574,13 @@ int64_t quantized_kernel_isa(int64_t request) {
   return use_isa().load();
 }
 
+// Each family's ISAs run since the last reset (a bit per Isa; quantized_common.h's Family order).
+std::vector<int64_t> kernels_ran(bool reset) {
+  std::vector<int64_t> ran(kFamilies);
+  for (int f = 0; f < kFamilies; ++f) ran[f] = reset ? families_ran()[f].exchange(0) : families_ran()[f].load();
+  return ran;
+}
+
 constexpr char kInt4Linear[] = "flashformer::int4_linear";
 constexpr char kInt5Linear[] = "flashformer::int5_linear";
 constexpr char kInt8Linear[] = "flashformer::int8_linear";
@@ -581,6 +591,7 @@ namespace flashformer_cpu {
 
 void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& out) {
   const int isa = use_isa().load();
+  note_ran(kQuantizingX, isa == kScalar ? kScalar : kAvx2);
   for (int64_t i = first; i < last; ++i) {
 #if FF_X86
     if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
@@ -611,6 +622,7 @@ void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& ou
                 int64_t first, int64_t last) {
 #if FF_X86
   if (on_amx_tiles(x.rows, int8_activations, isa)) {
+    note_ran(kNibbleProducts, kAmx);
     if (w.packing == kInt5) {
       return amx::nibble_units(static_cast<const Int5Block*>(w.data), static_cast<const Int4Scales*>(w.scales),
                                w.groups, w.nb, x.blocks32, x.rows, out, first, last);
@@ -620,6 +632,7 @@ void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& ou
   }
 #endif
   isa = vector_isa(isa);
+  note_ran(kNibbleProducts, isa);
   if (w.packing == kInt5) return nibble_run_block<Int5Block>(w, x, out, int8_activations, isa, first, last);
   nibble_run_block<Int4Block>(w, x, out, int8_activations, isa, first, last);
 }
@@ -633,6 +646,7 @@ void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out,
               int64_t first, int64_t last) {
 #if FF_X86
   if (on_amx_tiles(x.rows, int8_activations, isa)) {
+    note_ran(kInt8Products, kAmx);
     const bool per_block = w.packing == kInt8PerBlock;
     return amx::int8_units(static_cast<const Int8Block*>(w.data),
                            per_block ? static_cast<const Int8BlockScales*>(w.scales) : nullptr,
@@ -641,6 +655,7 @@ void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out,
   }
 #endif
   isa = vector_isa(isa);
+  note_ran(kInt8Products, isa);
   if (w.packing == kInt8PerBlock) return int8_run_scales<true>(w, x, out, int8_activations, isa, first, last);
   int8_run_scales<false>(w, x, out, int8_activations, isa, first, last);
 }
@@ -691,4 +706,5 @@ TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
 // An operator without tensor arguments dispatches to CompositeExplicitAutograd's kernel.
 TORCH_LIBRARY_IMPL(flashformer, CompositeExplicitAutograd, m) {
   m.impl("quantized_kernel_isa", &quantized_kernel_isa);
+  m.impl("kernels_ran", &kernels_ran);
 }
