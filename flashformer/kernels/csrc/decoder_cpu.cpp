@@ -30,6 +30,7 @@
 // whatever the thread, the other rows or the batch: a sequence's tokens are the same alone or among
 // others, and the matrix products give the operators' bits (the tests compare both).
 
+#include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

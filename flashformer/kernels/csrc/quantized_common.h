@@ -1,18 +1,14 @@
-// What the kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the K-quants; the
-// attention and the native decoder read index tensors with index_values): where a kernel's results
-// go, which ISA runs, the checks of a call's arguments and the no-backward autograd kernel.
-// Functions are inline, so that use_isa() is one switch for all: every family of kernels (the
+// What the kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the K-quants;
+// float_cpu.cpp; the row operations and attention): where a kernel's results go and which ISA runs.
+// No ATen here: the kernels' translation units compile without its headers (a third of the build's
+// time when each parsed them); operators_common.h holds what the operators and the decoder need of
+// it. Functions are inline, so that use_isa() is one switch for all: every family of kernels (the
 // products, the row operations, attention) runs the build of the ISA it says, and records which
 // (kernels_ran), never one chosen by the CPU's flags behind its back.
 
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -188,22 +184,6 @@ inline int64_t group_grain(int64_t nb, int64_t rows, int64_t group_rows) {
   return std::max<int64_t>(1, kTaskBlocks / std::max<int64_t>(1, nb * rows * group_rows));
 }
 
-inline void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t k, int64_t group_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x: expected a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == k, "x: expected ", k, " columns (the packed weight's in_features), got ", x.sizes());
-  TORCH_CHECK(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
-  const int64_t groups = qweight.size(0);
-  TORCH_CHECK(out_features > (groups - 1) * group_rows && out_features <= groups * group_rows,
-              "out_features: ", out_features, " does not fit ", groups, " groups of ", group_rows, " rows");
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(),
-                "bias: expected a contiguous float32 tensor of shape (", out_features, "), got ", bias->sizes());
-  }
-}
-
 // The product's output (M, N) and bias (N,), and the part of them a kernel writes.
 // out's rows are ld floats apart (ld >= n: a product may fill some columns of a wider matrix).
 struct OutputMatrix {
@@ -216,53 +196,5 @@ struct OutputMatrix {
     return {out + m0 * ld + row0, ld, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
   }
 };
-
-// An index tensor's values as int64, copied straight from int32 (the engine's tables and lengths)
-// or int64 memory: the same numbers without the ATen tensors a `.to(kLong)` allocates (a few
-// microseconds each, two a layer, 30 layers a decode step).
-inline std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
-  const at::Tensor c = t.contiguous();
-  std::vector<int64_t> values(static_cast<size_t>(c.numel()));
-  if (c.scalar_type() == at::kInt) {
-    const int32_t* data = c.data_ptr<int32_t>();
-    std::copy(data, data + c.numel(), values.begin());
-  } else {
-    TORCH_CHECK(c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ", c.scalar_type());
-    const int64_t* data = c.data_ptr<int64_t>();
-    std::copy(data, data + c.numel(), values.begin());
-  }
-  return values;
-}
-
-// Where x or the bias asks for gradients, `out` gets a backward node that raises: the weights
-// are integer buffers. Shared by every quantized operator's autograd kernel.
-inline void refuse_backward(const char* name, at::Tensor& out, const at::Tensor& x,
-                            const std::optional<at::Tensor>& bias) {
-  if (torch::autograd::compute_requires_grad(x, bias)) {
-    auto error = c10::make_intrusive<torch::autograd::Error>(
-        std::string(name) +
-            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
-            "buffers. Train or fine-tune the float model, then quantize it.",
-        torch::autograd::collect_next_edges(x, bias));
-    torch::autograd::set_history(out, error);
-  }
-}
-
-using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, int64_t, bool);
-
-template <const char* kName>
-at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<LinearSignature>();
-  at::Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = op.call(x, qweight, scales, bias, out_features, int8_activations);
-  }
-  refuse_backward(kName, out, x, bias);
-  return out;
-}
 
 }  // namespace flashformer_cpu
