@@ -158,9 +158,12 @@ def _build_and_load() -> None:
             )
             baton.unlink(missing_ok=True)
         # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
-        # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
-        # The included files' hash is a flag: torch rebuilds when the flags change.
-        flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"]
+        # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU, among
+        # the builds up to the widest this CPU runs (FF_WIDEST_ISA). The included files' hash is
+        # a flag: torch rebuilds when the flags change.
+        widest = KERNEL_ISAS.index(machine.widest_kernel_isa())
+        flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_WIDEST_ISA={widest}"]
+        flags.append(f"-DFF_INCLUDES={_includes_hash()}")
         stamp, built = build / "flashformer.stamp", _build_stamp(flags)
         fresh = not stamp.exists() or stamp.read_text() != built
         library = build / f"{NAME}.so"

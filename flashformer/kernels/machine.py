@@ -83,6 +83,19 @@ def aten_capabilities() -> tuple[str, ...]:
     return tuple(found)
 
 
+@functools.cache
+def widest_kernel_isa() -> str:
+    """The widest of KERNEL_ISAS this CPU runs, asked of CPUID as aten_capabilities() asks it: the
+    C++ kernels are built up to it (extension.py), so a CPU without AVX-512 compiles none of the
+    AVX-512 and AMX kernels. AVX2's are built on every x86 CPU (the C++ side stops at what the
+    CPU runs, whatever was built)."""
+    if not (
+        torch.cpu._is_avx2_supported() and torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+    ):
+        return "avx2"
+    return "amx-int8" if torch.cpu._is_amx_tile_supported() else "avx512-vnni"
+
+
 def aten_capability(isa: str) -> str | None:
     """The ATEN_CPU_CAPABILITY matching our path `isa` (one of KERNEL_ISAS, or "best": None, ATen's
     own choice), clamped to the widest this CPU runs."""

@@ -44,9 +44,9 @@ def test_forced_avx2_path_in_a_fresh_process():
 
 
 def test_aten_capabilities_are_what_the_cpu_runs():
-    """PyTorch's capabilities this CPU runs agree with the C++ kernels' own reading of CPUID (GCC's
-    __builtin_cpu_supports): AVX2 where ours run AVX2, AVX-512 where ours run VNNI; every path of
-    ours maps to one of them, clamped."""
+    """PyTorch's capabilities this CPU runs, and the ISA the kernels are built up to, agree with
+    the C++ kernels' own reading of CPUID (GCC's __builtin_cpu_supports): AVX2 where ours run
+    AVX2, AVX-512 where ours run VNNI; every path of ours maps to one of them, clamped."""
     capabilities = machine.aten_capabilities()
     assert capabilities[0] == "default" and capabilities == machine.ATEN_CAPABILITIES[: len(capabilities)]
     assert machine.aten_capability("best") is None
@@ -60,6 +60,10 @@ def test_aten_capabilities_are_what_the_cpu_runs():
         assert ("avx2" in capabilities) == (best != "scalar")
         if best in ("avx512-vnni", "amx-int8"):
             assert "avx512" in capabilities
+        # the kernels are built up to the widest this CPU runs, and run up to what was built
+        widest = machine.widest_kernel_isa()
+        assert machine.KERNEL_ISAS.index(best) <= machine.KERNEL_ISAS.index(widest)
+        assert (best in ("avx512-vnni", "amx-int8")) == (widest in ("avx512-vnni", "amx-int8"))
 
 
 def test_the_isa_request_moves_pytorchs_own_kernels():

@@ -272,6 +272,9 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+#endif  // FF_X86
+
+#if FF_BUILDS_VNNI
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
@@ -281,14 +284,27 @@ namespace vnni {
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
+#elif FF_X86
+namespace vnni {  // not built (FF_WIDEST_ISA): AVX2's names
+using namespace avx2;
+}  // namespace vnni
+#endif
 
+#if FF_BUILDS_AMX
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
 namespace amx {
 #include "kquants_amx.inc"
 }  // namespace amx
 #pragma GCC pop_options
-#endif  // FF_X86
+#elif FF_X86
+namespace amx {  // not built (FF_WIDEST_ISA)
+constexpr int64_t kAmxRows = 16;
+template <class... Args>
+void amx_units(Args&&...) { __builtin_trap(); }
+inline void quantize_amx(const float*, int64_t, int64_t, AmxRows&) { __builtin_trap(); }
+}  // namespace amx
+#endif
 
 // ---- drivers ----
 

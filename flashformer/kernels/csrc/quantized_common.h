@@ -27,6 +27,16 @@
 #define FF_X86 0
 #endif
 
+// The widest Isa this library was built for (kernels/extension.py passes the CPU's: a CPU without
+// AVX-512 compiles neither the AVX-512 nor the AMX kernels, half the products' compile time). The
+// builds past it are left out, best_isa() stops at it, and each translation unit names what it
+// leaves out once, for the dispatch code to compile (those names are never run).
+#ifndef FF_WIDEST_ISA
+#define FF_WIDEST_ISA 3
+#endif
+#define FF_BUILDS_VNNI (FF_X86 && FF_WIDEST_ISA >= 2)
+#define FF_BUILDS_AMX (FF_X86 && FF_WIDEST_ISA >= 3)
+
 namespace flashformer_cpu {
 
 constexpr int64_t kBlock = 32;  // values per quantization block along K (GGUF's QK4_1, QK5_1, QK8_0)
@@ -70,8 +80,8 @@ inline int best_isa() {
   const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   if (!avx2) return kScalar;
-  if (!vnni) return kAvx2;
-  static const bool amx = amx_usable();
+  if (!vnni || FF_WIDEST_ISA < kVnni) return kAvx2;
+  static const bool amx = FF_WIDEST_ISA >= kAmx && amx_usable();
   return amx ? kAmx : kVnni;
 #else
   return kScalar;
@@ -124,6 +134,8 @@ template <class Op, class... Args>
 __attribute__((target(FF_AVX2_TARGET))) void run_avx2_build(Args&&... args) {
   Op::run(std::forward<Args>(args)...);
 }
+#endif
+#if FF_BUILDS_VNNI
 template <class Op, class... Args>
 __attribute__((target(FF_VNNI_TARGET))) void run_vnni_build(Args&&... args) {
   Op::run(std::forward<Args>(args)...);
@@ -143,8 +155,10 @@ template <class Op, class... Args>
 inline void run_built_for(int isa, int family, Args&&... args) {
   isa = vector_isa(isa);
   note_ran(family, isa);
-#if FF_X86
+#if FF_BUILDS_VNNI
   if (isa == kVnni) return run_vnni_build<Op>(std::forward<Args>(args)...);
+#endif
+#if FF_X86
   if (isa == kAvx2) return run_avx2_build<Op>(std::forward<Args>(args)...);
 #endif
   run_baseline_build<Op>(std::forward<Args>(args)...);

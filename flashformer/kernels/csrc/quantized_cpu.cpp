@@ -281,6 +281,9 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+#endif  // FF_X86
+
+#if FF_BUILDS_VNNI
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
@@ -289,14 +292,31 @@ namespace vnni {
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
+#elif FF_X86
+namespace vnni {  // not built (FF_WIDEST_ISA): AVX2's names, and traps for VNNI's own kernels
+using namespace avx2;
+template <class Block, class... Args>
+void nibble_int8act_pair_rows(Args&&...) { __builtin_trap(); }
+template <bool kPerBlock, class... Args>
+void int8_int8act_quad_rows(Args&&...) { __builtin_trap(); }
+}  // namespace vnni
+#endif
 
+#if FF_BUILDS_AMX
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
 namespace amx {
 #include "quantized_amx.inc"
 }  // namespace amx
 #pragma GCC pop_options
-#endif  // FF_X86
+#elif FF_X86
+namespace amx {  // not built (FF_WIDEST_ISA)
+template <class... Args>
+void nibble_units(Args&&...) { __builtin_trap(); }
+template <class... Args>
+void int8_units(Args&&...) { __builtin_trap(); }
+}  // namespace amx
+#endif
 
 // Whether a product runs on AMX's tiles (quantized_amx.inc): int8 activations and from
 // kAmxMinRows x rows. Below, the unit's packing (once per product, weights streamed from memory)
