@@ -4,9 +4,9 @@
 // the attention over cached keys (paged_attention_cpu, attention_cpu: paged_attention_cpu.cpp's
 // tasks), and the ISA switch (quantized_kernel_isa) with its record (kernels_ran). Each checks its
 // arguments, prepares x and hands the units of work to at::parallel_for.
-//
-// Why one translation unit: ATen's headers take ~9 s to compile, a third of the first build's time
-// when every kernel's file included them; the kernels' files include none (quantized_common.h).
+// Compiled in bindings_cpu.cpp's unit, with the decoder: all of the operators here, not beside
+// their kernels, because ATen's headers take ~9 s to compile each time a unit includes them (a
+// third of the first build's time when every kernel's file did); the kernels' files include none.
 
 #include <ATen/Parallel.h>
 
