@@ -137,8 +137,10 @@ def main() -> None:
             else:
                 env = dict(os.environ)
                 if name == "flashformer" and args.isa:
+                    from flashformer.kernels.machine import aten_capability
+
                     env["FLASHFORMER_CPU_ISA"] = args.isa
-                    env["ATEN_CPU_CAPABILITY"] = {"avx512-vnni": "avx512"}.get(args.isa, args.isa)
+                    env["ATEN_CPU_CAPABILITY"] = aten_capability(args.isa)  # clamped to the CPU
                 cmd = [sys.executable, __file__, args.file, "--worker", name, "--threads", str(args.threads)]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                 rates = json.loads(done.stdout.strip().splitlines()[-1])

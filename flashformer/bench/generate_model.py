@@ -13,8 +13,8 @@ Contenders, timed in turns in one fresh process with the same thread count:
   worker (its pp512 and tg128 on an empty context, 3 repetitions: llama_cpp_binaries.py),
   the better of the two kept; our decode and 512-token prompt tokens/s are given as its ratios.
 
---isa avx2 (or scalar) forces our quantized kernels and PyTorch's own (ATEN_CPU_CAPABILITY,
-read by eager kernels and by torch.compile's code) onto that instruction set, to compare
+--isa avx2 (or scalar) forces our C++ kernels and PyTorch's own (FLASHFORMER_CPU_ISA, and the
+ATEN_CPU_CAPABILITY it matches, clamped to the CPU: kernels/machine.py) onto that instruction set, to compare
 like with like against a llama.cpp built for it; the JSON records the CPU's flags and the
 path the kernels ran.
 
@@ -44,12 +44,12 @@ import torch
 from flashformer.bench import cold_start
 from flashformer.bench.common import memory_status, peak_memory, rss_bytes, time_in_turns
 from flashformer.bench.llama_cpp_binaries import REPETITIONS, llama_bench_binary, run_llama_bench
-from flashformer.kernels.machine import process_seconds
+from flashformer.kernels.machine import aten_capability, process_seconds
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 PROMPT_PROCESSING_TOKENS = 512
-# --isa: our kernels' path -> PyTorch's ATEN_CPU_CAPABILITY for the same instruction set
-ISAS = {"best": None, "avx2": "avx2", "scalar": "default"}
+# --isa: our kernels' paths a run may force (machine.aten_capability gives PyTorch's to match)
+ISAS = ("best", "avx2", "scalar")
 
 
 def load_transformers(path: Path):
@@ -305,7 +305,9 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         return run_llama_bench(folder, point["model"], bench_threads, repetitions=repetitions)
 
     before = {folder: llama_bench(folder) for folder in folders}
-    env = {"ATEN_CPU_CAPABILITY": ISAS[point["isa"]]} if ISAS[point["isa"]] else None
+    env = None
+    if point["isa"] != "best":  # both set here: an ATEN_CPU_CAPABILITY inherited would win in the worker
+        env = {"FLASHFORMER_CPU_ISA": point["isa"], "ATEN_CPU_CAPABILITY": aten_capability(point["isa"])}
     # memory=False: it only times
     point.update(run_worker("flashformer.bench.generate", point, timeout_s, memory=False, env=env))
     if folders:

@@ -7,9 +7,9 @@ the fallbacks see them whether or not the build succeeds) and the class NativeDe
 decoder-only model's whole forward in one call (native_decoder.py, csrc/decoder_cpu.cpp).
 
 Without a compiler (or with FLASHFORMER_QUANTIZED_KERNELS=torch) load() warns once and
-registers the operators' fallbacks: PyTorch code, exact and slower. Once loaded, the quantized
-kernels take the path FLASHFORMER_CPU_ISA asks for (kernels/machine.py); kernel_isa() reads or
-switches it.
+registers the operators' fallbacks: PyTorch code, exact and slower. Once loaded, every family
+of C++ kernels (the products, the row operations, attention) takes the path FLASHFORMER_CPU_ISA
+asks for (kernels/machine.py); kernel_isa() reads or switches it, kernels_ran() says what ran.
 """
 
 from __future__ import annotations
@@ -30,16 +30,22 @@ from flashformer.kernels.machine import KERNEL_ISAS
 
 NAME = "flashformer_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
+# the translation units, the longest to compile first (ninja starts them in this order): only
+# bindings_cpu.cpp, the operators' glue and the native decoder in one unit, includes ATen's headers
+# (~9 s to compile each time a unit includes them)
 SOURCES = [
-    _CSRC / "quantized_cpu.cpp",
+    _CSRC / "bindings_cpu.cpp",
     _CSRC / "kquants_cpu.cpp",
-    _CSRC / "float_cpu.cpp",
     _CSRC / "paged_attention_cpu.cpp",
-    _CSRC / "decoder_cpu.cpp",
+    _CSRC / "quantized_cpu.cpp",
+    _CSRC / "float_cpu.cpp",
 ]
 # torch hashes only SOURCES to decide a rebuild
 INCLUDES = [
+    _CSRC / "operators_cpu.cpp",  # (bindings_cpu.cpp's)
+    _CSRC / "decoder_cpu.cpp",
     _CSRC / "quantized_common.h",
+    _CSRC / "operators_common.h",
     _CSRC / "products.h",
     _CSRC / "attention_tasks.h",
     _CSRC / "row_ops.h",
@@ -95,6 +101,35 @@ def kernel_isa(request: int | str = -1) -> str:
     return "torch" if isa < 0 else KERNEL_ISAS[isa]
 
 
+# csrc/quantized_common.h's Family: the kernels that each follow the ISA switch and record the
+# builds they ran
+KERNEL_FAMILIES = (
+    "int4/int5 products",
+    "int8 products",
+    "K-quant products",
+    "float32 products",
+    "quantizing x",
+    "row operations",
+    "attention",
+    "widening KV rows",
+)
+
+
+def kernels_ran(reset: bool = False) -> dict[str, set[str]]:
+    """Which code each family of C++ kernels ran since the last reset: its name (KERNEL_FAMILIES)
+    -> the KERNEL_ISAS whose build it ran. Families that ran nothing are left out; without the C++
+    kernels, nothing is. reset=True starts the count again (after reading it). The tests read it
+    to show that a path forced by FLASHFORMER_CPU_ISA or kernel_isa runs that ISA's code in every
+    family; nothing chooses by the CPU's flags behind the switch."""
+    load()
+    ran = torch.ops.flashformer.kernels_ran(reset)
+    return {
+        family: {isa for i, isa in enumerate(KERNEL_ISAS) if bits >> i & 1}
+        for family, bits in zip(KERNEL_FAMILIES, ran)
+        if bits
+    }
+
+
 def _isa_index(name: str) -> int:
     return len(KERNEL_ISAS) - 1 if name == "best" else KERNEL_ISAS.index(name)
 
@@ -125,9 +160,12 @@ def _build_and_load() -> None:
             )
             baton.unlink(missing_ok=True)
         # -ffp-contract=off: no multiply-add fused behind our back, so the scalar, AVX2 and
-        # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU.
-        # The included files' hash is a flag: torch rebuilds when the flags change.
-        flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_INCLUDES={_includes_hash()}"]
+        # VNNI kernels perform the same roundings; the ISA is chosen at run time, per CPU, among
+        # the builds up to the widest this CPU runs (FF_WIDEST_ISA). The included files' hash is
+        # a flag: torch rebuilds when the flags change.
+        widest = KERNEL_ISAS.index(machine.widest_kernel_isa())
+        flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off", f"-DFF_WIDEST_ISA={widest}"]
+        flags.append(f"-DFF_INCLUDES={_includes_hash()}")
         stamp, built = build / "flashformer.stamp", _build_stamp(flags)
         fresh = not stamp.exists() or stamp.read_text() != built
         library = build / f"{NAME}.so"

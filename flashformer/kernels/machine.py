@@ -1,20 +1,24 @@
 """What machine this is, as every benchmark records it: the CPU, its cores, its vector
 instructions (the flags the kernel reports, and the level PyTorch chose: kernels choose their path
 from the same flags), the threads, torch's version and the GPU if any; and which code path the
-quantized kernels were asked to take.
+C++ kernels were asked to take.
 
-FLASHFORMER_CPU_ISA (scalar, avx2, avx512-vnni, amx-int8 or best; unset: best) picks the quantized C++
-kernels' path when they load (kernels/extension.py): `FLASHFORMER_CPU_ISA=avx2` on an AVX-512
-machine runs the 256-bit AVX2 kernels, what a CPU without AVX-512 runs, to compare with a
-llama.cpp built for AVX2 alone. A path the CPU lacks falls to the best below it. PyTorch's own
-kernels and torch.compile's code follow ATEN_CPU_CAPABILITY (avx2, avx512, default) instead:
-set both for a whole program on AVX2."""
+FLASHFORMER_CPU_ISA (scalar, avx2, avx512-vnni, amx-int8 or best; unset: best) picks the path of
+every C++ kernel when they load (kernels/extension.py): `FLASHFORMER_CPU_ISA=avx2` on an AVX-512
+machine runs what a CPU without AVX-512 runs (the products, the row operations, attention), to
+compare with a llama.cpp built for AVX2 alone. A path the CPU lacks falls to the best below it.
+PyTorch's own kernels follow ATEN_CPU_CAPABILITY (default, avx2, avx512), which ATen reads once,
+at its first operation, and trusts without asking the CPU (a capability the CPU lacks dies with
+SIGILL): follow_isa_request() sets it from FLASHFORMER_CPU_ISA when flashformer is imported,
+clamped to what the CPU has, so one variable moves both (docs/architecture.md, "Instruction sets")."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +40,10 @@ ISA_VARIABLE = "FLASHFORMER_CPU_ISA"
 # the C++ kernels' code paths, by request number ("amx-int8": AMX's tiles for the K-quants' many-row
 # products, VNNI's kernels for the rest)
 KERNEL_ISAS = ("scalar", "avx2", "avx512-vnni", "amx-int8")
+ATEN_VARIABLE = "ATEN_CPU_CAPABILITY"
+# PyTorch's own code paths (ATEN_CPU_CAPABILITY), narrowest first, and the one each of ours matches
+ATEN_CAPABILITIES = ("default", "avx2", "avx512")
+ATEN_CAPABILITY_OF = {"scalar": "default", "avx2": "avx2", "avx512-vnni": "avx512", "amx-int8": "avx512"}
 
 
 def process_seconds() -> float:
@@ -59,6 +67,66 @@ def requested_isa() -> str:
     if value not in (*KERNEL_ISAS, "best"):
         raise ValueError(f"{ISA_VARIABLE}: expected one of {(*KERNEL_ISAS, 'best')}, got {value!r}")
     return value
+
+
+@functools.cache
+def aten_capabilities() -> tuple[str, ...]:
+    """The ATEN_CPU_CAPABILITY values this CPU runs, narrowest first, asked of the CPU itself
+    (CPUID, through PyTorch's cpuinfo, as its dispatch and inductor ask it) and not of
+    /proc/cpuinfo, which an emulator fills with its host's flags. Asking does not fix ATen's
+    own choice (that happens at its first operation)."""
+    found = ["default"]
+    if torch.cpu._is_avx2_supported():
+        found.append("avx2")
+        if torch.cpu._is_avx512_supported():
+            found.append("avx512")
+    return tuple(found)
+
+
+@functools.cache
+def widest_kernel_isa() -> str:
+    """The widest of KERNEL_ISAS this CPU runs, asked of CPUID as aten_capabilities() asks it: the
+    C++ kernels are built up to it (extension.py), so a CPU without AVX-512 compiles none of the
+    AVX-512 and AMX kernels. AVX2's are built on every x86 CPU (the C++ side stops at what the
+    CPU runs, whatever was built)."""
+    if not (
+        torch.cpu._is_avx2_supported() and torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+    ):
+        return "avx2"
+    return "amx-int8" if torch.cpu._is_amx_tile_supported() else "avx512-vnni"
+
+
+def aten_capability(isa: str) -> str | None:
+    """The ATEN_CPU_CAPABILITY matching our path `isa` (one of KERNEL_ISAS, or "best": None, ATen's
+    own choice), clamped to the widest this CPU runs."""
+    if isa == "best":
+        return None
+    wanted, runs = ATEN_CAPABILITIES.index(ATEN_CAPABILITY_OF[isa]), aten_capabilities()
+    return runs[min(wanted, len(runs) - 1)]
+
+
+def follow_isa_request() -> str | None:
+    """Set ATEN_CPU_CAPABILITY from FLASHFORMER_CPU_ISA (clamped to the CPU: aten_capability), so
+    that PyTorch's kernels and torch.compile's code take the path ours take; the value set, or
+    None. kernels/__init__.py calls it when flashformer is imported: before ATen's first
+    operation, which reads the variable once (`import torch` runs none). A variable the user set
+    is left alone, as is an unknown request (load() refuses it by name). If ATen chose before
+    (an operation ran before flashformer was imported), a warning says to set both."""
+    try:
+        wanted = aten_capability(requested_isa())
+    except ValueError:
+        return None
+    if wanted is None or ATEN_VARIABLE in os.environ:
+        return None
+    os.environ[ATEN_VARIABLE] = wanted
+    chosen = torch.backends.cpu.get_cpu_capability().lower()  # ATen's, fixed from here on
+    if chosen != wanted:
+        warnings.warn(
+            f"{ISA_VARIABLE}={requested_isa()}: PyTorch's own kernels run {chosen}, chosen before flashformer "
+            f"was imported; set {ATEN_VARIABLE}={wanted} too, before Python starts",
+            stacklevel=2,
+        )
+    return wanted
 
 
 def machine_info() -> dict:

@@ -8,6 +8,7 @@ the C++ sources (csrc/) only implement them. Adding an operator is a row here an
                                 q4_k_linear, q5_k_linear, q6_k_linear (csrc/kquants_cpu.cpp): one
                                 per row of layouts.LAYOUTS; used by quantized.QuantizedLinear
     quantized_kernel_isa        which code the ISA switch runs (extension.kernel_isa)
+    kernels_ran                 which ISAs' code each family of kernels ran (extension.kernels_ran)
     paged_attention_cpu, attention_cpu   attention of a batch over a paged or a static KV cache
                                 (csrc/paged_attention_cpu.cpp; attention/cpu_kernel.py calls them)
 
@@ -33,11 +34,11 @@ from flashformer.kernels.layouts import LAYOUTS, Layout
 
 LIBRARY = torch.library.Library("flashformer", "FRAGMENT")
 FALLBACK_TILE_ROWS = 1024  # output rows dequantized at a time by the linears' fallback
-# the ISA switch's paths each family of kernels has: the int4 / int5 / int8 kernels run VNNI's on
-# AMX (its tiles serve the K-quants' many-row products); attention widens q8_0 / q4_0 keys with AVX2
-_LINEAR_ISAS = ("scalar", "avx2", "avx512-vnni")
-_KQUANT_ISAS = ("scalar", "avx2", "avx512-vnni", "amx-int8")
-_ATTENTION_ISAS = ("scalar", "avx2")
+# the ISA switch's paths each family of kernels has: the linears run AMX's tiles for many x rows
+# with int8 activations (quantized_amx.inc, kquants_amx.inc), VNNI's kernels otherwise; attention
+# runs AVX-512's build on both (and widens q8_0 / q4_0 keys with AVX2's code on every vector ISA)
+_LINEAR_ISAS = ("scalar", "avx2", "avx512-vnni", "amx-int8")
+_ATTENTION_ISAS = ("scalar", "avx2", "avx512-vnni")
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _linear(layout: Layout) -> Operator:
             lambda x, blocks, bias, out_features, int8_activations: tiled_linear(
                 layout, x, blocks, None, bias, out_features
             ),
-            _KQUANT_ISAS,
+            _LINEAR_ISAS,
             trainable=False,
         )
     return Operator(
@@ -139,6 +140,14 @@ OPERATORS = {
             "(int request) -> int",
             None,
             lambda request: -1,
+            (),
+            "CompositeExplicitAutograd",
+        ),
+        Operator(
+            "kernels_ran",
+            "(bool reset) -> int[]",
+            None,
+            lambda reset: [],
             (),
             "CompositeExplicitAutograd",
         ),

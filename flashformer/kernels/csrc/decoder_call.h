@@ -11,7 +11,7 @@
 
 #include "attention_tasks.h"
 #include "decoder_model.h"
-#include "quantized_common.h"
+#include "operators_common.h"
 
 namespace flashformer_cpu {
 namespace {

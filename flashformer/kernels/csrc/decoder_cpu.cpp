@@ -26,10 +26,13 @@
 // product, RoPE and the cache write, attention, ...), each step's work split in units
 // (products.h, attention_tasks.h) that threads claim as they come free.
 //
+// Compiled in bindings_cpu.cpp's unit, with the operators' glue (ATen's headers once).
+//
 // Bits: every unit, row operation (row_ops.h) and attention task computes what it computes
 // whatever the thread, the other rows or the batch: a sequence's tokens are the same alone or among
 // others, and the matrix products give the operators' bits (the tests compare both).
 
+#include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

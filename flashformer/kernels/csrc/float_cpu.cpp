@@ -125,6 +125,7 @@ int64_t float_units(const PackedMatrix& w, int64_t rows, int isa) {
 
 void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, int isa, int64_t first,
                int64_t last) {
+  note_ran(kFloatProducts, isa == kScalar ? kScalar : kAvx2);  // AVX2's kernel serves every vector ISA
   for (int64_t c = first; c < last; ++c) {
     const int64_t r0 = c * kChunkRows, r1 = std::min(w.n, r0 + kChunkRows);
 #if FF_X86

@@ -2,7 +2,8 @@
 // (+ bias), x float32 (M, K), W (N, K) as N rows of K / 256 blocks, each block the file's bytes
 // (the structs below are ggml-common.h's block_q4_K, block_q5_K, block_q6_K, field for field).
 // Nothing is repacked: a row is one sequential stream, and the tensor can be the file's own
-// memory. The operators (schemas in kernels/extension.py, fallbacks in kernels/quantized.py):
+// memory. The kernels of the operators (schemas and fallbacks in kernels/operators.py, their ATen side in
+// operators_cpu.cpp):
 //
 //   flashformer::q4_k_linear(x, blocks, bias, out_features, int8_activations)   blocks uint8 (N, K / 256, 144)
 //   flashformer::q5_k_linear(...)                                                 (N, K / 256, 176)
@@ -71,7 +72,8 @@ struct Q6KBlock {       // 210 bytes
   int8_t scales[16];    // one per 16 values
   uint16_t d;           // float16
 };
-static_assert(sizeof(Q4KBlock) == 144 && sizeof(Q5KBlock) == 176 && sizeof(Q6KBlock) == 210,
+static_assert(sizeof(Q4KBlock) == kquant_block_bytes(kQ4K) && sizeof(Q5KBlock) == kquant_block_bytes(kQ5K) &&
+                  sizeof(Q6KBlock) == kquant_block_bytes(kQ6K),
               "the structs must match GGUF's blocks byte for byte");
 
 // Q4_K / Q5_K's 12 bytes -> 8 scales and 8 minimums, 6 bits each: the first four of each are the
@@ -270,6 +272,9 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+#endif  // FF_X86
+
+#if FF_BUILDS_VNNI
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
@@ -279,14 +284,27 @@ namespace vnni {
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
+#elif FF_X86
+namespace vnni {  // not built (FF_WIDEST_ISA): AVX2's names
+using namespace avx2;
+}  // namespace vnni
+#endif
 
+#if FF_BUILDS_AMX
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
 namespace amx {
 #include "kquants_amx.inc"
 }  // namespace amx
 #pragma GCC pop_options
-#endif  // FF_X86
+#elif FF_X86
+namespace amx {  // not built (FF_WIDEST_ISA)
+constexpr int64_t kAmxRows = 16;
+template <class... Args>
+void amx_units(Args&&...) { __builtin_trap(); }
+inline void quantize_amx(const float*, int64_t, int64_t, AmxRows&) { __builtin_trap(); }
+}  // namespace amx
+#endif
 
 // ---- drivers ----
 
@@ -325,10 +343,14 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
   const FloatX xf{x.x, x.k};
 #if FF_X86
   if (int8_activations && isa == kAmx && rows >= kquant_panel_min_rows(isa)) {
+    note_ran(kKQuantProducts, kAmx);
     amx::amx_units(weights, nb, n, x.amx256, rows, result, first, last);
     return;
   }
+#endif
   isa = vector_isa(isa);
+  note_ran(kKQuantProducts, isa);
+#if FF_X86
   if (int8_activations && isa != kScalar && rows >= kquant_panel_min_rows(isa)) {
     if (isa == kVnni) {
       panel_units(vnni::panel_chunk<Block>, vnni::kPanelRows, weights, nb, n, rows, xa, result, first, last);
@@ -392,66 +414,13 @@ void kquant_run_block(const PackedMatrix& packed, const ProductX& x, const Outpu
   }
 }
 
-template <class Block>
-constexpr Packing packing_of() {
-  return std::is_same_v<Block, Q4KBlock> ? kQ4K : std::is_same_v<Block, Q5KBlock> ? kQ5K : kQ6K;
-}
-
-template <class Block>
-at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                         int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == static_cast<int64_t>(sizeof(Block)) &&
-                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", sizeof(Block), "), got ",
-              blocks.sizes(), " ", blocks.scalar_type());
-  const int64_t nb = blocks.size(1), k = nb * kSuper;
-  TORCH_CHECK(blocks.size(0) == out_features, "out_features: ", out_features, " does not match blocks of ",
-              blocks.size(0), " rows");
-  check_common(x_in, blocks, bias, out_features, k, 1);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = out_features;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  const PackedMatrix w{packing_of<Block>(), blocks.data_ptr(), nullptr, n, k, n, nb};
-  const int isa = use_isa().load();
-  ProductXStorage storage;
-  const ProductX xp =
-      storage.prepare(x.data_ptr<float>(), rows, k, x_form(w.packing, int8_activations, rows, isa));
-  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr, n};
-  const int64_t units = kquant_units(w, rows, int8_activations, isa);
-  at::parallel_for(0, units, unit_grain(w, rows, units), [&](int64_t first, int64_t last) {
-    kquant_run_block<Block>(w, xp, result, int8_activations, isa, first, last);
-  });
-  return out;
-}
-
-using KQuantSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                                   bool);
-
-// The no-backward kernel of quantized_common.h's linear_autograd, for this signature.
-template <const char* kName>
-at::Tensor kquant_autograd(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                           int64_t out_features, bool int8_activations) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<KQuantSignature>();
-  at::Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = op.call(x, blocks, bias, out_features, int8_activations);
-  }
-  refuse_backward(kName, out, x, bias);
-  return out;
-}
-
-constexpr char kQ4KName[] = "flashformer::q4_k_linear";
-constexpr char kQ5KName[] = "flashformer::q5_k_linear";
-constexpr char kQ6KName[] = "flashformer::q6_k_linear";
-
 }  // namespace
 
 namespace flashformer_cpu {
 
 void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& out) {
   const int isa = use_isa().load();
+  note_ran(kQuantizingX, isa == kScalar ? kScalar : kAvx2);
   for (int64_t i = first; i < last; ++i) {
 #if FF_X86
     if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
@@ -466,6 +435,7 @@ void quantize_blocks256(const float* x, int64_t first, int64_t last, SuperRows& 
 
 void quantize_blocks256_amx(const float* x, int64_t first, int64_t last, AmxRows& out) {
 #if FF_X86
+  note_ran(kQuantizingX, kAmx);
   amx::quantize_amx(x, first, last, out);
 #else
   (void)x, (void)first, (void)last, (void)out;
@@ -507,15 +477,3 @@ void kquant_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
 }
 
 }  // namespace flashformer_cpu
-
-TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
-  m.impl("q4_k_linear", &kquant_linear<Q4KBlock>);
-  m.impl("q5_k_linear", &kquant_linear<Q5KBlock>);
-  m.impl("q6_k_linear", &kquant_linear<Q6KBlock>);
-}
-
-TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
-  m.impl("q4_k_linear", &kquant_autograd<kQ4KName>);
-  m.impl("q5_k_linear", &kquant_autograd<kQ5KName>);
-  m.impl("q6_k_linear", &kquant_autograd<kQ6KName>);
-}

@@ -22,7 +22,6 @@
 
 #pragma once
 
-#include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -50,17 +49,6 @@ inline int64_t kv_row_bytes(int type, int64_t dim) {
 
 // The bytes of one element of a pool of `type`: offsets into a block pool count bytes.
 inline int64_t kv_element_bytes(int type) { return type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1; }
-
-// The type a pool of rows of `dim` values holds, from its dtype and last dim (a uint8 pool's row
-// of q8_0 or q4_0 blocks is told apart by its bytes), or -1 if it holds none of them.
-inline int kv_type_of(at::ScalarType dtype, int64_t last, int64_t dim) {
-  if (dtype == at::kFloat) return last == dim ? kKvFloat32 : -1;
-  if (dtype == at::kHalf) return last == dim ? kKvFloat16 : -1;
-  if (dtype != at::kByte || dim % kKvBlock != 0) return -1;
-  if (last == kv_row_bytes(kKvQ8_0, dim)) return kKvQ8_0;
-  if (last == kv_row_bytes(kKvQ4_0, dim)) return kKvQ4_0;
-  return -1;
-}
 
 inline const char* kv_type_name(int type) {
   static const char* names[] = {"float32", "float16", "q8_0", "q4_0"};

@@ -1,8 +1,9 @@
 // Attention of a batch of sequences over cached keys, on the CPU, in one call: the operators
 // flashformer::paged_attention_cpu (paged_attention's backend "cpu", a paged KV cache) and
-// flashformer::attention_cpu (attention()'s backend "cpu", a static cache's view; at the end of this
-// file), which attention/cpu_kernel.py runs. Their schemas live in kernels/extension.py, the
-// argument checks and docs in attention/cpu_kernel.py.
+// flashformer::attention_cpu (attention()'s backend "cpu", a static cache's view), which
+// attention/cpu_kernel.py runs, and the native decoder's attention step. Their schemas live in
+// kernels/operators.py, their ATen side in operators_cpu.cpp (the tasks of a call), the argument
+// checks and docs in attention/cpu_kernel.py.
 //
 //   q (T, Hq, D) float32: the queries of S sequences packed one after another, sequence s's
 //   rows q_starts[s] .. q_starts[s + 1] - 1 (q_starts (S + 1,) int64); k_pool (Hk, num_blocks,
@@ -36,10 +37,7 @@
 #include "quantized_common.h"
 #include "row_ops.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -55,8 +53,8 @@
 namespace flashformer_cpu {
 namespace {
 
-// Eight floats in a vector register (GCC's vector extension: one AVX register in the x86-64-v3 and
-// v4 clones, two SSE registers in the default one).
+// Eight floats in a vector register (GCC's vector extension: one AVX register in the AVX2 and
+// AVX-512 builds, two SSE registers in the baseline one).
 typedef float v8 __attribute__((vector_size(32)));
 
 __attribute__((always_inline)) inline v8 load8(const float* p) {
@@ -115,15 +113,17 @@ __attribute__((always_inline)) inline void dots8(const float* const* q, const fl
   for (; j + 8 <= n; j += 8) {
     v8 x[R];
     for (int r = 0; r < R; ++r) x[r] = load8(q[r] + j);
+#pragma GCC unroll 8  // (rows::fmadd's eight lanes make GCC keep these loops, and acc in memory)
     for (int i = 0; i < 8; ++i) {
       const v8 key = load8(k[i] + j);
-      for (int r = 0; r < R; ++r) acc[r][i] += x[r] * key;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][i] = rows::fmadd(x[r], key, acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
     v8 sums = lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3], acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
     for (int i = 0; i < 8; ++i) {
-      for (int64_t t = j; t < n; ++t) sums[i] += q[r][t] * k[i][t];
+      for (int64_t t = j; t < n; ++t) sums[i] = std::fma(q[r][t], k[i][t], sums[i]);
     }
     store8(out[r], sums * scale);
   }
@@ -146,9 +146,11 @@ __attribute__((always_inline)) inline void weighted_values64(float* const* acc, 
     for (int r = 0; r < R; ++r) wt[r] = w[r][t], any |= wt[r] != 0.f;
     if (!any) continue;
     const float* vt = v[t] + d0;
+#pragma GCC unroll 8  // (as in dots8)
     for (int i = 0; i < 8; ++i) {
       const v8 value = load8(vt + 8 * i);
-      for (int r = 0; r < R; ++r) a[r][i] += wt[r] * value;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r][i] = rows::fmadd(rows::splat(wt[r]), value, a[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -216,8 +218,12 @@ __attribute__((target("avx2,f16c"))) void widen_rows_avx2(int type, const void* 
 
 void kv_widen_rows(int type, const void* base, const int64_t* at, int64_t rows, int64_t n, float* dst) {
 #if defined(__x86_64__)
-  if (use_isa().load() >= kAvx2) return widen_rows_avx2(type, base, at, rows, n, dst);  // the ISA switch
+  if (use_isa().load(std::memory_order_relaxed) >= kAvx2) {  // the ISA switch
+    note_ran(kWideningKv, kAvx2);
+    return widen_rows_avx2(type, base, at, rows, n, dst);
+  }
 #endif
+  note_ran(kWideningKv, kScalar);
   for (int64_t i = 0; i < rows; ++i) {
     float* out = dst + i * n;
     if (type == kKvFloat16) {
@@ -452,7 +458,7 @@ __attribute__((always_inline)) inline void accumulate_values(const Problem& p, i
       for (int64_t t = 0; t < keys; ++t) {
         const float w = wr[r][t];
         if (w == 0.f) continue;
-        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] += w * span.value_rows[t][d];
+        for (int64_t d = d0; d < p.dim_v; ++d) ar[r][d] = std::fma(w, span.value_rows[t][d], ar[r][d]);
       }
     }
   }
@@ -479,42 +485,46 @@ __attribute__((always_inline)) inline void write_out(const Problem& p, const Tas
 }
 
 // A task's G x n query rows against its keys, span by span in order, with an online softmax.
-// Compiled for AVX-512 (x86-64-v4: 32 vector registers), AVX2 with FMA (x86-64-v3) and any x86-64
-// CPU, the same operations in the same order in each; the first two fuse each multiply-add (one
-// rounding, twice the products a cycle), so they give the same bits as each other and the default
-// clone, which rounds twice, its own. The loader picks one per CPU, once. Every step is an
-// always_inline function, so that it is compiled into each clone for its target (a call to a
-// plain function would run the default one). The task (by value) and key0, keys are the clone's
-// own values, which no call inside (widen_rows, expf) can change: they stay in registers, and
-// the compiler knows keys <= kSpan.
+// Compiled for the baseline x86-64, AVX2 and AVX-512 (32 vector registers: kRowsPerPass), the
+// same operations in the same order in each: each multiply-add of the dot products and of the
+// weighted values is fused (rows::fmadd: one rounding, twice the products a cycle where the ISA
+// has an FMA), everything else rounds each operation (-ffp-contract=off), so every build gives the
+// same bits. attend_task runs the build use_isa() says. Every step is an always_inline function,
+// so that it is compiled into each build for its target (a call to a plain function would run the
+// baseline code). The task (by value) and key0, keys are the build's own values, which no call
+// inside (widen_rows, expf) can change: they stay in registers, and the compiler knows keys <= kSpan.
+struct AttendTask {
+  __attribute__((always_inline)) static void run(const Problem& p, const Task task, const int64_t* table,
+                                                 Scratch& scratch) {
+    const int64_t rows = p.q_heads / p.kv_heads * task.n;
+    const float kInf = std::numeric_limits<float>::infinity();
+    scratch.m.assign(rows, -kInf);
+    scratch.rescale.resize(rows);
+    scratch.l.assign(rows, 0.f);
+    scratch.acc.assign(rows * p.dim_v, 0.f);
+    scratch.s.resize(rows * kSpan);
+    if (p.k_type != kKvFloat32) scratch.wide_k.resize(kSpan * p.dim);
+    if (p.v_type != kKvFloat32) scratch.wide_v.resize(kSpan * p.dim_v);
+    const bool plain_rules = p.key_padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
+                             p.slopes == nullptr;
+    Span span;
+    for (int64_t key0 = 0; key0 < task.visible; key0 += kSpan) {
+      const int64_t keys = std::min(kSpan, task.visible - key0);
+      if (p.window_left >= 0 && key0 + keys - 1 < task.first_query - p.window_left) continue;  // before every window
+      const int64_t ahead = load_span(p, task, table, key0, keys, scratch, span);
+      score_span(p, task, rows, span, keys, ahead, scratch.s.data());
+      apply_rules(p, task, rows, plain_rules, key0, keys, scratch.s.data());
+      softmax_update(rows, keys, scratch);
+      accumulate_values(p, rows, span, keys, scratch);
+    }
+    write_out(p, task, rows, scratch);
+  }
+};
+
 }  // namespace
 
-#if defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
-#endif
 void attend_task(const Problem& p, const Task task, const int64_t* table, Scratch& scratch) {
-  const int64_t rows = p.q_heads / p.kv_heads * task.n;
-  const float kInf = std::numeric_limits<float>::infinity();
-  scratch.m.assign(rows, -kInf);
-  scratch.rescale.resize(rows);
-  scratch.l.assign(rows, 0.f);
-  scratch.acc.assign(rows * p.dim_v, 0.f);
-  scratch.s.resize(rows * kSpan);
-  if (p.k_type != kKvFloat32) scratch.wide_k.resize(kSpan * p.dim);
-  if (p.v_type != kKvFloat32) scratch.wide_v.resize(kSpan * p.dim_v);
-  const bool plain_rules = p.key_padding == nullptr && p.window_left < 0 && p.window_right < 0 && p.softcap == 0.f &&
-                           p.slopes == nullptr;
-  Span span;
-  for (int64_t key0 = 0; key0 < task.visible; key0 += kSpan) {
-    const int64_t keys = std::min(kSpan, task.visible - key0);
-    if (p.window_left >= 0 && key0 + keys - 1 < task.first_query - p.window_left) continue;  // before every window
-    const int64_t ahead = load_span(p, task, table, key0, keys, scratch, span);
-    score_span(p, task, rows, span, keys, ahead, scratch.s.data());
-    apply_rules(p, task, rows, plain_rules, key0, keys, scratch.s.data());
-    softmax_update(rows, keys, scratch);
-    accumulate_values(p, rows, span, keys, scratch);
-  }
-  write_out(p, task, rows, scratch);
+  run_built_for<AttendTask>(use_isa().load(std::memory_order_relaxed), kAttention, p, task, table, scratch);
 }
 
 std::vector<Task> attention_tasks(int64_t sequences, const int64_t* starts, const int64_t* lengths,
@@ -536,137 +546,4 @@ std::vector<Task> attention_tasks(int64_t sequences, const int64_t* starts, cons
   return tasks;
 }
 
-namespace {
-
-// The values' Dv: a float pool's last dim, a block pool's D (its rows hold D values' blocks).
-int64_t value_dim(const at::Tensor& v_pool, int64_t dim) {
-  return v_pool.scalar_type() == at::kByte ? dim : v_pool.size(-1);
-}
-
-// Both operators' common part: q (T, Hq, D) contiguous, the pools (Hk, num_blocks, block_size, D)
-// with a contiguous last dim, and each of the S sequences' block table (max_blocks entries), key
-// count and first query row. Writes out (T, Hq, Dv) and lse (T, Hq): tensors whose memory is laid
-// out so (the callers choose their shapes and strides).
-void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                          int64_t sequences, const int64_t* tables, int64_t max_blocks,
-                                          const int64_t* lengths, const int64_t* starts, double scale, double softcap,
-                                          bool causal, const std::optional<at::Tensor>& alibi_slopes,
-                                          const std::optional<at::Tensor>& key_padding, int64_t window_left,
-                                          int64_t window_right, at::Tensor& out, at::Tensor& lse) {
-  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "k, v: expected tensors of 4 dims, got ", k_pool.sizes(),
-              " and ", v_pool.sizes());
-  const int64_t dim = q.size(2), dim_v = value_dim(v_pool, dim);
-  const int k_type = kv_type_of(k_pool.scalar_type(), k_pool.size(3), dim);
-  const int v_type = kv_type_of(v_pool.scalar_type(), v_pool.size(3), dim_v);
-  TORCH_CHECK(k_type >= 0 && v_type >= 0, "k, v: expected float32, float16 or uint8 q8_0 / q4_0 rows for D = ", dim,
-              " (", kv_row_bytes(kKvQ8_0, dim), " or ", kv_row_bytes(kKvQ4_0, dim), " bytes, D a multiple of 32), got ",
-              k_pool.sizes(), " ", k_pool.scalar_type(), " and ", v_pool.sizes(), " ", v_pool.scalar_type());
-  const at::Tensor k = k_pool.stride(3) == 1 ? k_pool : k_pool.contiguous();
-  const at::Tensor v = v_pool.stride(3) == 1 ? v_pool : v_pool.contiguous();
-  const int64_t tokens = q.size(0);
-  Problem p{};
-  p.q_heads = q.size(1), p.dim = dim;
-  p.kv_heads = k.size(0), p.block_size = k.size(2);
-  p.dim_v = dim_v;
-  p.k_type = k_type, p.v_type = v_type;
-  p.k_head_stride = k.stride(0), p.k_block_stride = k.stride(1), p.k_pos_stride = k.stride(2);
-  p.v_head_stride = v.stride(0), p.v_block_stride = v.stride(1), p.v_pos_stride = v.stride(2);
-  at::Tensor slopes, padding;
-  if (alibi_slopes) {
-    slopes = alibi_slopes->to(at::kFloat).contiguous();
-    p.slopes = slopes.data_ptr<float>();
-    p.slope_rows = slopes.size(0);
-  }
-  if (key_padding) {
-    padding = key_padding->to(at::kBool).contiguous();
-    TORCH_CHECK(padding.dim() == 2 && padding.size(0) == sequences, "key_padding: expected (S, L) bool for ",
-                sequences, " sequences, got ", padding.sizes());
-    p.key_padding = padding.data_ptr<bool>();
-    p.padding_len = padding.size(1);
-  }
-  p.q = q.data_ptr<float>(), p.q_row_stride = p.q_heads * p.dim, p.k = k.data_ptr(), p.v = v.data_ptr();
-  p.out = out.data_ptr<float>(), p.lse = lse.data_ptr<float>();
-  p.scale = static_cast<float>(scale), p.softcap = static_cast<float>(softcap), p.causal = causal;
-  p.window_left = window_left, p.window_right = window_right;
-  for (int64_t b = 0; b < sequences; ++b) {
-    TORCH_CHECK(starts[b] <= starts[b + 1] && starts[b + 1] <= tokens,
-                "q_starts: expected a non-decreasing run from 0 to ", tokens, " (q's rows)");
-    TORCH_CHECK(!key_padding || lengths[b] <= p.padding_len, "key_padding: ", p.padding_len,
-                " positions for a sequence of ", lengths[b], " keys");
-  }
-  TORCH_CHECK(starts[0] == 0 && starts[sequences] == tokens, "q_starts: expected to start at 0 and end at ", tokens);
-  const std::vector<Task> tasks = attention_tasks(sequences, starts, lengths, p.kv_heads, causal);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      const Task& t = tasks[i];
-      attend_task(p, t, tables + t.b * max_blocks, scratch);
-    }
-  });
-}
-
-// The paged operator: q (T, Hq, D) packed, pools, block_tables (S, max_blocks), seq_lens (S,),
-// q_starts (S + 1,).
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_pool,
-                                                       const at::Tensor& v_pool, const at::Tensor& block_tables,
-                                                       const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                                                       double scale, double softcap, bool causal,
-                                                       const std::optional<at::Tensor>& alibi_slopes,
-                                                       const std::optional<at::Tensor>& key_padding,
-                                                       int64_t window_left, int64_t window_right) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q: expected float32 (T, Hq, D), got ",
-              q_in.sizes(), " ", q_in.scalar_type());
-  TORCH_CHECK(block_tables.dim() == 2, "block_tables: expected (S, max_blocks), got ", block_tables.sizes());
-  const std::vector<int64_t> tables = index_values(block_tables, "block_tables");
-  const std::vector<int64_t> lengths = index_values(seq_lens, "seq_lens");
-  const std::vector<int64_t> starts = index_values(q_starts, "q_starts");
-  const int64_t sequences = block_tables.size(0);
-  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == sequences &&
-                  static_cast<int64_t>(starts.size()) == sequences + 1,
-              "seq_lens (S,) and q_starts (S + 1,) must match block_tables (S, max_blocks)");
-  const at::Tensor q = q_in.contiguous();
-  at::Tensor out = at::empty({q.size(0), q.size(1), value_dim(v_pool, q.size(2))}, q.options());
-  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options());
-  attend(q, k_pool, v_pool, sequences, tables.data(), block_tables.size(1), lengths.data(), starts.data(), scale,
-         softcap, causal, alibi_slopes, key_padding, window_left, window_right, out, lse);
-  return {out, lse};
-}
-
-// The static-cache operator: q (B, Hq, Lq, D), k (B, Hk, Lk, D) and v (B, Hk, Lk, Dv) in any
-// strides with a contiguous last dim (a cache's view is read in place), Lq queries a row at the
-// last Lq of its Lk positions. Returns out (B, Hq, Lq, Dv) and lse (B, Hq, Lq), laid out in memory
-// as (B, Lq, Hq, ...): merging the heads afterwards is free.
-std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 double scale, double softcap, bool causal,
-                                                 const std::optional<at::Tensor>& alibi_slopes,
-                                                 const std::optional<at::Tensor>& key_padding, int64_t window_left,
-                                                 int64_t window_right) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: expected float32 (B, Hq, Lq, D), got ", q.sizes(),
-              " ", q.scalar_type());
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
-                  k.size(2) == v.size(2),
-              "k, v: expected (B, Hk, Lk, D) and (B, Hk, Lk, Dv) for q ", q.sizes(), ", got ", k.sizes(), " and ",
-              v.sizes());
-  const int64_t batch = q.size(0), q_len = q.size(2), k_len = k.size(2);
-  std::vector<int64_t> tables(batch), lengths(batch, k_len), starts(batch + 1);
-  for (int64_t b = 0; b <= batch; ++b) {
-    if (b < batch) tables[b] = b;
-    starts[b] = b * q_len;
-  }
-  const at::Tensor packed = q.transpose(1, 2).reshape({batch * q_len, q.size(1), q.size(3)}).contiguous();
-  const int64_t heads = q.size(1), dim_v = value_dim(v, q.size(3));
-  at::Tensor out = at::empty_strided({batch, heads, q_len, dim_v}, {q_len * heads * dim_v, dim_v, heads * dim_v, 1},
-                                     q.options());
-  at::Tensor lse = at::empty_strided({batch, heads, q_len}, {q_len * heads, 1, heads}, q.options());
-  attend(packed, k.transpose(0, 1), v.transpose(0, 1), batch, tables.data(), 1, lengths.data(), starts.data(), scale,
-         softcap, causal, alibi_slopes, key_padding, window_left, window_right, out, lse);
-  return {out, lse};
-}
-
-}  // namespace
 }  // namespace flashformer_cpu
-
-TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
-  m.impl("paged_attention_cpu", &flashformer_cpu::paged_attention_cpu);
-  m.impl("attention_cpu", &flashformer_cpu::attention_cpu);
-}

@@ -77,6 +77,15 @@ enum Packing : int {
   kQ6K = 7,          // (n, nb, 210)
 };
 
+// The packings' shapes the operators check (the kernels' block structs: quantized_cpu.cpp and
+// kquants_cpu.cpp assert that they match).
+constexpr int64_t kNibbleGroupRows = 8;   // int4, int5: the output rows a group interleaves
+constexpr int64_t kInt8GroupRows = 4;     // int8
+constexpr int64_t kInt5BlockBytes = 160;  // int5: a group's block of 32 inputs
+constexpr int64_t kquant_block_bytes(Packing packing) {  // a row's block of 256 values
+  return packing == kQ4K ? 144 : packing == kQ5K ? 176 : 210;
+}
+
 // One (n, k) weight: n output rows in `groups` groups (rows interleaved by the packing; float32
 // and the K-quants: one row a group), k inputs in nb blocks (float32: k "blocks" of one).
 struct PackedMatrix {
@@ -209,38 +218,5 @@ inline int64_t unit_grain(const PackedMatrix& w, int64_t rows, int64_t units) {
   const int64_t per_unit = std::max<int64_t>(1, rows * blocks32 * ((w.n + units - 1) / std::max<int64_t>(1, units)));
   return std::max<int64_t>(1, kTaskBlocks / per_unit);
 }
-
-// Memory for x's prepared forms, owned by an operator's call.
-struct ProductXStorage {
-  std::vector<int8_t> q;
-  std::vector<float> d, s, sums;
-  std::vector<int32_t> offset;
-  std::vector<int16_t> sums16;
-  std::vector<AmxXBlock> amx;
-
-  // x (rows, k) float32, its form made ready (in parallel) for `form`.
-  ProductX prepare(const float* xp, int64_t rows, int64_t k, XForm form) {
-    ProductX x;
-    x.x = xp, x.rows = rows, x.k = k;
-    if (form == kXFloat) return x;
-    const int64_t items = rows * (k / form_block(form));
-    if (form == kXBlocks32) {
-      q.resize(items * kBlock), d.resize(items), s.resize(items), offset.resize(items);
-      x.blocks32 = {k / kBlock, q.data(), d.data(), s.data(), offset.data()};
-    } else if (form == kXBlocks256) {
-      q.resize(items * kSuper), d.resize(items), sums16.resize(items * 16);
-      x.blocks256 = {k / kSuper, q.data(), d.data(), sums16.data()};
-    } else if (form == kXAmx256) {
-      amx.resize((rows + 15) / 16 * (k / kSuper));
-      x.amx256 = {k / kSuper, amx.data()};
-    } else {
-      sums.resize(items);
-      x.sums32 = sums.data();
-    }
-    at::parallel_for(0, items, form_block(form) == kSuper ? 256 : 2048,
-                     [&](int64_t first, int64_t last) { prepare_x(form, x, first, last); });
-    return x;
-  }
-};
 
 }  // namespace flashformer_cpu

@@ -1,21 +1,20 @@
-// What the kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the K-quants; the
-// attention and the native decoder read index tensors with index_values): where a kernel's results
-// go, which ISA runs, the checks of a call's arguments and the no-backward autograd kernel.
-// Functions are inline, so that use_isa() is one switch for all.
+// What the kernels share (quantized_cpu.cpp: int4, int5, int8; kquants_cpu.cpp: the K-quants;
+// float_cpu.cpp; the row operations and attention): where a kernel's results go and which ISA runs.
+// No ATen here: the kernels' translation units compile without its headers (a third of the build's
+// time when each parsed them); operators_common.h holds what the operators and the decoder need of
+// it. Functions are inline, so that use_isa() is one switch for all: every family of kernels (the
+// products, the row operations, attention) runs the build of the ISA it says, and records which
+// (kernels_ran), never one chosen by the CPU's flags behind its back.
 
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -27,6 +26,16 @@
 #else
 #define FF_X86 0
 #endif
+
+// The widest Isa this library was built for (kernels/extension.py passes the CPU's: a CPU without
+// AVX-512 compiles neither the AVX-512 nor the AMX kernels, half the products' compile time). The
+// builds past it are left out, best_isa() stops at it, and each translation unit names what it
+// leaves out once, for the dispatch code to compile (those names are never run).
+#ifndef FF_WIDEST_ISA
+#define FF_WIDEST_ISA 3
+#endif
+#define FF_BUILDS_VNNI (FF_X86 && FF_WIDEST_ISA >= 2)
+#define FF_BUILDS_AMX (FF_X86 && FF_WIDEST_ISA >= 3)
 
 namespace flashformer_cpu {
 
@@ -71,8 +80,8 @@ inline int best_isa() {
   const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   if (!avx2) return kScalar;
-  if (!vnni) return kAvx2;
-  static const bool amx = amx_usable();
+  if (!vnni || FF_WIDEST_ISA < kVnni) return kAvx2;
+  static const bool amx = FF_WIDEST_ISA >= kAmx && amx_usable();
   return amx ? kAmx : kVnni;
 #else
   return kScalar;
@@ -85,6 +94,74 @@ inline int vector_isa(int isa) { return isa < kVnni ? isa : kVnni; }
 inline std::atomic<int>& use_isa() {
   static std::atomic<int> isa{best_isa()};
   return isa;
+}
+
+// The families of kernels, each of which records the ISAs whose build it ran (a bit per Isa) for
+// kernels_ran: the tests check that a forced path runs that ISA's code in every family, and the
+// emulated CPU without AVX-512 (docs/architecture.md, "Instruction sets") that nothing else runs.
+enum Family : int {
+  kNibbleProducts = 0,  // int4, int5 (quantized_cpu.cpp)
+  kInt8Products,        // int8 (quantized_cpu.cpp)
+  kKQuantProducts,      // Q4_K, Q5_K, Q6_K (kquants_cpu.cpp)
+  kFloatProducts,       // float32 (float_cpu.cpp)
+  kQuantizingX,         // x quantized per block for int8 activations (products.h's prepare_x)
+  kRowOperations,       // norms, RoPE, activations, adds (row_ops.h)
+  kAttention,           // a task of attention over cached keys (paged_attention_cpu.cpp)
+  kWideningKv,          // float16 / q8_0 / q4_0 cache rows widened to float32 (paged_attention_cpu.cpp)
+  kFamilies
+};
+
+inline std::atomic<unsigned>* families_ran() {
+  static std::atomic<unsigned> ran[kFamilies] = {};
+  return ran;
+}
+
+// Family `family` runs ISA `isa`'s build. Written only when new, so that the hot calls read a line
+// every thread shares and never contend for it.
+inline void note_ran(int family, int isa) {
+  std::atomic<unsigned>& ran = families_ran()[family];
+  const unsigned bit = 1u << isa;
+  if (!(ran.load(std::memory_order_relaxed) & bit)) ran.fetch_or(bit, std::memory_order_relaxed);
+}
+
+// The instruction sets of the vector ISAs' builds, the same for the products' #pragma sections
+// (quantized_cpu.cpp, kquants_cpu.cpp) and run_built_for below: what best_isa() asks of the CPU.
+#define FF_AVX2_TARGET "avx2,fma,f16c"
+#define FF_VNNI_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+
+#if FF_X86
+template <class Op, class... Args>
+__attribute__((target(FF_AVX2_TARGET))) void run_avx2_build(Args&&... args) {
+  Op::run(std::forward<Args>(args)...);
+}
+#endif
+#if FF_BUILDS_VNNI
+template <class Op, class... Args>
+__attribute__((target(FF_VNNI_TARGET))) void run_vnni_build(Args&&... args) {
+  Op::run(std::forward<Args>(args)...);
+}
+#endif
+template <class Op, class... Args>
+void run_baseline_build(Args&&... args) {
+  Op::run(std::forward<Args>(args)...);
+}
+
+// Op::run(args...) compiled for `isa` (its vector build: AMX runs VNNI's): the baseline x86-64,
+// AVX2 or AVX-512, and recorded as `family`'s. Op::run and everything it calls must be
+// always_inline, so that each build compiles them for its own target (a plain function called from
+// it would run its baseline code). GCC's target_clones did this by the CPU's flags alone: the
+// AVX-512 clone ran under FLASHFORMER_CPU_ISA=avx2.
+template <class Op, class... Args>
+inline void run_built_for(int isa, int family, Args&&... args) {
+  isa = vector_isa(isa);
+  note_ran(family, isa);
+#if FF_BUILDS_VNNI
+  if (isa == kVnni) return run_vnni_build<Op>(std::forward<Args>(args)...);
+#endif
+#if FF_X86
+  if (isa == kAvx2) return run_avx2_build<Op>(std::forward<Args>(args)...);
+#endif
+  run_baseline_build<Op>(std::forward<Args>(args)...);
 }
 
 // AMX's tile configuration (palette 1), as _tile_loadconfig reads it: each tile's rows and bytes
@@ -121,22 +198,6 @@ inline int64_t group_grain(int64_t nb, int64_t rows, int64_t group_rows) {
   return std::max<int64_t>(1, kTaskBlocks / std::max<int64_t>(1, nb * rows * group_rows));
 }
 
-inline void check_common(const at::Tensor& x, const at::Tensor& qweight, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t k, int64_t group_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x: expected a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == k, "x: expected ", k, " columns (the packed weight's in_features), got ", x.sizes());
-  TORCH_CHECK(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
-  const int64_t groups = qweight.size(0);
-  TORCH_CHECK(out_features > (groups - 1) * group_rows && out_features <= groups * group_rows,
-              "out_features: ", out_features, " does not fit ", groups, " groups of ", group_rows, " rows");
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(),
-                "bias: expected a contiguous float32 tensor of shape (", out_features, "), got ", bias->sizes());
-  }
-}
-
 // The product's output (M, N) and bias (N,), and the part of them a kernel writes.
 // out's rows are ld floats apart (ld >= n: a product may fill some columns of a wider matrix).
 struct OutputMatrix {
@@ -149,53 +210,5 @@ struct OutputMatrix {
     return {out + m0 * ld + row0, ld, std::min(rows, n - row0), bias ? bias + row0 : nullptr};
   }
 };
-
-// An index tensor's values as int64, copied straight from int32 (the engine's tables and lengths)
-// or int64 memory: the same numbers without the ATen tensors a `.to(kLong)` allocates (a few
-// microseconds each, two a layer, 30 layers a decode step).
-inline std::vector<int64_t> index_values(const at::Tensor& t, const char* name) {
-  const at::Tensor c = t.contiguous();
-  std::vector<int64_t> values(static_cast<size_t>(c.numel()));
-  if (c.scalar_type() == at::kInt) {
-    const int32_t* data = c.data_ptr<int32_t>();
-    std::copy(data, data + c.numel(), values.begin());
-  } else {
-    TORCH_CHECK(c.scalar_type() == at::kLong, name, ": expected int32 or int64, got ", c.scalar_type());
-    const int64_t* data = c.data_ptr<int64_t>();
-    std::copy(data, data + c.numel(), values.begin());
-  }
-  return values;
-}
-
-// Where x or the bias asks for gradients, `out` gets a backward node that raises: the weights
-// are integer buffers. Shared by every quantized operator's autograd kernel.
-inline void refuse_backward(const char* name, at::Tensor& out, const at::Tensor& x,
-                            const std::optional<at::Tensor>& bias) {
-  if (torch::autograd::compute_requires_grad(x, bias)) {
-    auto error = c10::make_intrusive<torch::autograd::Error>(
-        std::string(name) +
-            ": flashformer's quantized linear layers have no backward pass: their weights are integer "
-            "buffers. Train or fine-tune the float model, then quantize it.",
-        torch::autograd::collect_next_edges(x, bias));
-    torch::autograd::set_history(out, error);
-  }
-}
-
-using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, int64_t, bool);
-
-template <const char* kName>
-at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").typed<LinearSignature>();
-  at::Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = op.call(x, qweight, scales, bias, out_features, int8_activations);
-  }
-  refuse_backward(kName, out, x, bias);
-  return out;
-}
 
 }  // namespace flashformer_cpu

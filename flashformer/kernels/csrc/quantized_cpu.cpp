@@ -3,8 +3,8 @@
 // prompts (M in the hundreds) take the same kernels, which with int8 activations outrun a float32
 // GEMM on the dequantized weights (so there is no second path, and no batch-size-dependent result).
 //
-// The CPU implementations of the operators that flashformer/kernels/quantized.py defines
-// (schemas, shape checks, fake tensors and the PyTorch fallback live there):
+// The kernels of the operators that flashformer/kernels/operators.py defines (schemas, fake tensors
+// and the PyTorch fallbacks live there; their ATen side and shape checks in operators_cpu.cpp):
 //
 //   flashformer::int4_linear(x, qweight, scales, bias, out_features, int8_activations)
 //       qweight uint8 (G, nb, 8, 16): for each group of 8 output rows and each block of 32 inputs,
@@ -18,7 +18,10 @@
 //       or float32 (G * 4,) per output row.
 //   flashformer::quantized_kernel_isa(request) -> int: the kernels in use, 0 = scalar, 1 = AVX2,
 //       2 = AVX-512 VNNI, 3 = AMX (kquants_amx.inc); request 0..3 switches to that one or the best
-//       below it this CPU has (tests compare them), -1 only asks.
+//       below it this CPU has (tests compare them), -1 only asks. Every family of kernels follows
+//       it (the products here and in kquants_cpu.cpp, the row operations, attention).
+//   flashformer::kernels_ran(reset) -> int[]: per family of kernels (quantized_common.h's Family),
+//       the ISAs whose build it ran since the last reset, a bit each.
 //
 // Why this shape of kernel (the design of llama.cpp's ggml-cpu AVX2 path, written anew):
 // - A decode step reads every weight once per token, so its time is the time to stream the
@@ -40,8 +43,8 @@
 // - The scalar kernels perform the same float operations in the same order as the AVX2 and VNNI
 //   ones (std::fma where those have an FMA), so all give the same bits; tests check that here.
 // - Threads: at::parallel_for over groups of output rows; a row is computed by one thread.
-// - No backward: the Autograd kernel below gives an output that needs a gradient an Error node,
-//   which raises when backward reaches it. It is C++ because a Python autograd kernel
+// - No backward: the Autograd kernel (operators_cpu.cpp) gives an output that needs a gradient
+//   an Error node, which raises when backward reaches it. It is C++ because a Python autograd kernel
 //   (torch.library.register_autograd) adds a fixed cost to every call, even under no_grad, as
 //   large as a small product's whole time (docs/benchmarks.md, "Packed layouts and call costs").
 
@@ -53,8 +56,8 @@ namespace {
 
 using namespace flashformer_cpu;
 
-constexpr int64_t kInt4Rows = 8;   // int4: output rows interleaved in the packed layout (one group)
-constexpr int64_t kGroupRows = 4;  // int8: the same; int4: half a group, what a float-activation kernel reads
+constexpr int64_t kInt4Rows = kNibbleGroupRows;  // int4: output rows interleaved in the packed layout (one group)
+constexpr int64_t kGroupRows = kInt8GroupRows;   // int8: the same; int4: half a group, what a float-activation kernel reads
 constexpr int64_t kScalarTile = 4;  // x rows per call of a scalar kernel (any tile gives the same bits)
 constexpr int64_t kNibblePanelMinRows = 16;  // x rows from which the int4 / int5 kernels read a panel
 
@@ -92,7 +95,7 @@ struct Int8RowScales {  // float32 scales[4 g .. 4 g + 3]
   float d[kGroupRows];  // the rows' d
 };
 
-static_assert(sizeof(Int4Block) == 128 && sizeof(Int5Block) == 160 && sizeof(Int4Scales) == 32 && sizeof(Int8Block) == 128 &&
+static_assert(sizeof(Int4Block) == 128 && sizeof(Int5Block) == kInt5BlockBytes && sizeof(Int4Scales) == 32 && sizeof(Int8Block) == 128 &&
                   sizeof(Int8BlockScales) == 8 && sizeof(Int8RowScales) == 16,
               "the structs must match the packed tensors byte for byte");
 
@@ -278,6 +281,9 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+#endif  // FF_X86
+
+#if FF_BUILDS_VNNI
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
@@ -286,14 +292,31 @@ namespace vnni {
 #undef FF_VNNI
 }  // namespace vnni
 #pragma GCC pop_options
+#elif FF_X86
+namespace vnni {  // not built (FF_WIDEST_ISA): AVX2's names, and traps for VNNI's own kernels
+using namespace avx2;
+template <class Block, class... Args>
+void nibble_int8act_pair_rows(Args&&...) { __builtin_trap(); }
+template <bool kPerBlock, class... Args>
+void int8_int8act_quad_rows(Args&&...) { __builtin_trap(); }
+}  // namespace vnni
+#endif
 
+#if FF_BUILDS_AMX
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
 namespace amx {
 #include "quantized_amx.inc"
 }  // namespace amx
 #pragma GCC pop_options
-#endif  // FF_X86
+#elif FF_X86
+namespace amx {  // not built (FF_WIDEST_ISA)
+template <class... Args>
+void nibble_units(Args&&...) { __builtin_trap(); }
+template <class... Args>
+void int8_units(Args&&...) { __builtin_trap(); }
+}  // namespace amx
+#endif
 
 // Whether a product runs on AMX's tiles (quantized_amx.inc): int8 activations and from
 // kAmxMinRows x rows. Below, the unit's packing (once per product, weights streamed from memory)
@@ -497,90 +520,13 @@ void int8_run_scales(const PackedMatrix& packed, const ProductX& x, const Output
   }
 }
 
-// The operators: check, prepare x, and run every unit with at::parallel_for.
-at::Tensor run_operator(const PackedMatrix& w, const at::Tensor& x_in, const std::optional<at::Tensor>& bias,
-                        bool int8_activations) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = w.n;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  const int isa = use_isa().load();
-  ProductXStorage storage;
-  const ProductX xp = storage.prepare(x.data_ptr<float>(), rows, w.k, x_form(w.packing, int8_activations, rows, isa));
-  const OutputMatrix result{out.data_ptr<float>(), n, bias ? bias->data_ptr<float>() : nullptr, n};
-  const int64_t units = product_units(w, rows, int8_activations, isa);
-  at::parallel_for(0, units, unit_grain(w, rows, units), [&](int64_t first, int64_t last) {
-    product_run(w, xp, result, int8_activations, isa, first, last);
-  });
-  return out;
-}
-
-template <class Block>
-at::Tensor nibble_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  const int64_t groups = qweight.size(0), nb = qweight.size(1);
-  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == 2 &&
-                  scales.size(3) == kInt4Rows && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              "scales: expected contiguous float16 (", groups, ", ", nb, ", 2, 8), got ", scales.sizes());
-  check_common(x, qweight, bias, out_features, nb * kBlock, kInt4Rows);
-  const PackedMatrix w{Block::kFiveBit ? kInt5 : kInt4, qweight.data_ptr(), scales.data_ptr(), out_features,
-                       nb * kBlock, groups, nb};
-  return run_operator(w, x, bias, int8_activations);
-}
-
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kInt4Rows && qweight.size(3) == 16 &&
-                  qweight.scalar_type() == at::kByte,
-              "qweight: expected uint8 (groups, blocks, 8, 16), got ", qweight.sizes(), " ", qweight.scalar_type());
-  return nibble_linear<Int4Block>(x, qweight, scales, bias, out_features, int8_activations);
-}
-
-at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(qweight.dim() == 3 && qweight.size(2) == static_cast<int64_t>(sizeof(Int5Block)) &&
-                  qweight.scalar_type() == at::kByte,
-              "qweight: expected uint8 (groups, blocks, 160), got ", qweight.sizes(), " ", qweight.scalar_type());
-  return nibble_linear<Int5Block>(x, qweight, scales, bias, out_features, int8_activations);
-}
-
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(qweight.dim() == 4 && qweight.size(2) == kGroupRows && qweight.size(3) == kBlock &&
-                  qweight.scalar_type() == at::kChar,
-              "qweight: expected int8 (groups, blocks, 4, 32), got ", qweight.sizes(), " ", qweight.scalar_type());
-  const int64_t groups = qweight.size(0), nb = qweight.size(1);
-  const bool per_block = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(scales.is_contiguous(), "scales: expected a contiguous tensor");
-  if (per_block) {
-    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == nb && scales.size(2) == kGroupRows,
-                "scales: expected float16 (", groups, ", ", nb, ", 4) per block, got ", scales.sizes());
-  } else {
-    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == groups * kGroupRows && scales.scalar_type() == at::kFloat,
-                "scales: expected float32 (", groups * kGroupRows, ",) per row, got ", scales.sizes(), " ",
-                scales.scalar_type());
-  }
-  check_common(x, qweight, bias, out_features, nb * kBlock, kGroupRows);
-  const PackedMatrix w{per_block ? kInt8PerBlock : kInt8PerRow, qweight.data_ptr(), scales.data_ptr(), out_features,
-                       nb * kBlock, groups, nb};
-  return run_operator(w, x, bias, int8_activations);
-}
-
-int64_t quantized_kernel_isa(int64_t request) {
-  if (request >= 0) use_isa().store(std::min<int>(static_cast<int>(request), best_isa()));
-  return use_isa().load();
-}
-
-constexpr char kInt4Linear[] = "flashformer::int4_linear";
-constexpr char kInt5Linear[] = "flashformer::int5_linear";
-constexpr char kInt8Linear[] = "flashformer::int8_linear";
-
 }  // namespace
 
 namespace flashformer_cpu {
 
 void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& out) {
   const int isa = use_isa().load();
+  note_ran(kQuantizingX, isa == kScalar ? kScalar : kAvx2);
   for (int64_t i = first; i < last; ++i) {
 #if FF_X86
     if (isa != kScalar) {  // the same instructions on either: the AVX2 build serves both
@@ -611,6 +557,7 @@ void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& ou
                 int64_t first, int64_t last) {
 #if FF_X86
   if (on_amx_tiles(x.rows, int8_activations, isa)) {
+    note_ran(kNibbleProducts, kAmx);
     if (w.packing == kInt5) {
       return amx::nibble_units(static_cast<const Int5Block*>(w.data), static_cast<const Int4Scales*>(w.scales),
                                w.groups, w.nb, x.blocks32, x.rows, out, first, last);
@@ -620,6 +567,7 @@ void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& ou
   }
 #endif
   isa = vector_isa(isa);
+  note_ran(kNibbleProducts, isa);
   if (w.packing == kInt5) return nibble_run_block<Int5Block>(w, x, out, int8_activations, isa, first, last);
   nibble_run_block<Int4Block>(w, x, out, int8_activations, isa, first, last);
 }
@@ -633,6 +581,7 @@ void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out,
               int64_t first, int64_t last) {
 #if FF_X86
   if (on_amx_tiles(x.rows, int8_activations, isa)) {
+    note_ran(kInt8Products, kAmx);
     const bool per_block = w.packing == kInt8PerBlock;
     return amx::int8_units(static_cast<const Int8Block*>(w.data),
                            per_block ? static_cast<const Int8BlockScales*>(w.scales) : nullptr,
@@ -641,6 +590,7 @@ void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out,
   }
 #endif
   isa = vector_isa(isa);
+  note_ran(kInt8Products, isa);
   if (w.packing == kInt8PerBlock) return int8_run_scales<true>(w, x, out, int8_activations, isa, first, last);
   int8_run_scales<false>(w, x, out, int8_activations, isa, first, last);
 }
@@ -675,20 +625,3 @@ void int8_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
 }
 
 }  // namespace flashformer_cpu
-
-TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
-  m.impl("int5_linear", &int5_linear);
-  m.impl("int8_linear", &int8_linear);
-}
-
-TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
-  m.impl("int4_linear", &linear_autograd<kInt4Linear>);
-  m.impl("int5_linear", &linear_autograd<kInt5Linear>);
-  m.impl("int8_linear", &linear_autograd<kInt8Linear>);
-}
-
-// An operator without tensor arguments dispatches to CompositeExplicitAutograd's kernel.
-TORCH_LIBRARY_IMPL(flashformer, CompositeExplicitAutograd, m) {
-  m.impl("quantized_kernel_isa", &quantized_kernel_isa);
-}

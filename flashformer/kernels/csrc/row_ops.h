@@ -1,8 +1,10 @@
 // What the native decoder (decoder_cpu.cpp) does to one row between its matrix products: norms,
 // RoPE, activations, residual adds, softcaps. Each is written on eight-float vectors (GCC's vector
-// extension) and compiled for AVX-512, AVX2 and any x86-64 CPU (target_clones): the same operations
-// in the same order in each, never fused (-ffp-contract=off), so every CPU gives the same bits.
-// Reductions (a norm's sums) run in 8 lanes, added in hsum8_scalar's order, then the tail in order.
+// extension) once, as an always_inline body (a struct's run), and compiled for the baseline x86-64,
+// AVX2 and AVX-512 (quantized_common.h's run_built_for): the ISA use_isa() says runs, as for the
+// products. The same operations in the same order in each, never fused (-ffp-contract=off) but
+// where fmadd says so, so every build gives the same bits. Reductions (a norm's sums) run in 8
+// lanes, added in hsum8_scalar's order, then the tail in order.
 
 #pragma once
 
@@ -10,14 +12,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quantized_common.h"
+
 namespace flashformer_cpu {
 namespace rows {
 
-#if defined(__x86_64__)
-#define FF_ROW_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FF_ROW_CLONES
-#endif
 #define FF_ROW_INLINE __attribute__((always_inline)) inline
 
 typedef float f8 __attribute__((vector_size(32)));
@@ -30,6 +29,14 @@ FF_ROW_INLINE f8 load(const float* p) {
 }
 FF_ROW_INLINE void store(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
 FF_ROW_INLINE f8 splat(float x) { return f8{} + x; }
+
+// a * b + c rounded once, lane by lane (std::fma): one FMA instruction in the AVX2 and AVX-512
+// builds, the C library's exact fmaf in the baseline one, so that every build gives the same bits.
+FF_ROW_INLINE f8 fmadd(f8 a, f8 b, f8 c) {
+  f8 out;
+  for (int l = 0; l < 8; ++l) out[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return out;
+}
 
 FF_ROW_INLINE float lane_sum(f8 a) {  // hsum8_scalar's order
   const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
@@ -104,13 +111,18 @@ FF_ROW_INLINE float activate1(float x, int kind) {
 }
 
 // out = act(gate) * up (up nullptr: act(gate)), n values.
-FF_ROW_CLONES inline void activate(const float* gate, const float* up, int kind, int64_t n, float* out) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const f8 a = activate8(load(gate + j), kind);
-    store(out + j, up ? a * load(up + j) : a);
+struct Activate {
+  FF_ROW_INLINE static void run(const float* gate, const float* up, int kind, int64_t n, float* out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const f8 a = activate8(load(gate + j), kind);
+      store(out + j, up ? a * load(up + j) : a);
+    }
+    for (; j < n; ++j) out[j] = up ? activate1(gate[j], kind) * up[j] : activate1(gate[j], kind);
   }
-  for (; j < n; ++j) out[j] = up ? activate1(gate[j], kind) * up[j] : activate1(gate[j], kind);
+};
+inline void activate(const float* gate, const float* up, int kind, int64_t n, float* out) {
+  run_built_for<Activate>(use_isa().load(std::memory_order_relaxed), kRowOperations, gate, up, kind, n, out);
 }
 
 // sum of x[j]^2 (RMSNorm) or of x[j] (LayerNorm's mean), in 8 lanes then in order.
@@ -130,61 +142,91 @@ FF_ROW_INLINE float sum_of(const float* x, int64_t n, bool squares, float shift)
 }
 
 // RMSNorm: out = (x / sqrt(mean(x^2) + eps)) * w.
-FF_ROW_CLONES inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
-  const float inverse = 1.f / std::sqrt(sum_of(x, n, true, 0.f) / static_cast<float>(n) + eps);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store(out + j, (load(x + j) * inverse) * load(w + j));
-  for (; j < n; ++j) out[j] = (x[j] * inverse) * w[j];
+struct RmsNorm {
+  FF_ROW_INLINE static void run(const float* x, const float* w, float eps, int64_t n, float* out) {
+    const float inverse = 1.f / std::sqrt(sum_of(x, n, true, 0.f) / static_cast<float>(n) + eps);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) store(out + j, (load(x + j) * inverse) * load(w + j));
+    for (; j < n; ++j) out[j] = (x[j] * inverse) * w[j];
+  }
+};
+inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  run_built_for<RmsNorm>(use_isa().load(std::memory_order_relaxed), kRowOperations, x, w, eps, n, out);
 }
 
 // LayerNorm: out = ((x - mean) / sqrt(var + eps)) * w + b, var the mean square deviation.
-FF_ROW_CLONES inline void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t n, float* out) {
-  const float mean = sum_of(x, n, false, 0.f) / static_cast<float>(n);
-  const float inverse = 1.f / std::sqrt(sum_of(x, n, true, mean) / static_cast<float>(n) + eps);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store(out + j, ((load(x + j) - mean) * inverse) * load(w + j) + load(b + j));
-  for (; j < n; ++j) out[j] = ((x[j] - mean) * inverse) * w[j] + b[j];
+struct LayerNorm {
+  FF_ROW_INLINE static void run(const float* x, const float* w, const float* b, float eps, int64_t n, float* out) {
+    const float mean = sum_of(x, n, false, 0.f) / static_cast<float>(n);
+    const float inverse = 1.f / std::sqrt(sum_of(x, n, true, mean) / static_cast<float>(n) + eps);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) store(out + j, ((load(x + j) - mean) * inverse) * load(w + j) + load(b + j));
+    for (; j < n; ++j) out[j] = ((x[j] - mean) * inverse) * w[j] + b[j];
+  }
+};
+inline void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t n, float* out) {
+  run_built_for<LayerNorm>(use_isa().load(std::memory_order_relaxed), kRowOperations, x, w, b, eps, n, out);
 }
 
 // x += y.
-FF_ROW_CLONES inline void add(float* x, const float* y, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store(x + j, load(x + j) + load(y + j));
-  for (; j < n; ++j) x[j] += y[j];
+struct Add {
+  FF_ROW_INLINE static void run(float* x, const float* y, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) store(x + j, load(x + j) + load(y + j));
+    for (; j < n; ++j) x[j] += y[j];
+  }
+};
+inline void add(float* x, const float* y, int64_t n) {
+  run_built_for<Add>(use_isa().load(std::memory_order_relaxed), kRowOperations, x, y, n);
 }
 
 // x *= scale (Gemma's embedding scale).
-FF_ROW_CLONES inline void scale(float* x, float factor, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store(x + j, load(x + j) * factor);
-  for (; j < n; ++j) x[j] *= factor;
+struct Scale {
+  FF_ROW_INLINE static void run(float* x, float factor, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) store(x + j, load(x + j) * factor);
+    for (; j < n; ++j) x[j] *= factor;
+  }
+};
+inline void scale(float* x, float factor, int64_t n) {
+  run_built_for<Scale>(use_isa().load(std::memory_order_relaxed), kRowOperations, x, factor, n);
 }
 
 // x = cap * tanh(x / cap) (Gemma 2's final logits).
-FF_ROW_CLONES inline void softcap(float* x, float cap, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store(x + j, tanh8(load(x + j) / cap) * cap);
-  for (; j < n; ++j) {
-    f8 v{};
-    v[0] = x[j] / cap;
-    x[j] = tanh8(v)[0] * cap;
+struct Softcap {
+  FF_ROW_INLINE static void run(float* x, float cap, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) store(x + j, tanh8(load(x + j) / cap) * cap);
+    for (; j < n; ++j) {
+      f8 v{};
+      v[0] = x[j] / cap;
+      x[j] = tanh8(v)[0] * cap;
+    }
   }
+};
+inline void softcap(float* x, float cap, int64_t n) {
+  run_built_for<Softcap>(use_isa().load(std::memory_order_relaxed), kRowOperations, x, cap, n);
 }
 
 // RoPE in the rotate-half layout on the first 2 * half channels of one head, in place:
 // x[i] = x[i] cos - x[i + half] sin, x[i + half] = x[i + half] cos + x[i] sin.
-FF_ROW_CLONES inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
-  int64_t i = 0;
-  for (; i + 8 <= half; i += 8) {
-    const f8 a = load(x + i), b = load(x + half + i), c = load(cos + i), s = load(sin + i);
-    store(x + i, a * c - b * s);
-    store(x + half + i, b * c + a * s);
+struct Rotate {
+  FF_ROW_INLINE static void run(float* x, const float* cos, const float* sin, int64_t half) {
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+      const f8 a = load(x + i), b = load(x + half + i), c = load(cos + i), s = load(sin + i);
+      store(x + i, a * c - b * s);
+      store(x + half + i, b * c + a * s);
+    }
+    for (; i < half; ++i) {
+      const float a = x[i], b = x[half + i];
+      x[i] = a * cos[i] - b * sin[i];
+      x[half + i] = b * cos[i] + a * sin[i];
+    }
   }
-  for (; i < half; ++i) {
-    const float a = x[i], b = x[half + i];
-    x[i] = a * cos[i] - b * sin[i];
-    x[half + i] = b * cos[i] + a * sin[i];
-  }
+};
+inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
+  run_built_for<Rotate>(use_isa().load(std::memory_order_relaxed), kRowOperations, x, cos, sin, half);
 }
 
 }  // namespace rows
