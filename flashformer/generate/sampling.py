@@ -311,6 +311,15 @@ class LogitsProcessor:
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device)  # (N,)
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)  # (N,)
 
+    def changes_scores(self, new_tokens: int) -> bool:
+        """Whether __call__ changes any score at step `new_tokens` (when it does not, a greedy
+        choice is the logits' own argmax: the server finds it for many rows at once)."""
+        s = self.s
+        forbids_eos = new_tokens < s.min_new_tokens and bool(s.eos_token_id)
+        return (
+            bool(s.logit_bias) or bool(self.penalties) or forbids_eos or (s.do_sample and bool(self.warpers))
+        )
+
     def __call__(self, scores: Tensor, history: TokenHistory | None, new_tokens: int) -> Tensor:
         s = self.s
         if len(self.bias_ids):
