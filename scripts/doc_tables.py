@@ -338,6 +338,8 @@ TRANSCRIBED = {
     ("benchmarks.md", "epyc-turns"): "turns/epyc-compiled.json",
     ("benchmarks.md", "compile-cache"): "compile/session-graphs.json",
     ("benchmarks.md", "step-thread"): "serve/step-thread.json",
+    ("benchmarks.md", "served-token-engine"): "serve/served-token-engine.json",
+    ("benchmarks.md", "served-token-bench"): "serve/served-token-bench.json",
     ("benchmarks.md", "kquant-kernels"): "kernels/kquant-kernels.json",
     ("serving.md", "grammar-engines"): "structured/grammar-engines.json",
     ("serving.md", "structured-overhead"): "structured/overhead.json",

@@ -17,7 +17,11 @@ baseline), and llama.cpp's own server on the same GGUF file (--llama-server
 PATH: `-np` clients slots, continuous batching), or else llama-cpp-python's
 server, marked unbatched. Also measured with one client alone: its tokens/s,
 the prefill time of one prompt (its time to first token) and the step time
-(its inter-token latency), which the targets are stated against.
+(its inter-token latency), which the targets are stated against. Beside the
+servers, the library itself (serve_library.py: the same file loaded as the servers
+load it, in a fresh process, no server) answers the one-client questions: what a
+served token costs beyond the model's step is read against it, as the decode rate
+(the tokens after each answer's first over the time they took) of both.
 
 Two more workloads (--workloads), run by flashformer's batching server with
 its prefix cache on and off (--no-prefix-cache), and by llama-server with its
@@ -43,6 +47,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashformer.bench import serve_library
 from flashformer.bench.common import add_quantize_argument, quantize_flags, resolved_quantize
 from flashformer.bench.llama_cpp_binaries import version
 from flashformer.bench.serve_load import (
@@ -134,6 +139,13 @@ def run(model: str, args) -> dict:
         shared = shared_prefix_jobs(tokenizer, args)
         conversations = chats(tokenizer, args)
     results = {}
+    if "mixed" in chosen and not getattr(args, "no_library", False):
+        print(f"{LIBRARY}: measuring", flush=True)
+        try:
+            found = serve_library.measure(model, solo, args.threads, args.quantize, completions)
+            results[LIBRARY] = {"load_average": list(os.getloadavg()), **found}
+        except RuntimeError as error:
+            results[LIBRARY] = {"error": str(error)}
     for name, (template, runs, ready_path) in measured.items():
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
@@ -226,13 +238,19 @@ def run(model: str, args) -> dict:
     }
 
 
+# the library alone, without a server (serve_library.py), in the results
+LIBRARY = "flashformer library (batch 1, no server)"
+
+
 def targets(results: dict, clients: int) -> dict:
     """The issues' ratios: flashformer's batching server against itself alone and one at a time,
-    with its prefix cache against without, and against llama-server when it ran."""
+    with its prefix cache against without, against llama-server when it ran, and one client's
+    decode rate against the library's own."""
     ours = results.get(f"flashformer (max batch {clients})", {})
     single = results.get("flashformer (one at a time)", {})
     uncached = results.get(f"flashformer (max batch {clients}, no prefix cache)", {})
     found = peer_targets(ours, results.get(f"llama-server (-np {clients})", {}), clients)
+    found.update(library_targets(ours, results.get(LIBRARY, {})))
     found = {name: value for name, value in found.items() if value is not None}
     if "shared_prefix" in ours and "shared_prefix" in uncached:
         on, off = ours["shared_prefix"], uncached["shared_prefix"]
@@ -256,6 +274,55 @@ def targets(results: dict, clients: int) -> dict:
         "p50 time to first token / one prompt's prefill (<= 2)": ours["loaded"]["ttft_p50_s"]
         / alone["ttft_p50_s"],
     }
+
+
+def library_targets(ours: dict, library: dict) -> dict:
+    """One client's decode rate served against the library's batch-1 decode (bench generate's
+    way), and against the library's on the same questions; its output tokens/s (the prompts
+    included) against the library's on the same questions."""
+    alone = ours.get("alone", {}).get("decode_tokens_per_s")
+    if "alone" not in library or alone is None:
+        return {}
+    theirs = library["alone"]
+    return {
+        "1 client: decode tokens/s / the library's batch-1 decode (>= 0.85)": alone
+        / library["decode_tokens_per_s"],
+        "1 client: decode tokens/s / the library's on the same questions": alone
+        / theirs["decode_tokens_per_s"],
+        "1 client: output tokens/s / the library's on the same questions": ours["alone"][
+            "output_tokens_per_s"
+        ]
+        / theirs["output_tokens_per_s"],
+    }
+
+
+def decode_lines(payload: dict) -> str:
+    """The one-client decode rates (and the library's run), for runs that measured them ("" for
+    older ones)."""
+    servers = payload["servers"]
+    rates = [
+        f"{RENAMED.get(name, name)} {result['alone']['decode_tokens_per_s']:.1f}"
+        for name, result in servers.items()
+        if "loaded" in result and result["alone"].get("decode_tokens_per_s") is not None
+    ]
+    lines = []
+    library = servers.get(LIBRARY, {})
+    if "error" in library:
+        lines.append(f"{LIBRARY}: not measured: {' '.join(library['error'].split())[:80]}")
+    elif "alone" in library:
+        alone, ms = library["alone"], lambda value: f"{1e3 * value:.0f}"
+        lines.append(
+            f"{LIBRARY}, the same one-client questions in a fresh process: {alone['output_tokens_per_s']:.1f} "
+            f"output tokens/s, TTFT p50 {ms(alone['ttft_p50_s'])} ms, ITL p50 / p99 {ms(alone['itl_p50_s'])} / "
+            f"{ms(alone['itl_p99_s'])} ms, decode {alone['decode_tokens_per_s']:.1f} tokens/s; its batch-1 "
+            f"decode as bench generate measures it: {library['decode_tokens_per_s']:.1f} tokens/s"
+        )
+    if rates:
+        lines.append(
+            "1 client: decode tokens/s (the tokens after each answer's first over their time): "
+            + ", ".join(rates)
+        )
+    return "".join("\n\n" + line for line in lines)
 
 
 # names of older runs' servers, as the table gives them today
@@ -321,7 +388,7 @@ def table(payload: dict) -> str:
         + ".\n\n"
         + markdown_table(header, rows)
     )
-    text += workload_table(payload) + drills(payload)
+    text += decode_lines(payload) + workload_table(payload) + drills(payload)
     if payload["targets"]:
         text += "\n\n" + "; ".join(f"{name}: {value:.2f}" for name, value in payload["targets"].items())
     return text
@@ -513,6 +580,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-llama-cpp", action="store_true", help="leave llama-cpp-python's server out (no --llama-server)"
+    )
+    parser.add_argument(
+        "--no-library",
+        action="store_true",
+        help="leave out the library's own run of the one-client questions (batch 1, no server)",
     )
     parser.add_argument(
         "--long-context",

@@ -163,13 +163,14 @@ async def drive(
 
     client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=3600)
     queue = list(enumerate(jobs))
-    ttfts, gaps, tokens, errors = [], [], 0, 0
+    ttfts, gaps, spans, tokens, errors = [], [], [], 0, 0
     started_at = time.perf_counter()
 
     async def one(question, limit: int):
         nonlocal tokens, errors
         started = time.perf_counter()
-        last, chunks, counted = None, 0, False
+        first = last = None
+        chunks, counted = 0, None
         fields = dict(model=model, max_tokens=limit, temperature=0, stream=True,
                       stream_options={"include_usage": True}, **(extra or {}))  # fmt: skip
         try:
@@ -185,15 +186,17 @@ async def drive(
                 ):
                     if last is None:
                         ttfts.append(now - started)
+                        first = now
                     else:
                         gaps.append(now - last)
                     last = now
                     chunks += 1
                 if chunk.usage is not None:
-                    tokens += chunk.usage.completion_tokens
-                    counted = True
-            if not counted:  # a server without stream usage (llama-cpp-python's): a token per chunk
-                tokens += chunks
+                    counted = chunk.usage.completion_tokens
+            # a server without stream usage (llama-cpp-python's): a token per chunk
+            made = chunks if counted is None else counted
+            tokens += made
+            spans.append((made, first, last))
         except Exception:
             errors += 1
 
@@ -204,10 +207,17 @@ async def drive(
 
     await asyncio.gather(*[worker() for _ in range(clients)])
     await client.close()
-    return summary(len(jobs), clients, errors, tokens, time.perf_counter() - started_at, ttfts, gaps)
+    wall = time.perf_counter() - started_at
+    return summary(len(jobs), clients, errors, tokens, wall, ttfts, gaps, spans)
 
 
-def summary(requests, clients, errors, tokens, wall, ttfts, gaps) -> dict:
+def summary(requests, clients, errors, tokens, wall, ttfts, gaps, spans=()) -> dict:
+    """A run's figures. spans: per request (its tokens, the times its first and last text
+    arrived), from which the decode rate: the tokens after each request's first over the time
+    they took (the time to the first token left out, as a decode benchmark leaves the prompt
+    out)."""
+    decoded = [(made - 1, end - begin) for made, begin, end in spans if made > 1 and end is not None]
+    decode_s = sum(seconds for _, seconds in decoded)
     return {
         "requests": requests,
         "clients": clients,
@@ -215,6 +225,7 @@ def summary(requests, clients, errors, tokens, wall, ttfts, gaps) -> dict:
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
+        "decode_tokens_per_s": sum(made for made, _ in decoded) / decode_s if decode_s > 0 else None,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
         "itl_p50_s": percentile(gaps, 50),

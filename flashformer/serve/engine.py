@@ -379,9 +379,9 @@ class Engine(ModelLoop):
             self.scheduler.prepare_windows([(s, s.computed, s.computed + 1) for s in decoding])
             logits = self.runner.decode(decoding)  # (N, vocab)
             self.scheduler.remember(decoding)
-            for sequence, row_logits in zip(decoding, logits):
-                if sequence.computed == len(sequence.tokens):  # caught up: a new token
-                    self._sample(sequence, row_logits)
+            # the sequences caught up get a new token (a replay's rows are not sampled)
+            ready = [(s, r, r + 1) for r, s in enumerate(decoding) if s.computed == len(s.tokens)]
+            self._sample_ready(ready, logits)
 
     def _packed_step(self) -> None:
         """One forward over every decoding sequence's next token and this step's prompt chunks
@@ -397,17 +397,16 @@ class Engine(ModelLoop):
         if not work:
             return
         self.scheduler.prepare_windows(work)
-        ready = self.runner.packed(work, every_row=set(drafts))
+        ready, logits = self.runner.packed(work, every_row=set(drafts))
         for sequence, guesses in drafts.items():  # unverified: neither tokens nor computed yet
             del sequence.tokens[-len(guesses) :]
             sequence.computed -= len(guesses)
         self.scheduler.remember([sequence for sequence, _, _ in work])
         self.counts["prompt_tokens"] += sum(end - start for _, start, end in plan)
-        for sequence, row_logits in ready:
+        for sequence, first, end in ready:
             if sequence in drafts:
-                self._verify(sequence, drafts[sequence], row_logits)
-            else:
-                self._sample(sequence, row_logits)
+                self._verify(sequence, drafts[sequence], logits[first:end])
+        self._sample_ready([row for row in ready if row[0] not in drafts], logits)
 
     def _drafts(self, decoding: list[Sequence]) -> dict[Sequence, list[int]]:
         """This step's drafts per sequence, with blocks to hold them (speculation.py)."""
@@ -447,6 +446,28 @@ class Engine(ModelLoop):
 
     # ---- tokens out ----
 
+    def _sample_ready(self, ready: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+        """The next token of each (sequence, row, _) of ready from its row of logits (R, V). The
+        rows whose choice is the plain argmax (_plain) find it in one choose_tokens call for all of
+        them (the same token as each alone: an argmax reads its own row only); the others go
+        through their processors, constraints and generators one by one (_sample)."""
+        plain = [(sequence, row) for sequence, row, _ in ready if _plain(sequence)]
+        rows = [row for _, row in plain]
+        if rows == list(range(logits.shape[0])):
+            scores = logits  # every row: no copy
+        else:
+            scores = logits[torch.tensor(rows, dtype=torch.long)] if rows else None
+        tokens = choose_tokens(scores, False, None).tolist() if rows else []
+        chosen = {id(sequence): token for (sequence, _), token in zip(plain, tokens)}
+        for sequence, row, _ in ready:
+            token = chosen.get(id(sequence))
+            if token is None:
+                self._sample(sequence, logits[row])
+            else:
+                self._take(
+                    sequence, token, logits[row] if sequence.request.params.logprobs is not None else None
+                )
+
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
         """Pick the next token from one row's logits (V,), then stream and check for the end."""
         request = sequence.request
@@ -467,6 +488,13 @@ class Engine(ModelLoop):
                 scores = keep_an_end(scores, masked)
         token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
         token = thinking.end if spent else token  # a spent budget ends the reasoning
+        self._take(sequence, token, logits)
+
+    def _take(self, sequence: Sequence, token: int, logits: torch.Tensor | None) -> None:
+        """Append the chosen token (logits: its row (V,), for the log-probabilities and the
+        penalties' history; None when neither reads it), then stream and check for the end."""
+        request = sequence.request
+        thinking, phase = request.params.thinking, sequence.phase
         sequence.tokens.append(token)
         if phase is not None:  # the reasoning goes on until `end`; "before": it opens at `start`
             sequence.thought += phase == "thinking"
@@ -478,7 +506,8 @@ class Engine(ModelLoop):
             sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
         self._note_progress(1)
-        self._stream(sequence, token_logprobs(logits, token, request.params.logprobs))
+        asked = request.params.logprobs
+        self._stream(sequence, [] if asked is None else token_logprobs(logits.float(), token, asked))
 
     def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob]) -> None:
         """Hold the text the newest token made certain for the step's delta; end the sequence at a
@@ -500,7 +529,7 @@ class Engine(ModelLoop):
                 self._retire(sequence)
                 return
             reason = "stop"  # the grammar is complete: nothing but a stop token could follow
-        if reason is None and len(sequence.generated) >= params.max_tokens:
+        if reason is None and len(sequence.tokens) - sequence.prompt_len >= params.max_tokens:
             reason = "length"
         if reason is None and len(sequence.tokens) >= self.context:
             reason = "length"
@@ -544,6 +573,18 @@ class Engine(ModelLoop):
                 "prompt_tokens_details": {"cached_tokens": request.sequences[0].cached_tokens or 0},
             }
             request.emit(Event("done", usage=usage))
+
+
+def _plain(sequence: Sequence) -> bool:
+    """Whether the sequence's next token is the plain argmax of its logits: greedy, no grammar and
+    no reasoning to track, and a logits processor that changes no score at this step."""
+    request = sequence.request
+    return (
+        not request.settings.do_sample
+        and sequence.matcher is None
+        and sequence.phase is None
+        and not request.process.changes_scores(len(sequence.tokens) - sequence.prompt_len)
+    )
 
 
 def check_prompt_fits(length: int, context: int, pool_tokens: int) -> None:

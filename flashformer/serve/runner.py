@@ -179,50 +179,66 @@ class ModelRunner:
 
     def packed(
         self, work: list[tuple[object, int, int]], every_row: set | None = None
-    ) -> list[tuple[object, torch.Tensor]]:
+    ) -> tuple[list[tuple[object, int, int]], torch.Tensor]:
         """One forward over every (sequence, start, end) of `work` (decode tokens and prompt
         chunks) packed in one row (attention sees each sequence's own tokens), so the weights
-        are read once for all of them. Returns (sequence, logits (V,)) for the sequences whose
-        newest token was fed (the others are in a prompt or a replay); for those in every_row
-        (a token and its drafts: speculation.py) the logits after each fed token (end - start, V)."""
-        tokens, positions, owners, starts = [], [], [], [0]  # owners: each token's row of work
-        for i, (sequence, start, end) in enumerate(work):
+        are read once for all of them. Returns (ready, logits): ready lists (sequence, first,
+        end) for the sequences whose newest token was fed (the others are in a prompt or a
+        replay), their rows of logits (R, V) being first .. end - 1: the last fed token's alone,
+        or for those in every_row (a token and its drafts: speculation.py) every fed token's."""
+        tokens, positions, starts = [], [], [0]
+        for sequence, start, end in work:
             tokens += sequence.tokens[start:end]
             positions += range(start, end)
-            owners += [i] * (end - start)
             starts.append(starts[-1] + end - start)
-        sequences = [sequence for sequence, _, _ in work]
-        tables = self._block_tables(sequences, len(work))
-        slots = kv_slots(tables[owners], torch.tensor(positions)[:, None], self.pool.block_size)  # (T, 1)
-        window_tables = window_slots = None
-        if self.window_batch is not None:
-            window_tables = self._window_tables(sequences, len(work))
-            window_slots = kv_slots(
-                window_tables[owners], torch.tensor(positions)[:, None], self.pool.block_size
-            )
-        lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
-        ready = []  # sequences whose last token of this step is their newest: they get a new one
+        ready, rows = [], []  # the sequences whose last token of this step is their newest: a new one
         every_row = {id(sequence) for sequence in every_row or ()}
         for i, (sequence, _, end) in enumerate(work):
             sequence.computed = end
             if end == len(sequence.tokens):
                 first = starts[i] if id(sequence) in every_row else starts[i + 1] - 1
-                ready.append((sequence, range(first, starts[i + 1])))
-        rows = torch.tensor([row for _, span in ready for row in span], dtype=torch.long)
+                ready.append((sequence, len(rows), len(rows) + starts[i + 1] - first))
+                rows += range(first, starts[i + 1])
         if self.native is not None:
-            batch = NativeBatch(
-                tokens=torch.tensor(tokens),
-                positions=torch.tensor(positions),
-                q_starts=torch.tensor(starts),
-                seq_lens=lengths,
-                block_tables=tables,
-                slots=slots.view(-1),
-                logit_rows=rows,
-                window_tables=window_tables,
-                window_slots=None if window_slots is None else window_slots.view(-1),
-            )
-            logits = self.native.forward(batch, self.native_cache)  # (rows, vocab)
-            return _by_sequence(ready, logits, every_row)
+            logits = self._native_packed(work, tokens, positions, starts, rows)
+        else:
+            logits = self._eager_packed(work, tokens, positions, starts, rows)
+        return ready, logits
+
+    def _native_packed(self, work, tokens, positions, starts, rows) -> torch.Tensor:
+        """packed's forward as one native call: its index tensors are made from Python lists
+        (a handful of small tensors, no tensor arithmetic: this runs before every token)."""
+        size = self.pool.block_size
+        slots = [s.blocks[p // size] * size + p % size for s, start, end in work for p in range(start, end)]
+        window_tables = window_slots = None
+        if self.window_batch is not None:
+            tables = [_released_as_scratch(s.window_blocks) for s, _, _ in work]
+            window_tables = _index_table(tables)
+            window_slots = torch.tensor(
+                [table[p // size] * size + p % size for table, (_, start, end) in zip(tables, work)
+                 for p in range(start, end)]
+            )  # fmt: skip
+        batch = NativeBatch(
+            tokens=torch.tensor(tokens),
+            positions=torch.tensor(positions),
+            q_starts=torch.tensor(starts),
+            seq_lens=torch.tensor([end for _, _, end in work]),
+            block_tables=_index_table([s.blocks for s, _, _ in work]),
+            slots=torch.tensor(slots),
+            logit_rows=torch.tensor(rows, dtype=torch.long),
+            window_tables=window_tables,
+            window_slots=window_slots,
+        )
+        return self.native.forward(batch, self.native_cache)  # (R, vocab)
+
+    def _eager_packed(self, work, tokens, positions, starts, rows) -> torch.Tensor:
+        """packed's forward through the model's modules (quantized matmuls, paged attention)."""
+        sequences = [sequence for sequence, _, _ in work]
+        owners = [i for i, (_, start, end) in enumerate(work) for _ in range(start, end)]
+        where = torch.tensor(positions)[:, None]  # (T, 1)
+        tables = self._block_tables(sequences, len(work))
+        slots = kv_slots(tables[owners], where, self.pool.block_size)  # (T, 1)
+        lengths = torch.tensor([end for _, _, end in work], dtype=torch.int32)
         device = self.device
         self.batch.set(
             tables.to(device),
@@ -231,6 +247,8 @@ class ModelRunner:
             q_starts=torch.tensor(starts, device=device),
         )
         if self.window_batch is not None:
+            window_tables = self._window_tables(sequences, len(work))
+            window_slots = kv_slots(window_tables[owners], where, self.pool.block_size)
             self.window_batch.set(
                 window_tables.to(device),
                 lengths.to(device),
@@ -243,10 +261,10 @@ class ModelRunner:
             kv_caches=self.caches,
             logits_to_keep=1,
         )
-        if not ready:
-            return []
-        logits = self.model.project(out.last_hidden_state[0, rows.to(device)][None])[0]  # (rows, vocab)
-        return _by_sequence(ready, logits, every_row)
+        if not rows:
+            return torch.empty(0, self.model.config.vocab_size, device=device)
+        rows = torch.tensor(rows, dtype=torch.long, device=device)
+        return self.model.project(out.last_hidden_state[0, rows][None])[0]  # (R, vocab)
 
     # ---- block tables and slots ----
 
@@ -269,8 +287,8 @@ class ModelRunner:
         read as block 0, a scratch block, which no query's window reaches."""
         tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32)
         for r, sequence in enumerate(sequences):
-            row = torch.tensor(sequence.window_blocks, dtype=torch.int32)
-            tables[r, : len(row)] = torch.where(row == NO_BLOCK, 0, row)
+            row = torch.tensor(_released_as_scratch(sequence.window_blocks), dtype=torch.int32)
+            tables[r, : len(row)] = row
         return tables
 
     def _block_tables(self, sequences, rows: int) -> torch.Tensor:
@@ -281,12 +299,14 @@ class ModelRunner:
         return tables
 
 
-def _by_sequence(ready: list, logits: torch.Tensor, every_row: set[int]) -> list[tuple[object, torch.Tensor]]:
-    """packed's logits (rows, V), in the order of ready's spans, handed to their sequences
-    (every_row: the ids of those that get all their rows)."""
-    found, at = [], 0
-    for sequence, span in ready:
-        count = len(span)
-        found.append((sequence, logits[at : at + count] if id(sequence) in every_row else logits[at]))
-        at += count
-    return found
+def _released_as_scratch(table: list[int]) -> list[int]:
+    """A window table with its released entries (NO_BLOCK) read as block 0, a scratch block
+    that no query's window reaches."""
+    return [0 if block == NO_BLOCK else block for block in table]
+
+
+def _index_table(rows: list[list[int]]) -> torch.Tensor:
+    """(len(rows), widest row) int64 block tables for a native call: each row's blocks, zeros
+    after them (the call reads a sequence's entries up to its length only)."""
+    width = max(1, max(len(row) for row in rows))
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows])

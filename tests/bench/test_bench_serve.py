@@ -70,3 +70,32 @@ def test_a_base_models_prompt_is_the_question_or_the_messages_in_order(tokenizer
     prompt = serve_load.as_prompt(messages)
     assert prompt == messages[0]["content"] + "\n\n" + messages[1]["content"]
     assert prompt.startswith("You answer questions about this text. ")
+
+
+def test_the_decode_rate_leaves_each_answers_first_token_out():
+    # two answers: 5 tokens from t=1 to t=2 (4 after the first in 1 s), 3 from t=10 to t=10.5
+    found = serve_load.summary(2, 1, 0, 8, 12.0, [1.0, 0.5], [0.25] * 6, [(5, 1.0, 2.0), (3, 10.0, 10.5)])
+    assert found["decode_tokens_per_s"] == pytest.approx(6 / 1.5)
+    assert found["output_tokens_per_s"] == pytest.approx(8 / 12.0)
+    assert serve_load.summary(1, 1, 0, 1, 1.0, [0.5], [], [(1, 0.5, 0.5)])["decode_tokens_per_s"] is None
+
+
+def test_one_clients_decode_is_read_against_the_librarys():
+    def alone(decode, output):
+        return {"decode_tokens_per_s": decode, "output_tokens_per_s": output, "ttft_p50_s": 0.1,
+                "itl_p50_s": 0.005, "itl_p99_s": 0.01}  # fmt: skip
+
+    results = {
+        "flashformer (max batch 16)": {"alone": alone(170.0, 120.0), "loaded": alone(300.0, 290.0)},
+        serve.LIBRARY: {"alone": alone(190.0, 150.0), "decode_tokens_per_s": 200.0},
+    }
+    found = serve.targets(results, 16)
+    assert found["1 client: decode tokens/s / the library's batch-1 decode (>= 0.85)"] == pytest.approx(0.85)
+    assert found["1 client: decode tokens/s / the library's on the same questions"] == pytest.approx(
+        170 / 190
+    )
+    assert found["1 client: output tokens/s / the library's on the same questions"] == pytest.approx(0.8)
+    lines = serve.decode_lines({"servers": results})
+    assert "decode 190.0 tokens/s; its batch-1 decode as bench generate measures it: 200.0 tokens/s" in lines
+    assert "flashformer (max batch 16) 170.0" in lines
+    assert serve.decode_lines({"servers": {"flashformer (max batch 16)": {"alone": {}, "loaded": {}}}}) == ""

@@ -224,7 +224,8 @@ def test_first_argmax_equals_torchs_argmax_ties_nans_and_infinities(vocab, dtype
     """The chunked argmax gives torch.argmax's index in every case that decides between equals:
     ties (scores from a handful of values, so the maximum repeats across chunks and inside one,
     and the tail), NaNs (the first wins, wherever it is), infinities, whole rows of -inf, and a
-    row view that is not contiguous."""
+    row view that is not contiguous; one row alone too. float32 scores go to numpy's argmax,
+    bfloat16 ones to the chunked passes."""
     generator = torch.Generator().manual_seed(vocab)
     rows = torch.randint(0, 4, (12, vocab), generator=generator).to(dtype)  # (B, V), many ties
     rows[1] = torch.randn(vocab, generator=generator).to(dtype)  # no tie
@@ -238,3 +239,5 @@ def test_first_argmax_equals_torchs_argmax_ties_nans_and_infinities(vocab, dtype
     rows[8, -1] = 3  # ties the body's maximum: the body's first index wins
     for scores in (rows, rows[:, : vocab - 1] if vocab > 1 else rows, torch.cat([rows, rows], 1)[:, ::2]):
         assert torch.equal(first_argmax(scores), scores.argmax(dim=-1)), scores.shape
+        for row in scores.split(1):  # (1, V)
+            assert torch.equal(first_argmax(row), row.argmax(dim=-1)), row

@@ -39,8 +39,8 @@ def test_separate_and_packed_steps_equal_full_forwards():
         seqs = sequences(pool, [9, 6], 20)
         with torch.no_grad():
             if packed:
-                results = runner.packed([(s, 0, len(s.tokens)) for s in seqs])
-                got = [logits for _, logits in results]
+                ready, logits = runner.packed([(s, 0, len(s.tokens)) for s in seqs])
+                got = [logits[first] for _, first, _ in ready]
             else:
                 got = [runner.prefill(s, 0, len(s.tokens)) for s in seqs]
             for _ in range(8):
@@ -48,8 +48,7 @@ def test_separate_and_packed_steps_equal_full_forwards():
                     torch.testing.assert_close(logits, full_logits(model, s.tokens), atol=1e-5, rtol=0)
                     s.tokens.append(s.full[len(s.tokens)])
                 if packed:
-                    got = [
-                        logits for _, logits in runner.packed([(s, s.computed, len(s.tokens)) for s in seqs])
-                    ]
+                    ready, logits = runner.packed([(s, s.computed, len(s.tokens)) for s in seqs])
+                    got = [logits[first] for _, first, _ in ready]
                 else:
                     got = list(runner.decode(seqs))

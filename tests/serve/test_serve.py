@@ -550,3 +550,49 @@ def test_a_quantized_model_decodes_only_its_rows_and_stays_invariant(tiny_chat_m
     float_model, _ = flashformer.load(tiny_chat_model)
     assert not Engine(float_model, tokenizer, max_batch=8, num_blocks=96).pad_decode  # native
     assert Engine(float_model, tokenizer, max_batch=8, num_blocks=96, native=False).pad_decode
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "eager"])
+def test_plain_greedy_rows_are_chosen_together_and_every_other_setting_still_applies(tiny_chat_model, native):
+    """A step's rows whose next token is the plain argmax (greedy, no processor that changes a
+    score: engine._plain) are chosen in one call for all of them; beside them, rows with a
+    logit_bias, min_tokens, logprobs or sampling go through their own settings. Each request
+    gets generate()'s tokens for its settings, and the same tokens alone or among the others."""
+    model, tokenizer = flashformer.load(tiny_chat_model, quantize="int4")
+    prompts = [tokenizer.encode(q) for q in QUESTIONS]
+    eos = tokenizer.stop_token_ids
+    first = model.generate(torch.tensor([prompts[1]]), max_new_tokens=1, eos_token_id=eos)[0, -1].item()
+    settings = [
+        dict(temperature=0),
+        dict(temperature=0, logit_bias=((first, -100.0),)),  # bans the plain answer's first token
+        dict(temperature=0, min_tokens=12),
+        dict(temperature=0, logprobs=2),
+        dict(temperature=0.8, seed=5),
+        dict(temperature=0),
+    ]
+    jobs = [
+        (prompts[i % len(prompts)], SamplingParams(max_tokens=12, stop_token_ids=tuple(eos), **given))
+        for i, given in enumerate(settings)
+    ]
+    jobs[1] = (prompts[1], jobs[1][1])
+
+    def engine() -> Engine:
+        return Engine(model, tokenizer, max_batch=8, num_blocks=96, native=native)
+
+    together = run_requests(engine(), jobs)
+    alone = [run_requests(engine(), [job])[0] for job in jobs]
+    assert [(f["tokens"], f["logprobs"]) for f in together] == [(f["tokens"], f["logprobs"]) for f in alone]
+    for (prompt, params), found in zip(jobs, together):
+        if params.temperature:
+            continue
+        reference = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            eos_token_id=eos,
+            logit_bias=dict(params.logit_bias) or None,
+            min_new_tokens=params.min_tokens,
+        )[0, len(prompt) :].tolist()
+        assert found["tokens"] == reference and len(found["tokens"]) >= params.min_tokens
+    assert together[1]["tokens"][0] != first  # the bias was applied
+    assert [entry[0] for entry in together[3]["logprobs"]] == together[3]["tokens"]
+    assert all(len(top) == 2 for _, _, top in together[3]["logprobs"])

@@ -112,18 +112,35 @@ def add_error_handlers(app: FastAPI) -> None:
 def add_api_key(app: FastAPI, api_key: str | None) -> None:
     """With a key, every /v1 call must carry it: `Authorization: Bearer <key>`, or `x-api-key` as
     Anthropic's clients send it; compared in constant time. 401 otherwise."""
+    if api_key is not None:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            bearer = request.headers.get("authorization", "").encode()
-            anthropic = request.headers.get("x-api-key", "").encode()  # Anthropic's clients' header
-            if not (
-                hmac.compare_digest(bearer, f"Bearer {api_key}".encode())
-                or hmac.compare_digest(anthropic, api_key.encode())
-            ):
-                refusal = APIError(
-                    401, "incorrect API key", kind="authentication_error", code="invalid_api_key"
-                )
-                return error_response(request, refusal)
-        return await call_next(request)
+
+class RequireAPIKey:
+    """add_api_key's check as a plain ASGI middleware: a /v1 request without the key is answered
+    401 here, and everything else passes through untouched. (Starlette's BaseHTTPMiddleware, an
+    @app.middleware("http") function, carries every chunk of a streamed answer through a memory
+    stream to a task of its own: a task switch per token, on the cores that decode.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._carries_key(scope):
+            refusal = APIError(401, "incorrect API key", kind="authentication_error", code="invalid_api_key")
+            response = anthropic_error(refusal) if speaks_anthropic(scope["path"]) else refusal.response()
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _carries_key(self, scope) -> bool:
+        bearer = _header(scope, b"authorization")
+        anthropic = _header(scope, b"x-api-key")  # Anthropic's clients' header
+        # both compared, in constant time, whichever is given
+        return hmac.compare_digest(bearer, self.bearer) | hmac.compare_digest(anthropic, self.key)
+
+
+def _header(scope, name: bytes) -> bytes:
+    """The first value of a request header (names are lowercase in ASGI), b"" if absent."""
+    return next((value for key, value in scope["headers"] if key == name), b"")
