@@ -17,7 +17,15 @@ Modes:
   scale and a minimum (GGUF's Q4_1), quantized from the float weights with
   llama.cpp's rounding.
 
-Norms, biases and learned positions stay float32. With int8 activations the
+What a quantized layer's input is, `activations` (ACTIVATION_SCHEMES): "int8" everywhere (each
+kernel quantizes its input per block, as llama.cpp does), "float32" everywhere (exact with respect
+to the quantized weights, about half the speed), or "int8-float32-head": int8 but the output
+head's input. The head's rounding error lands on the logits with nothing after it to dilute it
+(on SmolLM2 a third of the KL divergence int8 inputs cause, from one of 151 layers), a prompt runs
+only its last row through the head, and a decode step's head product streams its weights at the
+memory's speed with float inputs as with int8 (docs/benchmarks.md, "Activations").
+
+Norms, biases and learned positions stay float32. With int8 activations (either int8 scheme) the
 KV cache is float16, as llama.cpp's is by default (`model.kv_cache_dtype`;
 set it to None for the float32 cache that float32 activations keep). The tied LM head reads the
 quantized embedding's bytes (in SmolLM2 the embedding is a fifth of the bytes
@@ -36,17 +44,35 @@ from flashformer.kernels.quantized import GGUF_TYPES, ConcatenatedLinear, Quanti
 from flashformer.model import hf
 
 MODES = ("int8", "int4", "gguf")
+HEAD = "lm_head"
+
+
+def _head_float32(name: str) -> str:
+    return "float32" if name == HEAD else "int8"
+
+
+# What each quantized layer's input is, per scheme: a layer's name -> its kernel's activations
+# (kernels.quantized.ACTIVATIONS). "int8-float32-head": every layer int8 but the output head (see
+# docs/models.md, "Quantized decoding", for why the head).
+ACTIVATION_SCHEMES = {
+    "int8": lambda name: "int8",
+    "float32": lambda name: "float32",
+    "int8-float32-head": _head_float32,
+}
 
 
 def quantize(model, mode: str, checkpoint=None, activations: str = "int8"):
     """`model` with its projections, embedding and head quantized in place; returns it.
 
     checkpoint: the GGUFCheckpoint the model was loaded from (mode "gguf" reads its blocks).
-    activations: "int8" (quantized per block of 32 inside the kernel, as llama.cpp does) or
-    "float32" (exact with respect to the quantized weights).
+    activations: "int8" (quantized per block of 32 inside the kernel, as llama.cpp does),
+    "float32" (exact with respect to the quantized weights), or "int8-float32-head" (int8 but the
+    output head's, float32): ACTIVATION_SCHEMES.
     """
     if mode not in MODES:
         raise ValueError(f"quantize must be one of {MODES} or None; got {mode!r}")
+    if activations not in ACTIVATION_SCHEMES:
+        raise ValueError(f"activations must be one of {tuple(ACTIVATION_SCHEMES)}; got {activations!r}")
     config = model.config
     if config.arch != "decoder":
         raise ValueError(
@@ -58,22 +84,25 @@ def quantize(model, mode: str, checkpoint=None, activations: str = "int8"):
         )
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("quantize: the model must be float32 (quantized layers take float32 activations)")
-    make = _from_gguf(model, checkpoint, activations) if mode == "gguf" else _from_float(mode, activations)
+    activations_of = ACTIVATION_SCHEMES[activations]
+    make = (
+        _from_gguf(model, checkpoint, activations_of) if mode == "gguf" else _from_float(mode, activations_of)
+    )
     embedding = make.embedding(model.embeddings.tokens)
     if embedding is not None:
         model.embeddings.tokens = embedding
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and (name.startswith("decoder.") or name == "lm_head"):
+        if isinstance(module, nn.Linear) and (name.startswith("decoder.") or name == HEAD):
             quantized = make.linear(name, module)
             if quantized is not None:
                 _replace(model, name, quantized)
     if config.tie_word_embeddings and isinstance(model.embeddings.tokens, QuantizedEmbedding):
-        model.lm_head = QuantizedLinear.from_embedding(model.embeddings.tokens, activations)
+        model.lm_head = QuantizedLinear.from_embedding(model.embeddings.tokens, activations_of(HEAD))
     model.quantization = mode
     # keys and values in float16 with int8 activations (llama.cpp's default cache type): a decode
     # step of 8 rows over ~170 keys reads 64 MB of float32 cache in SmolLM2, two thirds of the
     # 97 MB of weights it reads
-    model.kv_cache_dtype = torch.float16 if activations == "int8" else None
+    model.kv_cache_dtype = None if activations == "float32" else torch.float16
     return model.eval()
 
 
@@ -84,28 +113,28 @@ def is_quantized(model) -> bool:
 class _from_float:
     """Quantizes float weights: every projection, the embedding and an untied head."""
 
-    def __init__(self, mode: str, activations: str):
-        self.mode, self.activations = mode, activations
+    def __init__(self, mode: str, activations_of):
+        self.mode, self.activations_of = mode, activations_of
 
     def embedding(self, embedding: nn.Embedding):
         return QuantizedEmbedding.from_float(embedding, self.mode)
 
     def linear(self, name: str, linear: nn.Linear):
-        return QuantizedLinear.from_float(linear, self.mode, activations=self.activations)
+        return QuantizedLinear.from_float(linear, self.mode, activations=self.activations_of(name))
 
 
 class _from_gguf:
     """Takes a GGUF file's blocks where a kernel reads their type, through the Hugging Face
     family's naming rules (ours <- theirs, q/k/v stacked in one projection)."""
 
-    def __init__(self, model, checkpoint, activations: str):
+    def __init__(self, model, checkpoint, activations_of):
         layout = hf.family(model.config.hf_model_type)
         self.blocks = layout.strip_prefix(dict(checkpoint.quantized))  # their name -> QuantizedTensor
         self.rules = {rule.ours: rule for rule in layout.rules(model.config)}
         self.embedding_name = next(
             r.theirs[0] for r in self.rules.values() if r.ours == "embeddings.tokens.weight"
         )
-        self.activations, self.source, self.kept = activations, checkpoint.path, set()
+        self.activations_of, self.source, self.kept = activations_of, checkpoint.path, set()
 
     def _usable(self, names) -> list | None:
         tensors = [self.blocks.get(name) for name in names]
@@ -131,9 +160,9 @@ class _from_gguf:
         tensors = self._usable(rule.theirs)
         if tensors is None:
             return None
-        bias = linear.bias
+        bias, activations = linear.bias, self.activations_of(name)
         parts = [
-            QuantizedLinear.from_gguf_blocks(t.ggml_type, t.blocks, t.shape, activations=self.activations)
+            QuantizedLinear.from_gguf_blocks(t.ggml_type, t.blocks, t.shape, activations=activations)
             for t in tensors
         ]
         merged = parts[0] if len(parts) == 1 else QuantizedLinear.cat(parts)

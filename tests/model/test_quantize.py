@@ -13,7 +13,9 @@ from helpers.gguf import smollm2_model
 import flashformer
 from flashformer import cli
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
+from flashformer.eval.kld import cached_chunk_logits
 from flashformer.kernels.quantized import QuantizedEmbedding, QuantizedLinear
+from flashformer.model.native import native_unsupported
 from flashformer.model.quantize import quantize
 
 VOCAB = 160
@@ -76,6 +78,65 @@ def test_int8_activations_add_less_error_than_4_bit_weights(folder):
     assert 0 < (fast - exact).abs().mean() < (exact - float_logits).abs().mean()
 
 
+def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float64 -> the values of its int8 blocks of 32, the kernels' rule written out:
+    d = amax / 127, q = round(x * 127 / amax), half to even."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+def rule_logits(folder, quantized, head_rounded: bool) -> torch.Tensor:
+    """IDS's logits in float64 math: the dequantized weights, every block projection's input
+    rounded to int8 blocks, the head's too where head_rounded."""
+    twin = dequantized_twin(folder, quantized).double()
+    for name, module in quantized.named_modules():
+        if isinstance(module, QuantizedLinear) and name != "lm_head":
+            twin.get_submodule(name).register_forward_pre_hook(
+                lambda _, args: (rounded_to_int8_blocks(args[0]),)
+            )
+    if head_rounded:  # the decoder's output is the head's input (tied or not)
+        twin.decoder.register_forward_hook(lambda _, args, out: rounded_to_int8_blocks(out))
+    with torch.no_grad():
+        return twin(IDS).logits
+
+
+def test_int8_float32_head_rounds_every_input_but_the_heads(folder):
+    """activations="int8-float32-head": the blocks' projections read int8 blocks of their input,
+    the head its float32 input. Against float64 math of that rule, the logits agree to float32
+    rounding (a rounding moved by an ulp upstream allowed for), 20x closer than to the same math
+    with the head's input rounded too, which is what activations="int8" computes."""
+    model = flashformer.from_pretrained(folder, quantize="int4", activations="int8-float32-head")
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert not layers.pop("lm_head").int8_activations
+    assert layers and all(m.int8_activations for m in layers.values())
+    assert model.kv_cache_dtype == torch.float16
+    with torch.no_grad():
+        got = model(IDS).logits.double()
+        int8_got = flashformer.from_pretrained(folder, quantize="int4", activations="int8")(
+            IDS
+        ).logits.double()
+    want, head_rounded = rule_logits(folder, model, False), rule_logits(folder, model, True)
+    error, gap = (got - want).abs().max(), (head_rounded - want).abs().max()
+    assert error <= 1e-3 * want.abs().max() and 20 * error < gap
+    assert (int8_got - head_rounded).abs().max() < gap / 4  # the int8 scheme is the other rule
+
+
+def test_the_native_decoder_runs_the_head_as_the_scheme_says(folder):
+    """The native decoder (what generate runs) reads each layer's own choice: over a float32
+    cache its logits are the modules' (whose head is float, above) to float32 rounding; had it
+    rounded the head's input, they would differ by the head's int8 error."""
+    model = flashformer.from_pretrained(folder, quantize="int4", activations="int8-float32-head")
+    assert native_unsupported(model) is None
+    with torch.no_grad():
+        eager = model(IDS[:1]).logits[0, -12:]
+        native = cached_chunk_logits("f32", "f32")(model, IDS[0], 12)  # a prompt, then 12 over the cache
+        int8_head = rule_logits(folder, model, True)[0, -12:]
+    assert (native - eager).abs().max() <= 2e-5 * eager.abs().max()
+    assert (int8_head - eager.double()).abs().max() > 100 * (native - eager).abs().max()
+
+
 def test_greedy_tokens_are_the_same_every_run_and_every_batch_size(folder):
     model = flashformer.from_pretrained(folder, quantize="int4")
     prompt = IDS[:1, :9]
@@ -116,6 +177,8 @@ def test_a_quantized_model_refuses_training_and_saving(folder, tmp_path):
 def test_bad_arguments_are_refused_by_name(folder):
     with pytest.raises(ValueError, match="quantize must be one of"):
         flashformer.from_pretrained(folder, quantize="int3")
+    with pytest.raises(ValueError, match="activations must be one of .*'int8-float32-head'.*; got 'int4'"):
+        flashformer.from_pretrained(folder, quantize="int8", activations="int4")
     with pytest.raises(ValueError, match="give a .gguf file"):
         flashformer.from_pretrained(folder, quantize="gguf")
     with pytest.raises(ValueError, match="serve decoders"):
@@ -141,6 +204,16 @@ def test_gguf_mode_multiplies_the_files_own_blocks():
     with torch.no_grad():
         got, want = model(ids).logits, float_model(ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_gguf_files_tied_head_reads_float32_inputs_with_int8_float32_head():
+    """SmolLM2's head is its Q8_0 embedding's bytes (from_embedding): the scheme reaches it there
+    too, and every block projection keeps int8 inputs."""
+    model = flashformer.from_pretrained(smollm2_path(), quantize="gguf", activations="int8-float32-head")
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    head = layers.pop("lm_head")
+    assert head.qweight is model.embeddings.tokens.qweight and not head.int8_activations
+    assert len(layers) == 30 * 5 and all(m.int8_activations for m in layers.values())
 
 
 PROMPT = "def "
