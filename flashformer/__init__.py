@@ -6,6 +6,8 @@ viz, bench, cli. This module re-exports the entry points most code needs, each i
 first use (flashformer.startup): `import flashformer` costs no torch until one is read.
 """
 
+import importlib
+import os
 from typing import TYPE_CHECKING
 
 from flashformer.startup import lazy_exports
@@ -41,6 +43,12 @@ lazy_exports(
         ),
     },
 )
+
+# FLASHFORMER_CPU_ISA moves PyTorch's own kernels too (kernels.machine.follow_isa_request): ATen
+# reads its variable once, at its first operation, and none has run while flashformer is being
+# imported. Unset (or "best") there is nothing to set, and no torch is imported for it.
+if os.environ.get("FLASHFORMER_CPU_ISA", "").strip().lower() not in ("", "best"):
+    importlib.import_module("flashformer.kernels.machine").follow_isa_request()
 
 if TYPE_CHECKING:  # the same names, for type checkers, editors and the room order's test
     from flashformer.attention.api import attention

@@ -4,9 +4,3 @@ of packed layouts (layouts.py) and GGUF block types (block_types.py), the C++ CP
 built by extension.py) and the table of their operators with its fallbacks (operators.py), huge
 pages for the weights (huge_pages.py), and what machine this is (machine.py). The model calls `linear(...)` and reads the same
 without them; the measurements behind each path are in docs/benchmarks.md."""
-
-from flashformer.kernels import machine
-
-# FLASHFORMER_CPU_ISA moves PyTorch's own kernels too: ATen reads its variable once, at its first
-# operation, and no operation has run while flashformer is being imported
-machine.follow_isa_request()

@@ -108,7 +108,7 @@ def aten_capability(isa: str) -> str | None:
 def follow_isa_request() -> str | None:
     """Set ATEN_CPU_CAPABILITY from FLASHFORMER_CPU_ISA (clamped to the CPU: aten_capability), so
     that PyTorch's kernels and torch.compile's code take the path ours take; the value set, or
-    None. kernels/__init__.py calls it when flashformer is imported: before ATen's first
+    None. `import flashformer` calls it (flashformer/__init__.py): before ATen's first
     operation, which reads the variable once (`import torch` runs none). A variable the user set
     is left alone, as is an unknown request (load() refuses it by name). If ATen chose before
     (an operation ran before flashformer was imported), a warning says to set both."""
