@@ -22,7 +22,8 @@ import time
 import torch
 
 from flashformer.checkpoints.loading import load
-from flashformer.serve.engine import Engine, Request, SamplingParams
+from flashformer.serve.engine import Engine
+from flashformer.serve.request import Request, SamplingParams
 
 
 def one_request(engine: Engine, ids: list[int]) -> tuple[list[float], str]:

@@ -21,7 +21,8 @@ import torch
 
 import flashformer
 from flashformer.kernels.native_decoder import NativeDecoder
-from flashformer.serve.engine import Engine, Request, SamplingParams
+from flashformer.serve.engine import Engine
+from flashformer.serve.request import Request, SamplingParams
 
 QUESTION = "Summarize: the quick brown fox jumps over the lazy dog, three times over."
 

@@ -33,7 +33,8 @@ def one_run(model_path: str, quantize: str | None, clients: int, max_tokens: int
 
     import flashformer
     from flashformer.generate.constraints import Constraint
-    from flashformer.serve.engine import Engine, Request, SamplingParams
+    from flashformer.serve.engine import Engine
+    from flashformer.serve.request import Request, SamplingParams
 
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     model, tokenizer = flashformer.load(model_path, quantize=quantize)

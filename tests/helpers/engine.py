@@ -3,7 +3,8 @@ engine stepped until each is done, and what each one's client was told."""
 
 from __future__ import annotations
 
-from flashformer.serve.engine import Engine, Event, Request, SamplingParams
+from flashformer.serve.engine import Engine
+from flashformer.serve.request import Event, Request, SamplingParams
 
 
 def run_requests(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[dict]:

@@ -27,7 +27,8 @@ from helpers import tiny_chat_folder  # noqa: E402
 from helpers.engine import run_requests  # noqa: E402
 
 import flashformer  # noqa: E402
-from flashformer.serve.engine import Engine, SamplingParams  # noqa: E402
+from flashformer.serve.engine import Engine  # noqa: E402
+from flashformer.serve.request import SamplingParams  # noqa: E402
 
 MODEL = "tiny"
 

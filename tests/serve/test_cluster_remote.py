@@ -14,7 +14,8 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.serve.exceptions import RequestCancelledError  # noqa: E402
 
 from flashformer.serve.cluster.remote import RemoteEngine  # noqa: E402
-from flashformer.serve.engine import Busy, Event, Request, SamplingParams  # noqa: E402
+from flashformer.serve.engine import Busy  # noqa: E402
+from flashformer.serve.request import Event, Request, SamplingParams  # noqa: E402
 
 CARD = {"config": None, "context": 64, "block_size": 4, "pool_tokens": 48, "max_batch": 2, "max_waiting": 1}
 

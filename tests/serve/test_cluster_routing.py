@@ -18,7 +18,8 @@ def test_the_key_names_the_blocks_an_engine_registers_in_its_prefix_cache(tmp_pa
     from helpers.engine import run_requests
 
     import flashformer
-    from flashformer.serve.engine import Engine, SamplingParams
+    from flashformer.serve.engine import Engine
+    from flashformer.serve.request import SamplingParams
 
     model, tokenizer = flashformer.load(tiny_chat_folder(tmp_path / "tiny", max_positions=128))
     engine = Engine(model, tokenizer, max_batch=2, num_blocks=32, block_size=16, prefill_chunk=16)

@@ -11,8 +11,9 @@ import pytest
 from helpers import tiny_chat_folder
 
 import flashformer
-from flashformer.serve.engine import Engine, Event, Request, SamplingParams
+from flashformer.serve.engine import Engine
 from flashformer.serve.paged_cache import BlockPool, block_hash, extend_hashes
+from flashformer.serve.request import Event, Request, SamplingParams
 
 # ---- the pool ----
 

@@ -3,8 +3,8 @@ pool, each checked against plans worked out by hand from the rules in serve/sche
 
 from __future__ import annotations
 
-from flashformer.serve.engine import Request, SamplingParams
 from flashformer.serve.paged_cache import BlockPool
+from flashformer.serve.request import Request, SamplingParams
 from flashformer.serve.scheduler import IDLE_BUDGET_FACTOR, Scheduler
 
 

@@ -22,7 +22,8 @@ from helpers import tiny_chat_folder
 from helpers.engine import run_requests
 
 import flashformer
-from flashformer.serve.engine import Busy, Engine, Request, SamplingParams
+from flashformer.serve.engine import Busy, Engine
+from flashformer.serve.request import Request, SamplingParams
 
 KEY = "test-key"
 QUESTIONS = [

@@ -11,7 +11,8 @@ from helpers.engine import run_requests
 
 import flashformer
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
-from flashformer.serve.engine import Engine, SamplingParams
+from flashformer.serve.engine import Engine
+from flashformer.serve.request import SamplingParams
 
 TYPES = dict(cache_type_k="q8_0", cache_type_v="q4_0")
 

@@ -11,7 +11,8 @@ from helpers.engine import run_requests
 import flashformer
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.generate import speculative
-from flashformer.serve.engine import Engine, Request, SamplingParams
+from flashformer.serve.engine import Engine
+from flashformer.serve.request import Request, SamplingParams
 from flashformer.serve.speculation import SpeculativeConfig
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=6)

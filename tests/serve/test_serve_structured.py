@@ -21,7 +21,8 @@ from test_serve import KEY, http, openai_client, serving, tiny_chat_model  # noq
 
 import flashformer
 from flashformer.generate.constraints import Constraint
-from flashformer.serve.engine import Engine, SamplingParams
+from flashformer.serve.engine import Engine
+from flashformer.serve.request import SamplingParams
 
 
 @pytest.fixture(scope="module")

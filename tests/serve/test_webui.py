@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from test_serve import KEY, free_port, http, metrics, serving, tiny_chat_model  # noqa: F401
 
-from flashformer.serve.engine import Event
 from flashformer.serve.openai import create_app
+from flashformer.serve.request import Event
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(

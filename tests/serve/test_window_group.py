@@ -14,8 +14,9 @@ from helpers.sliding import WINDOW, sliding_model
 
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
-from flashformer.serve.engine import Engine, SamplingParams
+from flashformer.serve.engine import Engine
 from flashformer.serve.paged_cache import NO_BLOCK, layer_windows, window_blocks_held, window_of
+from flashformer.serve.request import SamplingParams
 
 BLOCK, CHUNK = 4, 8
 

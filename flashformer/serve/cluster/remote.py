@@ -33,8 +33,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from flashformer.generate.constraints import ConstraintSpec
 from flashformer.serve.cluster.affinity import prefix_key
-from flashformer.serve.engine import Busy, Engine, Event, Request, SamplingParams, check_prompt_fits
+from flashformer.serve.engine import Busy, Engine
 from flashformer.serve.openai.responses import prometheus
+from flashformer.serve.request import Event, Request, SamplingParams, check_prompt_fits
 
 # counters a replica's engine reports that add up across replicas (the rest are per replica)
 SUMMED = (

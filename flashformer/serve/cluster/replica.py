@@ -26,7 +26,8 @@ from flashformer.checkpoints.loading import load
 from flashformer.generate.constraints import compile_constraint
 from flashformer.model.models import EncoderModel
 from flashformer.serve.cluster.remote import Job
-from flashformer.serve.engine import Busy, Engine, Event, Request
+from flashformer.serve.engine import Busy, Engine
+from flashformer.serve.request import Event, Request
 from flashformer.serve.speculation import SpeculativeConfig
 
 

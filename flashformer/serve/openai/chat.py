@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from flashformer.generate.constraints import Constraint
 from flashformer.generate.sampling_options import REQUEST_OPTIONS
-from flashformer.serve.engine import Busy, Engine, Event, SamplingParams, Thinking
-from flashformer.serve.engine import Request as EngineRequest
+from flashformer.serve.engine import Busy, Engine
 from flashformer.serve.openai.answer import AnswerPlan
 from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, Sampling
 from flashformer.serve.openai.structured import compile_for, requested_constraint
 from flashformer.serve.openai.tools import call_constraint, plan_tools, template_messages
+from flashformer.serve.request import Event, SamplingParams, Thinking
+from flashformer.serve.request import Request as EngineRequest
 from flashformer.text.reasoning import END, START, check_format, reasoning_start
 
 # names apply_chat_template gives the template itself: chat_template_kwargs may not set them

@@ -15,10 +15,11 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flashformer.serve.engine import Engine, SamplingParams
+from flashformer.serve.engine import Engine
 from flashformer.serve.openai.answer import AnswerPlan, ChatDeltas, message_of
 from flashformer.serve.openai.chat import submit
 from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.request import SamplingParams
 
 
 async def respond(
