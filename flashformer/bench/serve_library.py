@@ -26,6 +26,7 @@ from flashformer.bench.common import add_quantize_argument, quantize_flags
 from flashformer.bench.serve_load import as_prompt, ask, summary
 
 DECODE_TOKENS = 128  # bench generate's --new-tokens
+LIBRARY = "flashformer library (batch 1, no server)"  # its name among serve.json's servers
 
 
 def measure(model: str, jobs: list[tuple[str, int]], threads: int | None, quantize: str | None,

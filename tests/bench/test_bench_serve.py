@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from flashformer.bench import serve, serve_load
+from flashformer.bench import serve, serve_library, serve_load, serve_report
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_one_clients_decode_is_read_against_the_librarys():
 
     results = {
         "flashformer (max batch 16)": {"alone": alone(170.0, 120.0), "loaded": alone(300.0, 290.0)},
-        serve.LIBRARY: {"alone": alone(190.0, 150.0), "decode_tokens_per_s": 200.0},
+        serve_library.LIBRARY: {"alone": alone(190.0, 150.0), "decode_tokens_per_s": 200.0},
     }
     found = serve.targets(results, 16)
     assert found["1 client: decode tokens/s / the library's batch-1 decode (>= 0.85)"] == pytest.approx(0.85)
@@ -95,7 +95,10 @@ def test_one_clients_decode_is_read_against_the_librarys():
         170 / 190
     )
     assert found["1 client: output tokens/s / the library's on the same questions"] == pytest.approx(0.8)
-    lines = serve.decode_lines({"servers": results})
+    lines = serve_report.decode_lines({"servers": results})
     assert "decode 190.0 tokens/s; its batch-1 decode as bench generate measures it: 200.0 tokens/s" in lines
     assert "flashformer (max batch 16) 170.0" in lines
-    assert serve.decode_lines({"servers": {"flashformer (max batch 16)": {"alone": {}, "loaded": {}}}}) == ""
+    assert (
+        serve_report.decode_lines({"servers": {"flashformer (max batch 16)": {"alone": {}, "loaded": {}}}})
+        == ""
+    )
