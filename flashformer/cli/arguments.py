@@ -13,6 +13,7 @@ from flashformer.checkpoints.loading import AUTO, QUANTIZE_CHOICES, load
 from flashformer.generate.chat import Chat
 from flashformer.generate.sampling_options import CLI_OPTIONS
 from flashformer.kernels import kv_blocks
+from flashformer.model.quantize import ACTIVATION_SCHEMES
 from flashformer.startup import paused_gc
 from flashformer.text.bpe import EOS
 
@@ -39,10 +40,11 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=AUTO, help=QUANTIZE_HELP)
     parser.add_argument(
         "--activations",
-        choices=("int8", "float32"),
+        choices=tuple(ACTIVATION_SCHEMES),
         default="int8",
-        help="what a quantized layer does with its input: quantized to int8 per block of 32 (as llama.cpp "
-        "does; faster) or kept float32 (exact with respect to the quantized weights)",
+        help="what a quantized layer does with its input: int8 (default): quantized per block of 32, as "
+        "llama.cpp does; float32: kept as is (exact with respect to the quantized weights, about half the "
+        "speed); int8-float32-head: int8 but the output head's input",
     )
 
 
