@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from flashformer import costs
-from flashformer.bench import alternatives_report, kv_cache, long_context, serve, speculative
+from flashformer.bench import alternatives_report, kv_cache, long_context, serve_report, speculative
 from flashformer.bench import attention as bench_attention
 from flashformer.cli import commands as cli
 from flashformer.costs import report
@@ -171,14 +171,14 @@ MEASURED = {
     ),
     **{
         f"serve-{name}-{isa}{suffix}": (
-            f'{env}flashformer bench serve "${var}" --quantize gguf --threads 2 --clients {clients} '
+            f'{env}flashformer bench serve "${var}"{flag} --threads 2 --clients {clients} '
             f"--requests {requests} --workloads mixed --kv-blocks 1024 --llama-server build-{build}/bin/llama-server",
             "serve",
         )
         for name, var in (("smollm2", "SMOLLM2"), ("gemma3", "GEMMA3"))
-        for isa, env, build in (
-            ("native", "", "native"),
-            ("avx2-forced", "FLASHFORMER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ", "avx2"),
+        for isa, env, build, flag in (
+            ("native", "", "native", ""),  # as typed: the file's own blocks by default
+            ("avx2-forced", "FLASHFORMER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ", "avx2", " --quantize gguf"),
         )
         for suffix, clients, requests in (("-1-client", 1, 6), ("", 16, 48))
     },
@@ -209,7 +209,11 @@ MEASURED = {
             ("gemma3", '"$GEMMA3"'),
             ("llama1b-shape", "llama-1b-shape-q4_k_m.gguf"),
         )
-        for isa, flag, build in (("native", "", "native"), ("avx2", " --isa avx2", "avx2"))
+        for isa, flag, build in (
+            ("native", "", "native"),
+            ("vnni", " --isa avx512-vnni", "native"),  # AMX off: what most AVX-512 CPUs have
+            ("avx2", " --isa avx2", "avx2"),
+        )
     },
     "turns-llama8b-shape-native": (
         "PYTHONPATH=. python scripts/bench_isa_turns.py llama-8b-shape.q4_k_m.gguf --llama-bench "
@@ -365,7 +369,7 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     found[benchmarks, "cold-start"] = doc_tables.cold_start_table(stored(docs, "cold-start/smollm2.json"))
     found[benchmarks, "kquant-rows"] = doc_tables.row_cost_table(stored(docs, "row_cost/kquant-rows.json"))
     for marker, name in (("kquant-serve-before", "before"), ("kquant-serve-after", "after")):
-        found[benchmarks, marker] = serve.table(
+        found[benchmarks, marker] = serve_report.table(
             stored(docs, f"row_cost/serve-1b-shape-4-clients-{name}.json")
         )
     found[docs / "cli.md", "kld-programs"] = doc_tables.kld_programs_table(

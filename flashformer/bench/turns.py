@@ -11,6 +11,36 @@ from pathlib import Path
 KINDS = ("decode", "prompt")
 
 
+def memory(payload: dict) -> dict | None:
+    """Our processes' peak RSS against what they must hold (the file and the KV cache of the
+    prompt's 513 tokens; scripts/bench_isa_turns.py's worker reads both): the smallest and largest
+    peak, and the overhead beyond file + KV. None for runs stored before the worker measured it."""
+    found = [r for r in payload.get("runs", {}).get("flashformer", []) if "peak_rss_bytes" in r]
+    if not found:
+        return None
+    peaks = [r["peak_rss_bytes"] for r in found]
+    held = found[0]["file_bytes"] + found[0]["kv_bytes"]
+    return {
+        "peak_min": min(peaks),
+        "peak_max": max(peaks),
+        "file": found[0]["file_bytes"],
+        "kv": found[0]["kv_bytes"],
+        "overhead_max": max(peaks) - held,
+    }
+
+
+def memory_line(payload: dict) -> str:
+    """'peak RSS 480-484 MB = file 98 + KV 12 + at most 374 MB', or '-' where not measured."""
+    m = memory(payload)
+    if m is None:
+        return "-"
+    mb = 1e6
+    return (
+        f"{m['peak_min'] / mb:.0f}-{m['peak_max'] / mb:.0f} MB: file {m['file'] / mb:.0f} + KV "
+        f"{m['kv'] / mb:.0f} + {m['overhead_max'] / mb:.0f}"
+    )
+
+
 def table(payload: dict) -> str:
     from flashformer.formatting import markdown_table
 
@@ -24,8 +54,11 @@ def table(payload: dict) -> str:
         peer += f" (-r {config['llama_bench_repetitions']})"
     head = (
         f"{Path(config['file']).name}, {config['threads']} threads, our kernels' path {path or 'best'}, "
-        f"llama.cpp: {peer}; {len(payload['runs'].get('flashformer', []))} fresh processes each, in turns\n\n"
+        f"llama.cpp: {peer}; {len(payload['runs'].get('flashformer', []))} fresh processes each, in turns"
     )
+    if memory(payload) is not None:
+        head += f"; our peak RSS {memory_line(payload)} (the rest: Python, torch, the kernels, buffers)"
+    head += "\n\n"
     rows = []
     for kind in KINDS:
         row = [kind]
@@ -83,6 +116,7 @@ def summary_table(rows: list[tuple[str, str, dict, float, float]]) -> str:
                 f"{theirs['prompt']['best']:.0f} / {theirs['prompt']['median']:.0f}",
                 *ratio(prompt, theirs["prompt"], prompt_target),
                 f"{decode['median'] / decode['best']:.2f}, {prompt['median'] / prompt['best']:.2f}",
+                memory_line(payload),
             ]
         )
     header = [
@@ -95,6 +129,7 @@ def summary_table(rows: list[tuple[str, str, dict, float, float]]) -> str:
         "ratio best (median)",
         "target",
         "our median / best: decode, prompt",
+        "our peak RSS: file + KV + the rest, MB",
     ]
     return markdown_table(header, lines)
 

@@ -3,7 +3,7 @@ headline): each cell against figures worked out by hand from a small payload."""
 
 from __future__ import annotations
 
-from flashformer.bench import kv_cache, serve, turns
+from flashformer.bench import kv_cache, serve_report, turns
 
 
 def rates(best: float, median: float, worst: float) -> dict:
@@ -22,9 +22,26 @@ def test_turns_summary_gives_ratios_and_whether_each_target_is_met():
     # our medians over our bests: 270 / 300 = 0.90, 810 / 900 = 0.90
     row = (
         "| tiny.gguf | AVX2 | 300.0 / 270.0 against 100.0 / 90.0 | **3.00** (3.00) | 1.3: met "
-        "| 900 / 810 against 500 / 450 | 1.80 (1.80) | 2: not met | 0.90, 0.90 |"
+        "| 900 / 810 against 500 / 450 | 1.80 (1.80) | 2: not met | 0.90, 0.90 | - |"
     )
-    assert row in text.splitlines()
+    assert row in text.splitlines()  # no process measured its peak RSS: "-"
+
+
+def test_turns_memory_is_the_file_the_cache_and_the_rest():
+    def process(peak):
+        return {"peak_rss_bytes": peak, "file_bytes": 100_000_000, "kv_bytes": 10_000_000}
+
+    payload = {"runs": {"flashformer": [process(400_000_000), process(420_000_000)]}}
+    # peaks 400 and 420 MB; what they hold: 100 + 10 MB; the most beyond it: 420 - 110 = 310 MB
+    assert turns.memory(payload) == {
+        "peak_min": 400_000_000,
+        "peak_max": 420_000_000,
+        "file": 100_000_000,
+        "kv": 10_000_000,
+        "overhead_max": 310_000_000,
+    }
+    assert turns.memory_line(payload) == "400-420 MB: file 100 + KV 10 + 310"
+    assert turns.memory({"runs": {"flashformer": [{"decode": 1.0}]}}) is None
 
 
 def served(ours_name: str, ours: tuple, theirs: tuple, clients: int) -> dict:
@@ -50,7 +67,7 @@ def served(ours_name: str, ours: tuple, theirs: tuple, clients: int) -> dict:
 def test_versus_table_puts_the_batching_server_beside_llama_server():
     one = served("flashformer (max batch 1)", (120.0, 0.1, 0.011), (60.0, 0.2, 0.017), 1)
     many = served("flashformer (max batch 16)", (200.0, 0.3, 0.25), (50.0, 0.9, 1.3), 16)
-    text = serve.versus_table([("tiny, native", one, many)])
+    text = serve_report.versus_table([("tiny, native", one, many)])
     assert "| file, path | 1 client: tokens/s ours / theirs | ITL p99 ms | 16 clients: tokens/s |" in text
     assert (
         "| tiny, native | 120.0 / 60.0 (**2.00x**) | 11 / 17 | 200.0 / 50.0 (**4.00x**) | 300 / 900 | 250 / 1300 |"
