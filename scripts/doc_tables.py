@@ -397,3 +397,51 @@ def epyc_serve_table(docs: Path) -> str:
     campaign's target."""
     table = serve_versus_table(docs, "serve-epyc")
     return table.replace("| ITL p99 ms |", "| ITL p99 ms (target ratio <= 1.2) |", 1)
+
+
+ACTIVATION_FILES = (("SmolLM2-135M Q4_1", "smollm2"), ("Gemma 3 270M Q4_K_M", "gemma3"))
+ACTIVATION_SCHEMES = ("int8", "int8-float32-head", "float32")
+
+
+def activations_table(docs: Path) -> str:
+    """Each activation scheme's KL divergence (`flashformer eval kld --base` the same file with
+    float32 activations: activations/kld-NAME-SCHEME.json, llama.cpp's logits as kld-NAME-llama.cpp)
+    beside its speed (scripts/bench_activations.py: activations/speed-NAME.json)."""
+    from flashformer.formatting import markdown_table
+
+    rows = []
+    for label, name in ACTIVATION_FILES:
+        speed = stored(docs, f"activations/speed-{name}.json")["summary"]
+        theirs = stored(docs, f"activations/kld-{name}-llama.cpp.json")["kld"]["mean"]
+        for scheme in ("llama.cpp", *ACTIVATION_SCHEMES):
+            rates = speed.get(scheme)
+            if scheme == "float32":
+                kld_cells = ["0 (the base)", "", ""]
+            else:
+                found = stored(docs, f"activations/kld-{name}-{scheme}.json")
+                kld = found["kld"]
+                kld_cells = [
+                    f"{kld['mean']:.5f} ± {kld['error']:.5f}",
+                    "1" if scheme == "llama.cpp" else f"**{kld['mean'] / theirs:.2f}**",
+                    f"{100 * found['same_top']['mean']:.1f} %",
+                ]
+            if rates is None:
+                speed_cells = ["-", "-"]
+            else:
+                base = speed["int8"]
+                speed_cells = [
+                    f"{rates[k]['best']:.0f} / {rates[k]['median']:.0f} "
+                    f"({rates[k]['best'] / base[k]['best']:.2f}, {rates[k]['median'] / base[k]['median']:.2f})"
+                    for k in ("decode", "prompt")
+                ]
+            rows.append([label, scheme, *kld_cells, *speed_cells])
+    header = [
+        "file",
+        "activations",
+        "mean KLD against float32 activations",
+        "over llama.cpp's",
+        "same top token",
+        "decode tokens/s best / median (over int8's)",
+        "512-token prompt tokens/s (over int8's)",
+    ]
+    return markdown_table(header, rows)
