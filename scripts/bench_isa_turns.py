@@ -173,6 +173,7 @@ def main() -> None:
             "llama_bench": args.llama_bench,
             "threads": args.threads,
             "llama_bench_repetitions": args.llama_bench_repetitions,
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
         }
         write_json(args.out, {"machine": machine_info(), "config": config, "runs": runs, "summary": summary})
 

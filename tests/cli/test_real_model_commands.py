@@ -14,7 +14,6 @@ from flashformer.cli import commands as cli
 from flashformer.eval.perplexity import perplexity
 from flashformer.generate.chat import Chat
 
-
 # The file's own blocks with float32 activations: this 135M model's Q4_1 file answers these questions
 # otherwise once its activations are rounded to int8 (the default, as llama.cpp runs it; README's tour
 # shows both answers)
