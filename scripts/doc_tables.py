@@ -129,7 +129,7 @@ def readme_headline(docs: Path) -> str:
     return (
         f"`flashformer.load(FILE)` as typed, no flags (the file's own blocks), on a 2-core {machine['cpu']} "
         'virtual machine (Sapphire Rapids: AVX-512 VNNI and AMX; "AMX off" and "AVX2 forced" run the '
-        "kernels a CPU without them runs, FLASHFORMER_CPU_ISA), 2 threads, batch 1, greedy; best of fresh "
+        "kernels a CPU without them runs, `FLASHFORMER_CPU_ISA`), 2 threads, batch 1, greedy; best of fresh "
         "processes in turns against llama-bench's tg128 and pp512 on the same file, llama.cpp built for the "
         "same CPU (AVX2 rows: its AVX2-only build). This virtual machine's speed moves with its host's load "
         "from day to day (SmolLM2's decode 344 tokens/s on 2026-12-05, 183 on 2026-12-07), ours and "
