@@ -46,8 +46,8 @@ lazy_exports(
 
 # FLASHFORMER_CPU_ISA moves PyTorch's own kernels too (kernels.machine.follow_isa_request): ATen
 # reads its variable once, at its first operation, and none has run while flashformer is being
-# imported. Unset (or "best") there is nothing to set, and no torch is imported for it.
-if os.environ.get("FLASHFORMER_CPU_ISA", "").strip().lower() not in ("", "best"):
+# imported. Unset, there is nothing to set, and no torch is imported for it.
+if os.environ.get("FLASHFORMER_CPU_ISA", "").strip():
     importlib.import_module("flashformer.kernels.machine").follow_isa_request()
 
 if TYPE_CHECKING:  # the same names, for type checkers, editors and the room order's test

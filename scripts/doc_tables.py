@@ -39,23 +39,26 @@ SERVE_RUNS = (
 )
 
 
-def measured_on(docs: Path, name: str, suffix: str) -> str:
+def turns_runs(docs: Path, paths: tuple[tuple[str, str], ...]):
+    """The stored turns runs (scripts/bench_isa_turns.py), file by file and path by path in the
+    tables' order, each read once: (file label, JSON name, decode target, path label, path suffix,
+    its payload). A run not stored is left out."""
+    for file, name, target in TURNS_FILES:
+        for label, suffix in paths:
+            relative = f"measured/turns-{name}-{suffix}.json"
+            if (docs / "figures" / relative).is_file():
+                yield file, name, target, label, suffix, stored(docs, relative)
+
+
+def measured_on(payload: dict) -> str:
     """The day a turns run was measured (bench_isa_turns.py's config), or "-" if it says none."""
-    return stored(docs, f"measured/turns-{name}-{suffix}.json")["config"].get("date", "-")
+    return payload["config"].get("date", "-")
 
 
 def native_decoder_table(docs: Path) -> str:
     rows = [
-        (
-            file,
-            f"{path}, {measured_on(docs, name, suffix)}",
-            stored(docs, f"measured/turns-{name}-{suffix}.json"),
-            target,
-            PROMPT_TARGET,
-        )  # fmt: skip
-        for file, name, target in TURNS_FILES
-        for path, suffix in TURNS_PATHS
-        if (docs / "figures" / "measured" / f"turns-{name}-{suffix}.json").is_file()
+        (file, f"{label}, {measured_on(payload)}", payload, target, PROMPT_TARGET)
+        for file, _, target, label, _, payload in turns_runs(docs, TURNS_PATHS)
     ]
     return turns.summary_table(rows)
 
@@ -77,12 +80,9 @@ def native_serve_table(docs: Path) -> str:
     return serve_versus_table(docs, "measured")
 
 
-# the headline's CPU paths: (label, turns JSON suffix, served JSON suffix or None)
-HEADLINE_PATHS = (
-    ("Xeon, AMX", "native", "native"),
-    ("same Xeon, AMX off", "vnni", None),
-    ("same Xeon, AVX2 forced", "avx2", "avx2-forced"),
-)
+# the headline's CPU paths (label, turns JSON suffix), and the served runs beside two of them
+HEADLINE_PATHS = (("Xeon, AMX", "native"), ("same Xeon, AMX off", "vnni"), ("same Xeon, AVX2 forced", "avx2"))
+SERVED_SUFFIX = {"native": "native", "avx2": "avx2-forced"}
 
 
 def readme_headline(docs: Path) -> str:
@@ -94,30 +94,24 @@ def readme_headline(docs: Path) -> str:
         return f"{ours:.{digits}f} / {theirs:.{digits}f} (**{ours / theirs:.1f}x**)"
 
     rows, machine = [], None
-    for file, name, _ in TURNS_FILES:
-        for label, suffix, served in HEADLINE_PATHS:
-            path = docs / "figures" / "measured" / f"turns-{name}-{suffix}.json"
-            if not path.is_file():
-                continue
-            payload = json.loads(path.read_text())
-            machine = machine or payload["machine"]
-            ours, theirs = payload["summary"]["flashformer"], payload["summary"]["llama.cpp"]
-            row = [
-                file,
-                f"{label}, {payload['config'].get('date', '-')}",
-                ratio(
-                    ours["decode"]["best"], theirs["decode"]["best"], 0 if ours["decode"]["best"] > 50 else 1
-                ),
-                ratio(ours["prompt"]["best"], theirs["prompt"]["best"], 0),
-                turns.memory_line(payload),
-            ]
-            served_path = docs / "figures" / "measured" / f"serve-{name}-{served}.json"
-            if served and served_path.is_file():
-                ours_served, theirs_served = serve_report.ours_and_theirs(json.loads(served_path.read_text()))
-                row.append(ratio(ours_served["output_tokens_per_s"], theirs_served["output_tokens_per_s"], 0))
-            else:
-                row.append("-")
-            rows.append(row)
+    for file, name, _, label, suffix, payload in turns_runs(docs, HEADLINE_PATHS):
+        machine = machine or payload["machine"]
+        ours, theirs = payload["summary"]["flashformer"], payload["summary"]["llama.cpp"]
+        decode_digits = 0 if ours["decode"]["best"] > 50 else 1
+        row = [
+            file,
+            f"{label}, {measured_on(payload)}",
+            ratio(ours["decode"]["best"], theirs["decode"]["best"], decode_digits),
+            ratio(ours["prompt"]["best"], theirs["prompt"]["best"], 0),
+            turns.memory_line(payload),
+        ]
+        served = f"measured/serve-{name}-{SERVED_SUFFIX[suffix]}.json" if suffix in SERVED_SUFFIX else None
+        if served and (docs / "figures" / served).is_file():
+            ours_served, theirs_served = serve_report.ours_and_theirs(stored(docs, served))
+            row.append(ratio(ours_served["output_tokens_per_s"], theirs_served["output_tokens_per_s"], 0))
+        else:
+            row.append("-")
+        rows.append(row)
     header = [
         "GGUF file",
         "CPU, measured",
@@ -132,8 +126,8 @@ def readme_headline(docs: Path) -> str:
         "kernels a CPU without them runs, `FLASHFORMER_CPU_ISA`), 2 threads, batch 1, greedy; best of fresh "
         "processes in turns against llama-bench's tg128 and pp512 on the same file, llama.cpp built for the "
         "same CPU (AVX2 rows: its AVX2-only build). This virtual machine's speed moves with its host's load "
-        "from day to day (SmolLM2's decode 344 tokens/s on 2026-12-05, 183 on 2026-12-07), ours and "
-        "llama.cpp's alike: compare the ratios, each taken within one run. On a real AVX2-only CPU (AMD EPYC Zen 3) the lead is "
+        "from day to day, ours and llama.cpp's alike: compare the ratios, each taken within one run. On a "
+        "real AVX2-only CPU (AMD EPYC Zen 3) the lead is "
         "smaller: [docs/benchmarks.md](docs/benchmarks.md#the-native-decoder-the-default-path-against-llamacpp)."
         "\n\n" + markdown_table(header, rows)
     )
@@ -413,20 +407,19 @@ def epyc_serve_table(docs: Path) -> str:
 
 
 ACTIVATION_FILES = (("SmolLM2-135M Q4_1", "smollm2"), ("Gemma 3 270M Q4_K_M", "gemma3"))
-ACTIVATION_SCHEMES = ("int8", "int8-float32-head", "float32")
 
 
 def activations_table(docs: Path) -> str:
     """Each activation scheme's KL divergence (`flashformer eval kld --base` the same file with
     float32 activations: activations/kld-NAME-SCHEME.json, llama.cpp's logits as kld-NAME-llama.cpp)
-    beside its speed (scripts/bench_activations.py: activations/speed-NAME.json)."""
-    from flashformer.formatting import markdown_table
-
+    beside its speed (scripts/bench_activations.py: activations/speed-NAME.json), the schemes in
+    the order that run timed them."""
     rows = []
     for label, name in ACTIVATION_FILES:
-        speed = stored(docs, f"activations/speed-{name}.json")["summary"]
+        run = stored(docs, f"activations/speed-{name}.json")
+        speed = run["summary"]
         theirs = stored(docs, f"activations/kld-{name}-llama.cpp.json")["kld"]["mean"]
-        for scheme in ("llama.cpp", *ACTIVATION_SCHEMES):
+        for scheme in ("llama.cpp", *run["config"]["schemes"]):
             rates = speed.get(scheme)
             if scheme == "float32":
                 kld_cells = ["0 (the base)", "", ""]

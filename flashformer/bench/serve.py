@@ -50,7 +50,6 @@ from pathlib import Path
 from flashformer.bench import serve_library
 from flashformer.bench.common import add_quantize_argument, quantize_flags, resolved_quantize
 from flashformer.bench.llama_cpp_binaries import version
-from flashformer.bench.serve_library import LIBRARY
 from flashformer.bench.serve_load import (
     WORKLOADS,
     chats,
@@ -141,12 +140,12 @@ def run(model: str, args) -> dict:
         conversations = chats(tokenizer, args)
     results = {}
     if "mixed" in chosen and not getattr(args, "no_library", False):
-        print(f"{LIBRARY}: measuring", flush=True)
+        print(f"{serve_library.LIBRARY}: measuring", flush=True)
         try:
             found = serve_library.measure(model, solo, args.threads, args.quantize, completions)
-            results[LIBRARY] = {"load_average": list(os.getloadavg()), **found}
+            results[serve_library.LIBRARY] = {"load_average": list(os.getloadavg()), **found}
         except RuntimeError as error:
-            results[LIBRARY] = {"error": str(error)}
+            results[serve_library.LIBRARY] = {"error": str(error)}
     for name, (template, runs, ready_path) in measured.items():
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
@@ -247,7 +246,7 @@ def targets(results: dict, clients: int) -> dict:
     single = results.get("flashformer (one at a time)", {})
     uncached = results.get(f"flashformer (max batch {clients}, no prefix cache)", {})
     found = peer_targets(ours, results.get(f"llama-server (-np {clients})", {}), clients)
-    found.update(library_targets(ours, results.get(LIBRARY, {})))
+    found.update(library_targets(ours, results.get(serve_library.LIBRARY, {})))
     found = {name: value for name, value in found.items() if value is not None}
     if "shared_prefix" in ours and "shared_prefix" in uncached:
         on, off = ours["shared_prefix"], uncached["shared_prefix"]

@@ -30,7 +30,8 @@ def memory(payload: dict) -> dict | None:
 
 
 def memory_line(payload: dict) -> str:
-    """'peak RSS 480-484 MB = file 98 + KV 12 + at most 374 MB', or '-' where not measured."""
+    """'480-484 MB: file 98 + KV 12 + 374' (the smallest and largest peak, then the largest one
+    parted), or '-' where not measured."""
     m = memory(payload)
     if m is None:
         return "-"
@@ -56,8 +57,9 @@ def table(payload: dict) -> str:
         f"{Path(config['file']).name}, {config['threads']} threads, our kernels' path {path or 'best'}, "
         f"llama.cpp: {peer}; {len(payload['runs'].get('flashformer', []))} fresh processes each, in turns"
     )
-    if memory(payload) is not None:
-        head += f"; our peak RSS {memory_line(payload)} (the rest: Python, torch, the kernels, buffers)"
+    rss = memory_line(payload)
+    if rss != "-":
+        head += f"; our peak RSS {rss} (the rest: Python, torch, the kernels, buffers)"
     head += "\n\n"
     rows = []
     for kind in KINDS:
