@@ -234,3 +234,14 @@ def test_the_module_map_names_every_module_and_nothing_else():
     assert not actual - listed, f"modules missing from docs/architecture.md's map: {sorted(actual - listed)}"
     stale = {p for p in listed if not (PACKAGE / p).exists()}
     assert not stale, f"docs/architecture.md's map lists what does not exist: {sorted(stale)}"
+
+
+def test_no_cpp_file_passes_the_line_limit():
+    """The C++ sources (kernels/csrc) keep the modules' limit too."""
+    csrc = PACKAGE / "kernels" / "csrc"
+    long = {
+        path.name: n
+        for path in sorted(csrc.iterdir())
+        if path.suffix in (".cpp", ".h", ".inc") and (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"C++ files past {MAX_LINES} lines (split them by idea): {long}"

@@ -18,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import sys
 import time
 import warnings
@@ -30,34 +31,43 @@ from flashformer.kernels.machine import KERNEL_ISAS
 
 NAME = "flashformer_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
-# the translation units, the longest to compile first (ninja starts them in this order): only
-# bindings_cpu.cpp, the operators' glue and the native decoder in one unit, includes ATen's headers
-# (~9 s to compile each time a unit includes them)
-SOURCES = [
-    _CSRC / "bindings_cpu.cpp",
-    _CSRC / "kquants_cpu.cpp",
-    _CSRC / "paged_attention_cpu.cpp",
-    _CSRC / "quantized_cpu.cpp",
-    _CSRC / "float_cpu.cpp",
-]
-# torch hashes only SOURCES to decide a rebuild
+
+
+def _local_includes(path: Path) -> list[Path]:
+    """The files of csrc/ that `path` includes (#include "name")."""
+    names = re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.MULTILINE)
+    return [_CSRC / name for name in names]
+
+
+def _unit_files(path: Path, seen: set[Path] | None = None) -> set[Path]:
+    """A file and every csrc/ file it includes, directly or not."""
+    seen = set() if seen is None else seen
+    if path not in seen:
+        seen.add(path)
+        for included in _local_includes(path):
+            _unit_files(included, seen)
+    return seen
+
+
+def _translation_units() -> list[Path]:
+    """The sources the build compiles, read from the folder: every .cpp that no file of csrc/
+    includes (bindings_cpu.cpp includes operators_cpu.cpp and decoder_cpu.cpp, so that one unit
+    holds every use of ATen's headers, ~9 s to compile each time a unit includes them). The largest
+    unit, counted with what it includes, first: ninja starts them in this order."""
+    files = sorted(_CSRC.iterdir())
+    included = {path for file in files for path in _local_includes(file)}
+    units = [path for path in files if path.suffix == ".cpp" and path not in included]
+
+    def size(unit: Path) -> int:
+        return sum(path.stat().st_size for path in _unit_files(unit))
+
+    return sorted(units, key=lambda unit: (-size(unit), unit.name))
+
+
+SOURCES = _translation_units()
+# torch hashes only SOURCES to decide a rebuild: the rest of the folder goes into a flag
 INCLUDES = [
-    _CSRC / "operators_cpu.cpp",  # (bindings_cpu.cpp's)
-    _CSRC / "decoder_cpu.cpp",
-    _CSRC / "quantized_common.h",
-    _CSRC / "operators_common.h",
-    _CSRC / "products.h",
-    _CSRC / "attention_tasks.h",
-    _CSRC / "row_ops.h",
-    _CSRC / "decoder_threads.h",
-    _CSRC / "decoder_model.h",
-    _CSRC / "decoder_call.h",
-    _CSRC / "kv_blocks.h",
-    _CSRC / "quantized_x86.inc",
-    _CSRC / "quantized_amx.inc",
-    _CSRC / "kquants_x86.inc",
-    _CSRC / "kquants_panel_x86.inc",
-    _CSRC / "kquants_amx.inc",
+    path for path in sorted(_CSRC.iterdir()) if path not in SOURCES and path.suffix in (".cpp", ".h", ".inc")
 ]
 
 _loaded_as: str | None = None  # load()'s answer, once it has run

@@ -19,6 +19,7 @@ the server (its packed steps) call `forward` with a `NativeBatch`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -28,17 +29,43 @@ from torch import Tensor, nn
 from flashformer.kernels import extension
 from flashformer.kernels.quantized import ConcatenatedLinear, QuantizedEmbedding, QuantizedLinear
 
-# csrc/products.h's Packing: how a layer holds its weight
-PACKINGS = {
-    "float32": 0,
-    "int4": 1,
-    "int5": 2,
-    "int8_per_block": 3,
-    "int8_per_row": 4,
-    "q4_k": 5,
-    "q5_k": 6,
-    "q6_k": 7,
-}
+
+@dataclass(frozen=True)
+class Packing:
+    """One row of the C++ table of packings (csrc/packings.h): how a layer holds its weight."""
+
+    index: int  # its number in the C++ table (products.h's Packing)
+    layout: str | None  # the layouts.LAYOUTS row it holds; None: float32
+    group_rows: int  # output rows a group interleaves
+    block_values: int  # inputs a block holds
+    group_block_bytes: int  # bytes of a group's block
+    scales: bool  # whether its scales are kept beside the data
+
+
+@functools.cache
+def packings() -> dict[str, Packing]:
+    """The C++ table of packings, read from the extension (name -> row), not copied here: what the
+    native decoder calls a packing is what its table says. Empty without the C++ kernels."""
+    extension.load()
+    table = {}
+    for index, line in enumerate(torch.ops.flashformer.packings()):
+        name, layout, *numbers = line.split()
+        group_rows, block_values, block_bytes, scales = map(int, numbers)
+        layout = None if layout == "-" else layout
+        table[name] = Packing(index, layout, group_rows, block_values, block_bytes, bool(scales))
+    return table
+
+
+def packing_index(name: str) -> int:
+    """A packing's number in the C++ table, or a clear error if the table has no such row."""
+    row = packings().get(name)
+    if row is None:
+        raise ValueError(
+            f"packing: the C++ table (csrc/packings.h) has no row {name!r}; it has {sorted(packings())}"
+        )
+    return row.index
+
+
 NORMS = {"rmsnorm": 1, "layernorm": 2}
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # csrc/row_ops.h
 FEED_FORWARDS = {"plain": 0, "gated": 1}  # down(act(up x)); down(act(gate x) * up x), gate | up in one output
@@ -53,7 +80,7 @@ def _packing(fmt: str, scales: Tensor | None) -> str:
 def _packed(weight: QuantizedLinear | QuantizedEmbedding) -> tuple[int, Tensor, Tensor | None, int, int]:
     """A quantized layer's (packing, data, scales, groups, blocks)."""
     qweight, scales = weight.qweight, weight.scales
-    return PACKINGS[_packing(weight.fmt, scales)], qweight, scales, qweight.shape[0], qweight.shape[1]
+    return packing_index(_packing(weight.fmt, scales)), qweight, scales, qweight.shape[0], qweight.shape[1]
 
 
 @dataclass
@@ -100,7 +127,7 @@ class NativeDecoder:
             rows, dim = table.num_embeddings, table.embedding_dim
         else:
             data, scales = _float32("embedding", table), None
-            packing, (rows, dim) = PACKINGS["float32"], data.shape
+            packing, (rows, dim) = packing_index("float32"), data.shape
             groups, blocks = rows, dim
         self._decoder.set_embedding(data, scales, packing, rows, dim, groups, blocks, float(scale))
 
@@ -144,7 +171,7 @@ class NativeDecoder:
         weight = _float32("weight", weight)
         n, k = weight.shape
         bias = None if bias is None else _float32("bias", bias)
-        self._decoder.add_part(layer, which, PACKINGS["float32"], weight, None, bias, n, k, n, k, True)
+        self._decoder.add_part(layer, which, packing_index("float32"), weight, None, bias, n, k, n, k, True)
 
     def set_attention(
         self, layer: int, *, rope: int, scale: float, softcap: float | None, window_left: int | None

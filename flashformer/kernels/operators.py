@@ -9,6 +9,7 @@ the C++ sources (csrc/) only implement them. Adding an operator is a row here an
                                 per row of layouts.LAYOUTS; used by quantized.QuantizedLinear
     quantized_kernel_isa        which code the ISA switch runs (extension.kernel_isa)
     kernels_ran                 which ISAs' code each family of kernels ran (extension.kernels_ran)
+    packings                    the C++ table of packings (csrc/packings.h; native_decoder.packings)
     paged_attention_cpu, attention_cpu   attention of a batch over a paged or a static KV cache
                                 (csrc/paged_attention_cpu.cpp; attention/cpu_kernel.py calls them)
 
@@ -148,6 +149,14 @@ OPERATORS = {
             "(bool reset) -> int[]",
             None,
             lambda reset: [],
+            (),
+            "CompositeExplicitAutograd",
+        ),
+        Operator(
+            "packings",
+            "() -> str[]",
+            None,
+            lambda: [],
             (),
             "CompositeExplicitAutograd",
         ),

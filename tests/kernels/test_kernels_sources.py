@@ -34,3 +34,16 @@ def test_only_the_bindings_include_aten():
     for source in extension.SOURCES:
         aten = {name for name in included(source) if name.startswith(("ATen/", "torch/"))}
         assert bool(aten) == (source.name in ATEN_UNITS), (source.name, sorted(aten))
+
+
+def test_no_switch_falls_to_a_default():
+    """The kernels are chosen by table (csrc/packings.h), not by a switch: where a `default:`
+    once ran Q6_K's kernels for any packing a switch missed, a missing row now fails to compile
+    or fails test_kernels_tables. No switch in csrc/ may take a default branch."""
+    defaults = [
+        f"{path.name}:{number}"
+        for path in sorted(extension.SOURCES[0].parent.iterdir())
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.match(r"\s*default\s*:", line)
+    ]
+    assert not defaults, f"switches with a default branch: {defaults}"

@@ -44,7 +44,7 @@
 #include "decoder_model.h"
 #include "decoder_threads.h"
 #include "kv_blocks.h"
-#include "products.h"
+#include "packings.h"
 #include "row_ops.h"
 
 namespace flashformer_cpu {
@@ -480,46 +480,24 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   PackedMatrix packed(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t packing, int64_t n,
                       int64_t k, int64_t groups, int64_t nb) {
-    TORCH_CHECK(packing >= kFloat32 && packing <= kQ6K, "packing: expected 0..7, got ", packing);
+    TORCH_CHECK(packing >= 0 && packing < kPackingCount, "packing: expected 0..", kPackingCount - 1, ", got ",
+                packing);
     TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "data: expected a contiguous CPU tensor");
-    const Packing kind = static_cast<Packing>(packing);
-    int64_t bytes = 0;  // the data's size for this packing and shape
-    switch (kind) {
-      case kFloat32:
-        TORCH_CHECK(data.scalar_type() == at::kFloat && groups == n && nb == k, "float32 data: (n, k) float32");
-        bytes = n * k * 4;
-        break;
-      case kInt4:
-        bytes = groups * nb * 128;
-        break;
-      case kInt5:
-        bytes = groups * nb * 160;
-        break;
-      case kInt8PerBlock:
-      case kInt8PerRow:
-        bytes = groups * nb * 128;
-        break;
-      case kQ4K:
-        bytes = n * nb * 144;
-        break;
-      case kQ5K:
-        bytes = n * nb * 176;
-        break;
-      case kQ6K:
-        bytes = n * nb * 210;
-        break;
+    const PackingTraits& kind = traits(static_cast<Packing>(packing));
+    if (kind.packing == kFloat32) {
+      TORCH_CHECK(data.scalar_type() == at::kFloat && groups == n && nb == k, "float32 data: (n, k) float32");
     }
-    TORCH_CHECK(data.nbytes() == static_cast<size_t>(bytes), "data: expected ", bytes, " bytes for packing ", packing,
-                " of (", n, ", ", k, ") in ", groups, " groups of ", nb, " blocks, got ", data.nbytes());
-    const bool needs_scales = kind >= kInt4 && kind <= kInt8PerRow;
-    TORCH_CHECK(needs_scales == scales.has_value(), "scales: packing ", packing,
-                needs_scales ? " needs its scales" : " has none");
+    const int64_t bytes = groups * nb * kind.group_block_bytes;  // the data's size for this packing and shape
+    TORCH_CHECK(data.nbytes() == static_cast<size_t>(bytes), "data: expected ", bytes, " bytes for packing ",
+                kind.name, " of (", n, ", ", k, ") in ", groups, " groups of ", nb, " blocks, got ", data.nbytes());
+    TORCH_CHECK(kind.scales == scales.has_value(), "scales: packing ", kind.name,
+                kind.scales ? " needs its scales" : " has none");
     const void* scale_data = nullptr;
     if (scales) {
       TORCH_CHECK(scales->is_contiguous(), "scales: expected a contiguous tensor");
       scale_data = hold(*scales).data_ptr();
     }
-    return {kind, hold(data).data_ptr(), scale_data, n, k, groups, nb};
+    return {kind.packing, hold(data).data_ptr(), scale_data, n, k, groups, nb};
   }
 
   Layer& at_layer(int64_t layer) {

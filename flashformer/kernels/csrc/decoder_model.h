@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "products.h"
+#include "packings.h"
 #include "row_ops.h"
 
 namespace flashformer_cpu {

@@ -105,9 +105,7 @@ void chunk(const PackedMatrix& w, const ProductX& x, const OutputMatrix& result,
       return rows_tile<2>(weights, w.k, x, m0, r0, r1, result);
     case 1:
       return rows_tile<1>(weights, w.k, x, m0, r0, r1, result);
-    default:
-      return;
-  }
+  }  // 0 rows left: done
 }
 
 }  // namespace avx2
@@ -118,13 +116,14 @@ void chunk(const PackedMatrix& w, const ProductX& x, const OutputMatrix& result,
 
 namespace flashformer_cpu {
 
-int64_t float_units(const PackedMatrix& w, int64_t rows, int isa) {
-  (void)rows, (void)isa;
+int64_t float_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
+  (void)rows, (void)int8_activations, (void)isa;  // x stays float32 whatever int8_activations asks
   return (w.n + kChunkRows - 1) / kChunkRows;
 }
 
-void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, int isa, int64_t first,
-               int64_t last) {
+void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+               int64_t first, int64_t last) {
+  (void)int8_activations;
   note_ran(kFloatProducts, isa == kScalar ? kScalar : kAvx2);  // AVX2's kernel serves every vector ISA
   for (int64_t c = first; c < last; ++c) {
     const int64_t r0 = c * kChunkRows, r1 = std::min(w.n, r0 + kChunkRows);
@@ -137,6 +136,11 @@ void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out
     chunk_scalar(w, x, out, r0, r1);
   }
   (void)isa;
+}
+
+void float_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
+  const float* source = static_cast<const float*>(w.data) + row * w.k;
+  std::copy(source, source + w.k, out);
 }
 
 }  // namespace flashformer_cpu

@@ -40,7 +40,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "products.h"
+#include "packings.h"
 
 namespace {
 
@@ -72,9 +72,12 @@ struct Q6KBlock {       // 210 bytes
   int8_t scales[16];    // one per 16 values
   uint16_t d;           // float16
 };
-static_assert(sizeof(Q4KBlock) == kquant_block_bytes(kQ4K) && sizeof(Q5KBlock) == kquant_block_bytes(kQ5K) &&
-                  sizeof(Q6KBlock) == kquant_block_bytes(kQ6K),
-              "the structs must match GGUF's blocks byte for byte");
+static_assert(sizeof(Q4KBlock) == kPackings[kQ4K].group_block_bytes &&
+                  sizeof(Q5KBlock) == kPackings[kQ5K].group_block_bytes &&
+                  sizeof(Q6KBlock) == kPackings[kQ6K].group_block_bytes,
+              "the structs must match GGUF's blocks (packings.h) byte for byte");
+template <Packing kPacking>  // kQ4K, kQ5K, kQ6K
+using KQuantBlock = std::conditional_t<kPacking == kQ4K, Q4KBlock, std::conditional_t<kPacking == kQ5K, Q5KBlock, Q6KBlock>>;
 
 // Q4_K / Q5_K's 12 bytes -> 8 scales and 8 minimums, 6 bits each: the first four of each are the
 // low 6 bits of bytes 0..3 (scales) and 4..7 (minimums); the last four take their low 4 bits from
@@ -448,32 +451,23 @@ int64_t kquant_units(const PackedMatrix& w, int64_t rows, bool int8_activations,
   return (w.n + unit_rows - 1) / unit_rows;
 }
 
+template <Packing kPacking>
 void kquant_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                 int64_t first, int64_t last) {
-  switch (w.packing) {
-    case kQ4K:
-      return kquant_run_block<Q4KBlock>(w, x, out, int8_activations, isa, first, last);
-    case kQ5K:
-      return kquant_run_block<Q5KBlock>(w, x, out, int8_activations, isa, first, last);
-    default:
-      return kquant_run_block<Q6KBlock>(w, x, out, int8_activations, isa, first, last);
-  }
+  kquant_run_block<KQuantBlock<kPacking>>(w, x, out, int8_activations, isa, first, last);
 }
+template void kquant_run<kQ4K>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t, int64_t);
+template void kquant_run<kQ5K>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t, int64_t);
+template void kquant_run<kQ6K>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t, int64_t);
 
+template <Packing kPacking>
 void kquant_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
-  for (int64_t b = 0; b < w.nb; ++b) {
-    float* values = out + b * kSuper;
-    switch (w.packing) {
-      case kQ4K:
-        KQuant<Q4KBlock>::dequantize(static_cast<const Q4KBlock*>(w.data)[row * w.nb + b], values);
-        break;
-      case kQ5K:
-        KQuant<Q5KBlock>::dequantize(static_cast<const Q5KBlock*>(w.data)[row * w.nb + b], values);
-        break;
-      default:
-        KQuant<Q6KBlock>::dequantize(static_cast<const Q6KBlock*>(w.data)[row * w.nb + b], values);
-    }
-  }
+  using Block = KQuantBlock<kPacking>;
+  const Block* blocks = static_cast<const Block*>(w.data) + row * w.nb;
+  for (int64_t b = 0; b < w.nb; ++b) KQuant<Block>::dequantize(blocks[b], out + b * kSuper);
 }
+template void kquant_dequantize_row<kQ4K>(const PackedMatrix&, int64_t, float*);
+template void kquant_dequantize_row<kQ5K>(const PackedMatrix&, int64_t, float*);
+template void kquant_dequantize_row<kQ6K>(const PackedMatrix&, int64_t, float*);
 
 }  // namespace flashformer_cpu

@@ -37,15 +37,15 @@ constexpr int64_t kKvBlock = 32;  // values per q8_0 / q4_0 block
 
 inline bool kv_quantized(int type) { return type == kKvQ8_0 || type == kKvQ4_0; }
 
+// Each KvType's row (in its order): the values a block holds and the block's bytes (a q8_0 block:
+// a float16 scale and 32 int8 quants; q4_0: the scale and 32 nibbles).
+struct KvTypeTraits {
+  int64_t block_values, block_bytes;
+};
+inline constexpr KvTypeTraits kKvTypes[] = {{1, 4}, {1, 2}, {kKvBlock, 2 + kKvBlock}, {kKvBlock, 2 + kKvBlock / 2}};
+
 // The bytes of one head's row of `dim` values (dim a multiple of 32 for the block types).
-inline int64_t kv_row_bytes(int type, int64_t dim) {
-  switch (type) {
-    case kKvFloat32: return 4 * dim;
-    case kKvFloat16: return 2 * dim;
-    case kKvQ8_0: return dim / kKvBlock * (2 + kKvBlock);
-    default: return dim / kKvBlock * (2 + kKvBlock / 2);
-  }
-}
+inline int64_t kv_row_bytes(int type, int64_t dim) { return dim / kKvTypes[type].block_values * kKvTypes[type].block_bytes; }
 
 // The bytes of one element of a pool of `type`: offsets into a block pool count bytes.
 inline int64_t kv_element_bytes(int type) { return type == kKvFloat32 ? 4 : type == kKvFloat16 ? 2 : 1; }

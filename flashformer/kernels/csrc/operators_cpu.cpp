@@ -11,13 +11,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "attention_tasks.h"
 #include "kv_blocks.h"
 #include "operators_common.h"
-#include "products.h"
+#include "packings.h"
 
 namespace flashformer_cpu {
 namespace {
@@ -136,6 +137,18 @@ std::vector<int64_t> kernels_ran(bool reset) {
   return ran;
 }
 
+// packings.h's table, a row a packing in its order, for Python (native_decoder.packings() and the
+// test that holds it to kernels/layouts.py): "name layout group_rows block_values group_block_bytes scales".
+std::vector<std::string> packings() {
+  std::vector<std::string> rows;
+  for (const PackingTraits& t : kPackings) {
+    rows.push_back(std::string(t.name) + " " + (*t.layout ? t.layout : "-") + " " + std::to_string(t.group_rows) +
+                   " " + std::to_string(t.block_values) + " " + std::to_string(t.group_block_bytes) + " " +
+                   (t.scales ? "1" : "0"));
+  }
+  return rows;
+}
+
 constexpr char kInt4Linear[] = "flashformer::int4_linear";
 constexpr char kInt5Linear[] = "flashformer::int5_linear";
 constexpr char kInt8Linear[] = "flashformer::int8_linear";
@@ -144,9 +157,10 @@ constexpr char kInt8Linear[] = "flashformer::int8_linear";
 template <Packing kPacking>
 at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool int8_activations) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kquant_block_bytes(kPacking) &&
-                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", kquant_block_bytes(kPacking),
+  constexpr int64_t kBlockBytes = kPackings[kPacking].group_block_bytes;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlockBytes && blocks.scalar_type() == at::kByte &&
+                  blocks.is_contiguous(),
+              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", kBlockBytes,
               "), got ", blocks.sizes(), " ", blocks.scalar_type());
   const int64_t nb = blocks.size(1), k = nb * kSuper;
   TORCH_CHECK(blocks.size(0) == out_features, "out_features: ", out_features, " does not match blocks of ",
@@ -331,4 +345,5 @@ TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
 TORCH_LIBRARY_IMPL(flashformer, CompositeExplicitAutograd, m) {
   m.impl("quantized_kernel_isa", &quantized_kernel_isa);
   m.impl("kernels_ran", &kernels_ran);
+  m.impl("packings", &packings);
 }

@@ -65,7 +65,8 @@ struct AmxRows {
 // 272 against 284); docs/benchmarks.md, "K-quant products of a few rows".
 inline int64_t kquant_panel_min_rows(int isa) { return isa >= kAmx ? 16 : isa == kVnni ? 32 : 24; }
 
-// How a layer holds its weight (the layouts: kernels/quantized.py and gguf_blocks.py).
+// How a layer holds its weight (the layouts: kernels/layouts.py). Each is a row of packings.h's
+// table, which says everything else about it: its shapes, the form of x it reads, its kernels.
 enum Packing : int {
   kFloat32 = 0,      // data float32 (n, k), row-major
   kInt4 = 1,         // data uint8 (groups, nb, 8, 16), scales float16 (groups, nb, 2, 8)
@@ -82,9 +83,6 @@ enum Packing : int {
 constexpr int64_t kNibbleGroupRows = 8;   // int4, int5: the output rows a group interleaves
 constexpr int64_t kInt8GroupRows = 4;     // int8
 constexpr int64_t kInt5BlockBytes = 160;  // int5: a group's block of 32 inputs
-constexpr int64_t kquant_block_bytes(Packing packing) {  // a row's block of 256 values
-  return packing == kQ4K ? 144 : packing == kQ5K ? 176 : 210;
-}
 
 // One (n, k) weight: n output rows in `groups` groups (rows interleaved by the packing; float32
 // and the K-quants: one row a group), k inputs in nb blocks (float32: k "blocks" of one).
@@ -97,23 +95,6 @@ struct PackedMatrix {
 
 // The form of x a packing's kernels read (see the top of the file).
 enum XForm : int { kXFloat = 0, kXBlocks32 = 1, kXBlocks256 = 2, kXSums32 = 3, kXAmx256 = 4 };
-
-// The form a product of `rows` x rows on `isa` reads.
-inline XForm x_form(Packing packing, bool int8_activations, int64_t rows, int isa) {
-  switch (packing) {
-    case kFloat32:
-      return kXFloat;
-    case kInt4:
-    case kInt5:
-      return int8_activations ? kXBlocks32 : kXSums32;
-    case kInt8PerBlock:
-    case kInt8PerRow:
-      return int8_activations ? kXBlocks32 : kXFloat;
-    default:
-      if (!int8_activations) return kXFloat;
-      return isa >= kAmx && rows >= kquant_panel_min_rows(isa) ? kXAmx256 : kXBlocks256;
-  }
-}
 
 // What a product reads of x (M, K): the floats, and the prepared form its packing wants.
 struct ProductX {
@@ -141,75 +122,38 @@ inline void prepare_x(XForm form, ProductX& x, int64_t first, int64_t last) {
   if (form == kXSums32) sum_blocks32(x.x, first, last, x.sums32);
 }
 
-// The units of each family's products, and one range of them (quantized_cpu.cpp: int4, int5,
-// int8; kquants_cpu.cpp: the K-quants; float_cpu.cpp: float32). rows: x's rows; isa: use_isa().
+// Each packing's kernels, the functions its row of packings.h's table points to: the units of a
+// product, one range of them (rows: x's rows; isa: use_isa()), and row `row` of the weight as float32
+// (k values, as the Python dequantizers compute it: an embedding table's rows). quantized_cpu.cpp
+// defines them for int4, int5 and int8 (instantiated for each of their packings), kquants_cpu.cpp
+// for the K-quants, float_cpu.cpp for float32.
+using UnitsKernel = int64_t (*)(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+using RunKernel = void (*)(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations,
+                           int isa, int64_t first, int64_t last);
+using RowKernel = void (*)(const PackedMatrix& w, int64_t row, float* out);
+
 int64_t nibble_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+template <Packing kPacking>  // kInt4, kInt5
 void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                 int64_t first, int64_t last);
+template <Packing kPacking>
+void nibble_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
 int64_t int8_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+template <Packing kPacking>  // kInt8PerBlock, kInt8PerRow
 void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
               int64_t first, int64_t last);
+template <Packing kPacking>
+void int8_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
 int64_t kquant_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+template <Packing kPacking>  // kQ4K, kQ5K, kQ6K
 void kquant_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                 int64_t first, int64_t last);
-int64_t float_units(const PackedMatrix& w, int64_t rows, int isa);
-void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, int isa, int64_t first,
-               int64_t last);
-
-inline int64_t product_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
-  switch (w.packing) {
-    case kFloat32:
-      return float_units(w, rows, isa);
-    case kInt4:
-    case kInt5:
-      return nibble_units(w, rows, int8_activations, isa);
-    case kInt8PerBlock:
-    case kInt8PerRow:
-      return int8_units(w, rows, int8_activations, isa);
-    default:
-      return kquant_units(w, rows, int8_activations, isa);
-  }
-}
-
-inline void product_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations,
-                        int isa, int64_t first, int64_t last) {
-  switch (w.packing) {
-    case kFloat32:
-      return float_run(w, x, out, isa, first, last);
-    case kInt4:
-    case kInt5:
-      return nibble_run(w, x, out, int8_activations, isa, first, last);
-    case kInt8PerBlock:
-    case kInt8PerRow:
-      return int8_run(w, x, out, int8_activations, isa, first, last);
-    default:
-      return kquant_run(w, x, out, int8_activations, isa, first, last);
-  }
-}
-
-// Row `row` of a weight as float32 (k values), as the Python dequantizers compute it (the rows of
-// an embedding table).
-void nibble_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
-void int8_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
+template <Packing kPacking>
 void kquant_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
-
-inline void dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
-  switch (w.packing) {
-    case kFloat32: {
-      const float* source = static_cast<const float*>(w.data) + row * w.k;
-      std::copy(source, source + w.k, out);
-      return;
-    }
-    case kInt4:
-    case kInt5:
-      return nibble_dequantize_row(w, row, out);
-    case kInt8PerBlock:
-    case kInt8PerRow:
-      return int8_dequantize_row(w, row, out);
-    default:
-      return kquant_dequantize_row(w, row, out);
-  }
-}
+int64_t float_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+               int64_t first, int64_t last);
+void float_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
 
 // Units per at::parallel_for task in the operators: at least kTaskBlocks (x row, weight row,
 // block of 32) triples of work.

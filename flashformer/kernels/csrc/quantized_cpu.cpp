@@ -49,83 +49,17 @@
 //   large as a small product's whole time (docs/benchmarks.md, "Packed layouts and call costs").
 
 #include <cstring>
+#include <type_traits>
 
-#include "products.h"
+#include "packings.h"
+#include "quantized_blocks.h"
 
 namespace {
 
 using namespace flashformer_cpu;
 
-constexpr int64_t kInt4Rows = kNibbleGroupRows;  // int4: output rows interleaved in the packed layout (one group)
-constexpr int64_t kGroupRows = kInt8GroupRows;   // int8: the same; int4: half a group, what a float-activation kernel reads
 constexpr int64_t kScalarTile = 4;  // x rows per call of a scalar kernel (any tile gives the same bits)
 constexpr int64_t kNibblePanelMinRows = 16;  // x rows from which the int4 / int5 kernels read a panel
-
-// ---- the packed layouts (quantized.py packs them; dequantize() there undoes them) ----
-// Block b of group g is entry g * nb + b of qweight and of scales, each viewed as an array of
-// the structs below. int4 groups are 8 rows: one sequential stream for the one-row kernel, which
-// reads all 8.
-
-// int4 (GGUF Q4_1): weight = d * q + m, q in 0..15.
-struct Int4Block {            // qweight[g, b]: (8, 16) uint8
-  uint8_t qs[kInt4Rows][16];  // row r's 32 nibbles: byte j holds q[j] (low) and q[j + 16] (high)
-  static constexpr bool kFiveBit = false;
-};
-// int5 (GGUF Q5_1; Q5_0 with m = -16 d): weight = d * q + m, q in 0..31, int4's nibbles and a
-// fifth bit. The fifth bits are rearranged at packing so that a kernel's transposed word i
-// (inputs 4i..4i+3 and 16+4i..16+4i+3) finds them with one shift and one mask.
-struct Int5Block {            // qweight[g, b]: (160,) uint8
-  uint8_t qs[kInt4Rows][16];  // the low 4 bits, as in Int4Block
-  uint32_t qh[kInt4Rows];     // row r's fifth bits: byte k, bit i: q[4i + k]'s; bit 4 + i: q[16 + 4i + k]'s
-  static constexpr bool kFiveBit = true;
-};
-struct Int4Scales {       // scales[g, b]: (2, 8) float16 (int4 and int5)
-  uint16_t d[kInt4Rows];  // the rows' d, float16 bits
-  uint16_t m[kInt4Rows];  // and their m
-};
-
-// int8: weight = d * q, d per block (GGUF Q8_0) or per output row.
-struct Int8Block {                // qweight[g, b]: (4, 32) int8
-  int8_t qs[kGroupRows][kBlock];  // row r's 32 quants
-};
-struct Int8BlockScales {   // float16 scales[g, b]: (4,)
-  uint16_t d[kGroupRows];  // the rows' d, float16 bits
-};
-struct Int8RowScales {  // float32 scales[4 g .. 4 g + 3]
-  float d[kGroupRows];  // the rows' d
-};
-
-static_assert(sizeof(Int4Block) == 128 && sizeof(Int5Block) == kInt5BlockBytes && sizeof(Int4Scales) == 32 && sizeof(Int8Block) == 128 &&
-                  sizeof(Int8BlockScales) == 8 && sizeof(Int8RowScales) == 16,
-              "the structs must match the packed tensors byte for byte");
-
-// ---- what a kernel reads and writes ----
-
-// One group of int4 (Block = Int4Block) or int5 (Int5Block) rows. The int8-activation kernels
-// read all 8 rows; the float-activation ones 4 of them, first_row .. first_row + 3 (a half
-// group: first_row 0 or 4).
-template <class Block>
-struct NibbleWeights {
-  const Block* blocks;       // (nb,)
-  const Int4Scales* scales;  // (nb,)
-  int64_t nb;
-  int64_t first_row;
-};
-
-// One group of int8 rows, with per-block scales (kernels with kPerBlock) or per-row ones.
-struct Int8Weights {
-  const Int8Block* blocks;              // (nb,)
-  const Int8BlockScales* block_scales;  // (nb,), or nullptr
-  const Int8RowScales* row_scales;      // the group's 4, or nullptr
-  int64_t nb;
-};
-
-// x (M, K) float32, and (int4) each block's float sum (M, nb), what a block's minimums multiply.
-struct FloatRows {
-  const float* x;
-  int64_t ld;         // K
-  const float* sums;  // (M, nb) or nullptr
-};
 
 // ---- scalar kernels (any CPU; the reference order of operations) ----
 
@@ -553,75 +487,81 @@ int64_t nibble_units(const PackedMatrix& w, int64_t rows, bool int8_activations,
   return nibble_plan(rows, int8_activations, vector_isa(isa)) == NibblePlan::kPairs ? (w.groups + 1) / 2 : w.groups;
 }
 
+template <Packing kPacking>
 void nibble_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                 int64_t first, int64_t last) {
+  using Block = NibbleBlock<kPacking>;
 #if FF_X86
   if (on_amx_tiles(x.rows, int8_activations, isa)) {
     note_ran(kNibbleProducts, kAmx);
-    if (w.packing == kInt5) {
-      return amx::nibble_units(static_cast<const Int5Block*>(w.data), static_cast<const Int4Scales*>(w.scales),
-                               w.groups, w.nb, x.blocks32, x.rows, out, first, last);
-    }
-    return amx::nibble_units(static_cast<const Int4Block*>(w.data), static_cast<const Int4Scales*>(w.scales),
-                             w.groups, w.nb, x.blocks32, x.rows, out, first, last);
+    return amx::nibble_units(static_cast<const Block*>(w.data), static_cast<const Int4Scales*>(w.scales), w.groups,
+                             w.nb, x.blocks32, x.rows, out, first, last);
   }
 #endif
   isa = vector_isa(isa);
   note_ran(kNibbleProducts, isa);
-  if (w.packing == kInt5) return nibble_run_block<Int5Block>(w, x, out, int8_activations, isa, first, last);
-  nibble_run_block<Int4Block>(w, x, out, int8_activations, isa, first, last);
+  nibble_run_block<Block>(w, x, out, int8_activations, isa, first, last);
 }
+template void nibble_run<kInt4>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t, int64_t);
+template void nibble_run<kInt5>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t, int64_t);
 
 int64_t int8_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa) {
   if (on_amx_tiles(rows, int8_activations, isa)) return (w.groups + 3) / 4;
   return int8_quads(int8_activations, vector_isa(isa)) ? (w.groups + 3) / 4 : w.groups;
 }
 
+template <Packing kPacking>
 void int8_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
               int64_t first, int64_t last) {
+  constexpr bool kPerBlock = kPacking == kInt8PerBlock;
 #if FF_X86
   if (on_amx_tiles(x.rows, int8_activations, isa)) {
     note_ran(kInt8Products, kAmx);
-    const bool per_block = w.packing == kInt8PerBlock;
     return amx::int8_units(static_cast<const Int8Block*>(w.data),
-                           per_block ? static_cast<const Int8BlockScales*>(w.scales) : nullptr,
-                           per_block ? nullptr : static_cast<const float*>(w.scales), w.groups, w.nb, x.blocks32,
+                           kPerBlock ? static_cast<const Int8BlockScales*>(w.scales) : nullptr,
+                           kPerBlock ? nullptr : static_cast<const float*>(w.scales), w.groups, w.nb, x.blocks32,
                            x.rows, out, first, last);
   }
 #endif
   isa = vector_isa(isa);
   note_ran(kInt8Products, isa);
-  if (w.packing == kInt8PerBlock) return int8_run_scales<true>(w, x, out, int8_activations, isa, first, last);
-  int8_run_scales<false>(w, x, out, int8_activations, isa, first, last);
+  int8_run_scales<kPerBlock>(w, x, out, int8_activations, isa, first, last);
 }
+template void int8_run<kInt8PerBlock>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t,
+                                      int64_t);
+template void int8_run<kInt8PerRow>(const PackedMatrix&, const ProductX&, const OutputMatrix&, bool, int, int64_t,
+                                    int64_t);
 
 // Row `row` of the matrix as float32 (k values): d * q + m (int4, int5), q * d (int8), as the
 // Python dequantizers compute them (an embedding's rows).
+template <Packing kPacking>
 void nibble_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
   const int64_t g = row / kInt4Rows;
   const int r = static_cast<int>(row % kInt4Rows);
   const auto* scales = static_cast<const Int4Scales*>(w.scales) + g * w.nb;
   for (int64_t b = 0; b < w.nb; ++b) {
     int q[kBlock];
-    if (w.packing == kInt5) {
-      block_quants(static_cast<const Int5Block*>(w.data)[g * w.nb + b], r, q);
-    } else {
-      block_quants(static_cast<const Int4Block*>(w.data)[g * w.nb + b], r, q);
-    }
+    block_quants(static_cast<const NibbleBlock<kPacking>*>(w.data)[g * w.nb + b], r, q);
     const float d = half_to_float(scales[b].d[r]), m = half_to_float(scales[b].m[r]);
     for (int j = 0; j < kBlock; ++j) out[b * kBlock + j] = d * static_cast<float>(q[j]) + m;
   }
 }
+template void nibble_dequantize_row<kInt4>(const PackedMatrix&, int64_t, float*);
+template void nibble_dequantize_row<kInt5>(const PackedMatrix&, int64_t, float*);
 
+template <Packing kPacking>
 void int8_dequantize_row(const PackedMatrix& w, int64_t row, float* out) {
   const int64_t g = row / kGroupRows;
   const int r = static_cast<int>(row % kGroupRows);
   const Int8Block* blocks = static_cast<const Int8Block*>(w.data) + g * w.nb;
   for (int64_t b = 0; b < w.nb; ++b) {
-    const float d = w.packing == kInt8PerRow ? static_cast<const float*>(w.scales)[row]
-                                             : half_to_float(static_cast<const Int8BlockScales*>(w.scales)[g * w.nb + b].d[r]);
+    const float d = kPacking == kInt8PerRow
+                        ? static_cast<const float*>(w.scales)[row]
+                        : half_to_float(static_cast<const Int8BlockScales*>(w.scales)[g * w.nb + b].d[r]);
     for (int j = 0; j < kBlock; ++j) out[b * kBlock + j] = static_cast<float>(blocks[b].qs[r][j]) * d;
   }
 }
+template void int8_dequantize_row<kInt8PerBlock>(const PackedMatrix&, int64_t, float*);
+template void int8_dequantize_row<kInt8PerRow>(const PackedMatrix&, int64_t, float*);
 
 }  // namespace flashformer_cpu

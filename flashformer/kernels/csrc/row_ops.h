@@ -86,6 +86,7 @@ FF_ROW_INLINE f8 tanh8(f8 x) {
 // The activations, as the layers' nn modules define them.
 enum Activation : int { kRelu = 0, kGelu = 1, kGeluTanh = 2, kSilu = 3 };
 
+// kind: one of Activation (the decoder checks it when it is set, so no kind falls to another's code).
 FF_ROW_INLINE f8 activate8(f8 x, int kind) {
   switch (kind) {
     case kRelu:
@@ -96,12 +97,13 @@ FF_ROW_INLINE f8 activate8(f8 x, int kind) {
     }
     case kSilu:
       return x / (exp8(-x) + 1.f);
-    default: {  // exact GELU: 0.5 x (1 + erf(x / sqrt 2)), lane by lane
+    case kGelu: {  // exact GELU: 0.5 x (1 + erf(x / sqrt 2)), lane by lane
       f8 out;
       for (int l = 0; l < 8; ++l) out[l] = 0.5f * x[l] * (1.f + std::erf(x[l] * 0.70710678118654752f));
       return out;
     }
   }
+  __builtin_unreachable();
 }
 
 FF_ROW_INLINE float activate1(float x, int kind) {
