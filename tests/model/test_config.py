@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashformer.model.config import ModelConfig, preset
+from flashformer.model.config import ModelConfig
+from flashformer.model.presets import preset
 
 
 def test_derived_sizes_are_resolved_at_construction():
