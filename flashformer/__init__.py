@@ -36,7 +36,7 @@ lazy_exports(
         "load": "flashformer.checkpoints.loading",
         "load_tokenizer": "flashformer.checkpoints.loading",
         "ModelConfig": "flashformer.model.config",
-        "preset": "flashformer.model.config",
+        "preset": "flashformer.model.presets",
         **dict.fromkeys(
             ("DecoderModel", "EncoderDecoderModel", "EncoderModel", "ModelOutput", "add_task_head", "build"),
             "flashformer.model.models",
@@ -53,7 +53,7 @@ if os.environ.get("FLASHFORMER_CPU_ISA", "").strip():
 if TYPE_CHECKING:  # the same names, for type checkers, editors and the room order's test
     from flashformer.attention.api import attention
     from flashformer.checkpoints.loading import from_pretrained, load, load_tokenizer
-    from flashformer.model.config import ModelConfig, preset
+    from flashformer.model.config import ModelConfig
     from flashformer.model.models import (
         DecoderModel,
         EncoderDecoderModel,
@@ -62,3 +62,4 @@ if TYPE_CHECKING:  # the same names, for type checkers, editors and the room ord
         add_task_head,
         build,
     )
+    from flashformer.model.presets import preset

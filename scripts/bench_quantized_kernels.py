@@ -328,7 +328,7 @@ def measure_end_to_end(path: Path, rounds: int, threads: int, new_tokens: int = 
     import flashformer
     import flashformer.model.models as models
     from flashformer.kernels.quantized import QuantizedEmbedding
-    from flashformer.model.config import preset
+    from flashformer.model.presets import preset
 
     if not hasattr(models, "linear"):
         return {"skipped": "flashformer.model.models has no linear() to patch for the head"}

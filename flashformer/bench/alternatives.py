@@ -32,8 +32,9 @@ import torch
 from flashformer.bench import alternatives_speed as speed
 from flashformer.bench.alternatives_report import crossovers
 from flashformer.kernels.machine import machine_info
-from flashformer.model.config import ModelConfig, preset
+from flashformer.model.config import ModelConfig
 from flashformer.model.models import build
+from flashformer.model.presets import preset
 from flashformer.text import bpe
 from flashformer.train import synthetic
 from flashformer.train.config import TrainConfig

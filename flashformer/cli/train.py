@@ -37,7 +37,8 @@ def add_arguments(parser) -> None:
 def configs_from_args(args, extra: list[str]):
     """(ModelConfig, TrainConfig, out_dir) from a YAML file, flags and
     --model.FIELD / --train.FIELD overrides (later ones win)."""
-    from flashformer.model.config import ModelConfig, preset
+    from flashformer.model.config import ModelConfig
+    from flashformer.model.presets import preset
 
     file = {}
     if args.config:

@@ -16,7 +16,8 @@ from flashformer.costs import traffic as _traffic
 from flashformer.costs.flops import GROUPS, Pass, component_group
 from flashformer.costs.memory import Saved, attention_peak_bytes, parameter_count
 from flashformer.model import hf
-from flashformer.model.config import PRESETS, RECURRENT_ARCHS, ModelConfig, preset
+from flashformer.model.config import RECURRENT_ARCHS, ModelConfig
+from flashformer.model.presets import PRESETS, preset
 
 BACKENDS = ("eager", "flash")
 

@@ -3,7 +3,7 @@ the blocks (layers.py), embeddings and stacks (stacks.py), the heads (heads.py: 
 pooling, task heads), the three families (models.py), quantized weights (quantize.py) and the
 Hugging Face names of each family (hf/)."""
 
-from flashformer.model.config import ModelConfig, preset
+from flashformer.model.config import ModelConfig
 from flashformer.model.models import (
     DecoderModel,
     EncoderDecoderModel,
@@ -12,6 +12,7 @@ from flashformer.model.models import (
     add_task_head,
     build,
 )
+from flashformer.model.presets import preset
 
 __all__ = [
     "DecoderModel",

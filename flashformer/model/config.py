@@ -1,4 +1,4 @@
-"""One typed config for every model of the three families, and the presets.
+"""One typed config for every model of the three families, in sections.
 
 A model is fully described by a `ModelConfig`: the architecture (encoder,
 decoder or encoder-decoder), the sizes, and one choice per variant (the norm,
@@ -6,8 +6,13 @@ where it sits, the feed-forward, the positional encoding, the heads). The
 modules read the config once, at construction, and pick their components;
 nothing in a forward pass branches on it.
 
+The fields are grouped in sections, one dataclass each (SizeFields, AttentionFields, ...,
+RunFields): a section holds the fields that shape one part of the model, or say how it trains,
+runs or names its tokens, with their documentation and their checks. ModelConfig inherits them
+all, so its fields stay flat: given, read and saved by name, as config.json holds them.
+
     config = ModelConfig(arch="decoder", d_model=512, n_layers=8, n_heads=8, position="rope")
-    config = preset("gpt2", n_layers=6)          # a preset with fields overridden
+    ModelConfig.sections()                       # (SizeFields, EmbeddingFields, ...)
 """
 
 from __future__ import annotations
@@ -32,93 +37,47 @@ PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "r
 CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
 
 
-@dataclass
-class ModelConfig:
-    """Everything that decides a model's shape and behaviour.
+class Section:
+    """One section of ModelConfig: a dataclass of the fields that shape one part of the model (or
+    say how it trains, runs or names its tokens), documented in its docstring and checked by its
+    `_check`.
 
-    Sizes
-        arch: "encoder" (BERT), "decoder" (GPT-2, LLaMA), "encoder-decoder" (T5), or one of the
-            recurrent alternatives (no attention): "lstm", "gru" (recurrent.py: n_layers
-            nn.LSTM / nn.GRU of width d_model) and "ssm" (ssm.py: Mamba blocks).
-        vocab_size, d_model, n_layers, n_heads, d_ff: the usual sizes.
-        n_kv_heads: key/value heads (GQA, MQA); None = n_heads.
-        head_dim: None = d_model // n_heads; T5 sets it apart (d_kv).
-        n_decoder_layers: decoder depth of an encoder-decoder; None = n_layers.
-        (These three are resolved at construction: a built config holds ints.)
-        max_seq_len: positions a model knows; a hard limit only for learned positions.
-    Positions
-        position: "learned" | "sinusoidal" (added to the embeddings), "rope",
-            "alibi", "relative" (T5's bucketed bias), "none".
-        rope_theta, rotary_fraction (partial rotary), rope_scaling.
-        rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's local
-            10,000 beside a global 1e6), which take no rope_scaling; None = the same RoPE
-            as every other layer.
-        relative_buckets, relative_max_distance: T5's bucketing.
-    Blocks
-        norm: "layernorm" | "rmsnorm"; norm_eps.
-        prenorm: norm before each sub-layer (GPT-2, T5, LLaMA; a final norm
-            closes the stack) or after the residual add (BERT).
-        embedding_norm: a norm right after the embeddings (BERT).
-        activation: "relu" | "gelu" | "gelu_tanh" | "silu"; gated_ffn: act(gate(x)) * up(x)
-            (SwiGLU with silu, T5 v1.1's gated-gelu with gelu_tanh).
-        attention_bias, ffn_bias: biases in the projections.
-        attention_out_bias: a bias in self-attention's output projection; None = attention_bias
-            (Qwen2 has q/k/v biases and none on the output).
-        fused_gate_up: a gated feed-forward's gate and up as one projection, gate rows first
-            (Phi-3's gate_up_proj), so a checkpoint's fused tensor loads as it is.
-        attention_scale: None = 1/sqrt(head_dim); T5 uses 1.0.
-        qk_norm: an RMSNorm over head_dim on every query and key head before RoPE
-            (Qwen3, Gemma 3).
-        sandwich_norm: a norm on each sub-layer's output too, before the residual add
-            (Gemma 2 and 3: x + norm(attn(norm(x)))).
-        attention_softcap: attention scores become c * tanh(scores / c) (Gemma 2); None = off.
-        sliding_window: how many keys (the query's own included) a sliding layer sees.
-        layer_types: per layer "full_attention" or "sliding_attention" (the window above,
-            and rope_local_theta); None = every layer full.
-        share_layers: one block's weights for all layers of a stack (ALBERT).
-        global_tokens: the first global_tokens positions attend to every key and every query
-            attends to them, beside the window (Longformer / BigBird's global tokens); 0 = none.
-            Only in sliding_attention layers, where they widen what the window sees.
-        attention_kind: "softmax" (exact attention) or "linear" (kernelized linear attention,
-            attention/linear.py: phi(q) (sum phi(k) v^T), O(n) time and an O(1) decoding state).
-        linear_feature_map: linear attention's phi: "elu" (elu + 1, Katharopoulos et al. 2020)
-            or "favor" (Performer's positive random features, linear_features of them).
-    State-space blocks (arch "ssm", Mamba: ssm.py)
-        ssm_state: N, the state size per channel; ssm_conv: the causal conv's width;
-        ssm_expand: the inner width d_inner = ssm_expand * d_model;
-        ssm_dt_rank: the rank of the step size's projection; None = ceil(d_model / 16).
-    Heads
-        type_vocab_size: segment embeddings (BERT's token types); 0 = none.
-        tie_word_embeddings: the output projection is the token embedding.
-        scale_embeddings: the token embeddings are multiplied by sqrt(d_model), rounded to
-            their dtype first (Gemma).
-        final_logit_softcap: logits become c * tanh(logits / c) (Gemma 2); None = off.
-        scale_decoder_output: multiply the final hidden state by d_model^-0.5
-            before the LM head (T5 with tied embeddings).
-        mlm_head, pooler: an encoder's masked-LM head and [CLS] pooler.
-    Task head (encoders; flashformer/task_heads.py)
-        task: None (the heads above), "sequence-classification" or "token-classification".
-            A task decides the heads: no masked-LM head, and the pooler only where the
-            classifier reads it (as transformers' BertFor*Classification have them).
-        num_labels: None = len(labels), or 2. labels: the label names in id order
-            (transformers' id2label); None = LABEL_0, LABEL_1, ...
-        problem_type: "single_label_classification" | "multi_label_classification" |
-            "regression", or None: inferred from the labels' dtype, as transformers does.
-        classifier_pooling: what a sequence classifier reads: "pooler" (BERT's tanh-dense
-            [CLS] state, transformers' choice), "cls" (the first token's hidden state),
-            "mean" or "max" over the real tokens. classifier_dropout: None = dropout.
-    Training
-        dropout (embeddings and residual branches), attention_dropout,
-        activation_dropout (inside the feed-forward, T5), dropout_after_final_norm (T5).
-        init_std: the standard deviation of the initial weights.
-        activation_checkpointing: recompute each block in the backward pass.
-        attention_backend: passed to flashformer.attention ("auto" picks).
-    Tokens
-        pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id.
-    hf_model_type: the Hugging Face family this model saves as ("bert",
-        "gpt2", "t5", "llama", "qwen2", "phi3"), or None. The recurrent archs, linear attention
-        and global tokens have no Hugging Face family: for them it becomes None (so that
-        `--model.arch lstm` on the gpt-mini preset trains without a GPT-2 export at the end).
+    A section is never built alone. ModelConfig inherits every section, so a field is given, read
+    and saved flat (`ModelConfig(n_kv_heads=2)`, `config.n_kv_heads`, to_dict), and each `_check`
+    runs on the whole config, in section order, reading the fields of earlier sections where it
+    needs them. A new field goes into the section of the part it shapes, its checks into that
+    section's `_check`; serialization, `replace`, the presets' overrides and the command line's
+    `--model.FIELD` read the fields from the dataclass and need no edit.
+    """
+
+    def _check(self) -> None:
+        """Fill in the section's derived fields; raise ValueError naming a field, its value and
+        what was expected."""
+
+    def _derive(self, name: str, value) -> None:
+        """Field `name` given as None becomes `value`, computed from the other fields, and is
+        remembered as derived, so that `replace` derives it again from new sizes."""
+        if getattr(self, name) is None:
+            setattr(self, name, value)
+            self._derived = self._derived | {name}
+
+
+# ---- the model's parts, in the order the data flows through them ----
+
+
+@dataclass
+class SizeFields(Section):
+    """The architecture and its sizes.
+
+    arch: "encoder" (BERT), "decoder" (GPT-2, LLaMA), "encoder-decoder" (T5), or one of the
+        recurrent alternatives (no attention): "lstm", "gru" (recurrent.py: n_layers
+        nn.LSTM / nn.GRU of width d_model) and "ssm" (ssm.py: Mamba blocks).
+    vocab_size, d_model, n_layers, n_heads, d_ff: the usual sizes.
+    n_kv_heads: key/value heads (GQA, MQA); None = n_heads.
+    head_dim: None = d_model // n_heads; T5 sets it apart (d_kv).
+    n_decoder_layers: decoder depth of an encoder-decoder; None = n_layers.
+    (These three are resolved at construction: a built config holds ints.)
+    max_seq_len: positions a model knows; a hard limit only for learned positions.
     """
 
     arch: str = "decoder"
@@ -132,6 +91,50 @@ class ModelConfig:
     n_decoder_layers: int | None = None
     max_seq_len: int = 1024
 
+    def _check(self) -> None:
+        _choice("arch", self.arch, ARCHS)
+        _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"ModelConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
+                f"unless head_dim is given"
+            )
+        self._derive("n_kv_heads", self.n_heads)
+        self._derive("head_dim", self.d_model // self.n_heads)
+        self._derive("n_decoder_layers", self.n_layers)
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+
+
+@dataclass
+class EmbeddingFields(Section):
+    """What the embeddings add to the token table.
+
+    type_vocab_size: segment embeddings (BERT's token types); 0 = none.
+    embedding_norm: a norm right after the embeddings (BERT).
+    scale_embeddings: the token embeddings are multiplied by sqrt(d_model), rounded to their
+        dtype first (Gemma).
+    """
+
+    type_vocab_size: int = 0
+    embedding_norm: bool = False
+    scale_embeddings: bool = False
+
+
+@dataclass
+class PositionFields(Section):
+    """How the model knows the order of its tokens.
+
+    position: "learned" | "sinusoidal" (added to the embeddings), "rope", "alibi", "relative"
+        (T5's bucketed bias), "none".
+    rope_theta, rotary_fraction (partial rotary), rope_scaling.
+    rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's local 10,000 beside a
+        global 1e6), which take no rope_scaling; None = the same RoPE as every other layer.
+    relative_buckets, relative_max_distance: T5's bucketing.
+    """
+
     position: str = "learned"
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0
@@ -140,96 +143,10 @@ class ModelConfig:
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    prenorm: bool = True
-    embedding_norm: bool = False
-    activation: str = "gelu_tanh"
-    gated_ffn: bool = False
-    attention_bias: bool = True
-    attention_out_bias: bool | None = None
-    ffn_bias: bool = True
-    fused_gate_up: bool = False
-    attention_scale: float | None = None
-    qk_norm: bool = False
-    sandwich_norm: bool = False
-    attention_softcap: float | None = None
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
-    share_layers: bool = False
-    global_tokens: int = 0
-    attention_kind: str = "softmax"
-    linear_feature_map: str = "elu"
-    linear_features: int = 64
-
-    ssm_state: int = 16
-    ssm_conv: int = 4
-    ssm_expand: int = 2
-    ssm_dt_rank: int | None = None
-
-    type_vocab_size: int = 0
-    tie_word_embeddings: bool = True
-    scale_embeddings: bool = False
-    final_logit_softcap: float | None = None
-    scale_decoder_output: bool = False
-    mlm_head: bool = True
-    pooler: bool = False
-    task: str | None = None
-    num_labels: int | None = None
-    labels: list[str] | None = None
-    problem_type: str | None = None
-    classifier_pooling: str = "pooler"
-    classifier_dropout: float | None = None
-
-    dropout: float = 0.1
-    attention_dropout: float = 0.1
-    activation_dropout: float = 0.0
-    dropout_after_final_norm: bool = False
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
-    attention_backend: str = "auto"
-
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    decoder_start_token_id: int | None = None
-    hf_model_type: str | None = None
-
-    # which of the fields above were None and filled in from the others (see replace)
-    _derived: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if isinstance(self.rope_scaling, dict):
+    def _check(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # as read back from config.json
             self.rope_scaling = RopeScaling(**self.rope_scaling)
-        _choice("arch", self.arch, ARCHS)
         _choice("position", self.position, POSITIONS)
-        _choice("norm", self.norm, NORMS)
-        _choice("activation", self.activation, ACTIVATIONS)
-        if self.hf_model_type is not None:
-            _choice("hf_model_type", self.hf_model_type, HF_MODEL_TYPES)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be an int >= 1; got {getattr(self, name)!r}")
-        if self.head_dim is None and self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"ModelConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
-                f"unless head_dim is given"
-            )
-        derived = {
-            "n_kv_heads": self.n_heads,
-            "head_dim": self.d_model // self.n_heads,
-            "n_decoder_layers": self.n_layers,
-            "num_labels": len(self.labels) if self.labels else 2,
-            "attention_out_bias": self.attention_bias,
-            "ssm_dt_rank": -(-self.d_model // 16),
-        }
-        self._derived = frozenset(name for name in derived if getattr(self, name) is None)
-        for name in self._derived:
-            setattr(self, name, derived[name])
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
         if self.position == "rope" and int(self.head_dim * self.rotary_fraction) % 2 != 0:
             raise ValueError(
                 f"RoPE rotates channel pairs: head_dim * rotary_fraction = {self.head_dim} * "
@@ -237,52 +154,39 @@ class ModelConfig:
             )
         if self.position == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(f"sinusoidal positions need an even d_model; got {self.d_model}")
-        for name in ("dropout", "attention_dropout", "activation_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
-        self._check_layer_types()
-        self._check_alternatives()
-        self._check_task()
 
-    def _check_layer_types(self) -> None:
-        """Sliding-window layers need a window; the softcaps must be positive."""
-        for name in ("attention_softcap", "final_logit_softcap"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"ModelConfig.{name} must be None or > 0; got {value!r}")
-        if self.layer_types is None:
-            return
-        self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ValueError(
-                f"ModelConfig.layer_types must give one of {LAYER_TYPES} for each of the n_layers={self.n_layers} "
-                f"layers; got {self.layer_types!r}"
-            )
-        if "sliding_attention" in self.layer_types and not (
-            isinstance(self.sliding_window, int) and self.sliding_window >= 1
-        ):
-            raise ValueError(
-                f"sliding_attention layers need ModelConfig.sliding_window, an int >= 1; got {self.sliding_window!r}"
-            )
-        if self.share_layers and len(set(self.layer_types)) > 1:
-            raise ValueError("ModelConfig.share_layers=True needs every layer of one type (layer_types)")
 
-    def _check_alternatives(self) -> None:
-        """The sparse / linear attention fields and the SSM sizes."""
-        if self.arch in RECURRENT_ARCHS or self.attention_kind == "linear" or self.global_tokens:
-            self.hf_model_type = None  # transformers has no such family: nothing to export as
+@dataclass
+class AttentionFields(Section):
+    """The attention sub-layer: its projections and its scores.
+
+    attention_bias: biases in the q, k, v and output projections.
+    attention_out_bias: a bias in self-attention's output projection; None = attention_bias
+        (Qwen2 has q/k/v biases and none on the output).
+    attention_scale: None = 1/sqrt(head_dim); T5 uses 1.0.
+    qk_norm: an RMSNorm over head_dim on every query and key head before RoPE (Qwen3, Gemma 3).
+    attention_softcap: attention scores become c * tanh(scores / c) (Gemma 2); None = off.
+    attention_kind: "softmax" (exact attention) or "linear" (kernelized linear attention,
+        attention/linear.py: phi(q) (sum phi(k) v^T), O(n) time and an O(1) decoding state).
+    linear_feature_map: linear attention's phi: "elu" (elu + 1, Katharopoulos et al. 2020)
+        or "favor" (Performer's positive random features, linear_features of them).
+    """
+
+    attention_bias: bool = True
+    attention_out_bias: bool | None = None
+    attention_scale: float | None = None
+    qk_norm: bool = False
+    attention_softcap: float | None = None
+    attention_kind: str = "softmax"
+    linear_feature_map: str = "elu"
+    linear_features: int = 64
+
+    def _check(self) -> None:
+        self._derive("attention_out_bias", self.attention_bias)
+        _positive_or_none(self, "attention_softcap")
         _choice("attention_kind", self.attention_kind, ATTENTION_KINDS)
         _choice("linear_feature_map", self.linear_feature_map, FEATURE_MAPS)
-        for name in ("ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank", "linear_features"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be an int >= 1; got {getattr(self, name)!r}")
-        if not isinstance(self.global_tokens, int) or self.global_tokens < 0:
-            raise ValueError(f"ModelConfig.global_tokens must be an int >= 0; got {self.global_tokens!r}")
-        if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
-            raise ValueError(
-                f"ModelConfig.global_tokens={self.global_tokens} widens sliding-window layers, but "
-                f"layer_types has none: {self.layer_types!r}"
-            )
+        _at_least(self, 1, "linear_features")
         if self.attention_kind == "linear":
             clashes = {
                 "position": self.position in ("alibi", "relative"),
@@ -297,12 +201,159 @@ class ModelConfig:
                     f"window, and serves decoders; got {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}"
                 )
 
+
+@dataclass
+class LayerPatternFields(Section):
+    """What differs from one layer to the next.
+
+    layer_types: per layer "full_attention" or "sliding_attention" (the window below, and
+        rope_local_theta); None = every layer full.
+    sliding_window: how many keys (the query's own included) a sliding layer sees.
+    global_tokens: the first global_tokens positions attend to every key and every query attends
+        to them, beside the window (Longformer / BigBird's global tokens); 0 = none. Only in
+        sliding_attention layers, where they widen what the window sees.
+    share_layers: one block's weights for all layers of a stack (ALBERT).
+    """
+
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    global_tokens: int = 0
+    share_layers: bool = False
+
+    def _check(self) -> None:
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(
+                    f"ModelConfig.layer_types must give one of {LAYER_TYPES} for each of the "
+                    f"n_layers={self.n_layers} layers; got {self.layer_types!r}"
+                )
+            if "sliding_attention" in self.layer_types and not (
+                isinstance(self.sliding_window, int) and self.sliding_window >= 1
+            ):
+                raise ValueError(
+                    f"sliding_attention layers need ModelConfig.sliding_window, an int >= 1; "
+                    f"got {self.sliding_window!r}"
+                )
+            if self.share_layers and len(set(self.layer_types)) > 1:
+                raise ValueError("ModelConfig.share_layers=True needs every layer of one type (layer_types)")
+        _at_least(self, 0, "global_tokens")
+        if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
+            raise ValueError(
+                f"ModelConfig.global_tokens={self.global_tokens} widens sliding-window layers, but "
+                f"layer_types has none: {self.layer_types!r}"
+            )
+
     def layer_type(self, index: int) -> str:
         """ "full_attention" or "sliding_attention": what layer `index` attends to."""
         return "full_attention" if self.layer_types is None else self.layer_types[index]
 
-    def _check_task(self) -> None:
-        """The task head's fields; a task decides which of the other heads the encoder keeps."""
+
+@dataclass
+class FeedForwardFields(Section):
+    """The feed-forward sub-layer.
+
+    activation: "relu" | "gelu" | "gelu_tanh" | "silu".
+    gated_ffn: act(gate(x)) * up(x) (SwiGLU with silu, T5 v1.1's gated-gelu with gelu_tanh).
+    ffn_bias: biases in the feed-forward's projections.
+    fused_gate_up: a gated feed-forward's gate and up as one projection, gate rows first
+        (Phi-3's gate_up_proj), so a checkpoint's fused tensor loads as it is.
+    """
+
+    activation: str = "gelu_tanh"
+    gated_ffn: bool = False
+    ffn_bias: bool = True
+    fused_gate_up: bool = False
+
+    def _check(self) -> None:
+        _choice("activation", self.activation, ACTIVATIONS)
+
+
+@dataclass
+class NormFields(Section):
+    """The norms and where they sit around each sub-layer.
+
+    norm: "layernorm" | "rmsnorm"; norm_eps.
+    prenorm: norm before each sub-layer (GPT-2, T5, LLaMA; a final norm closes the stack) or
+        after the residual add (BERT).
+    sandwich_norm: a norm on each sub-layer's output too, before the residual add (Gemma 2 and 3:
+        x + norm(attn(norm(x)))).
+    """
+
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    prenorm: bool = True
+    sandwich_norm: bool = False
+
+    def _check(self) -> None:
+        _choice("norm", self.norm, NORMS)
+
+
+@dataclass
+class StateSpaceFields(Section):
+    """The state-space blocks of arch "ssm" (Mamba: ssm.py).
+
+    ssm_state: N, the state size per channel; ssm_conv: the causal conv's width;
+    ssm_expand: the inner width d_inner = ssm_expand * d_model;
+    ssm_dt_rank: the rank of the step size's projection; None = ceil(d_model / 16).
+    """
+
+    ssm_state: int = 16
+    ssm_conv: int = 4
+    ssm_expand: int = 2
+    ssm_dt_rank: int | None = None
+
+    def _check(self) -> None:
+        self._derive("ssm_dt_rank", -(-self.d_model // 16))
+        _at_least(self, 1, "ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank")
+
+
+@dataclass
+class OutputHeadFields(Section):
+    """What turns the last hidden state into logits.
+
+    tie_word_embeddings: the output projection is the token embedding.
+    final_logit_softcap: logits become c * tanh(logits / c) (Gemma 2); None = off.
+    scale_decoder_output: multiply the final hidden state by d_model^-0.5 before the LM head
+        (T5 with tied embeddings).
+    mlm_head, pooler: an encoder's masked-LM head and [CLS] pooler.
+    """
+
+    tie_word_embeddings: bool = True
+    final_logit_softcap: float | None = None
+    scale_decoder_output: bool = False
+    mlm_head: bool = True
+    pooler: bool = False
+
+    def _check(self) -> None:
+        _positive_or_none(self, "final_logit_softcap")
+
+
+@dataclass
+class TaskHeadFields(Section):
+    """An encoder's task head (model/heads.py), in place of the output heads above.
+
+    task: None (the output heads), "sequence-classification" or "token-classification". A task
+        decides the heads: no masked-LM head, and the pooler only where the classifier reads it
+        (as transformers' BertFor*Classification have them).
+    num_labels: None = len(labels), or 2. labels: the label names in id order (transformers'
+        id2label); None = LABEL_0, LABEL_1, ...
+    problem_type: "single_label_classification" | "multi_label_classification" | "regression",
+        or None: inferred from the labels' dtype, as transformers does.
+    classifier_pooling: what a sequence classifier reads: "pooler" (BERT's tanh-dense [CLS]
+        state, transformers' choice), "cls" (the first token's hidden state), "mean" or "max"
+        over the real tokens. classifier_dropout: None = dropout.
+    """
+
+    task: str | None = None
+    num_labels: int | None = None
+    labels: list[str] | None = None
+    problem_type: str | None = None
+    classifier_pooling: str = "pooler"
+    classifier_dropout: float | None = None
+
+    def _check(self) -> None:
+        self._derive("num_labels", len(self.labels) if self.labels else 2)
         if self.task is not None:
             _choice("task", self.task, TASKS)
             if self.arch != "encoder":
@@ -310,8 +361,7 @@ class ModelConfig:
         if self.problem_type is not None:
             _choice("problem_type", self.problem_type, PROBLEM_TYPES)
         _choice("classifier_pooling", self.classifier_pooling, CLASSIFIER_POOLINGS)
-        if not isinstance(self.num_labels, int) or self.num_labels < 1:
-            raise ValueError(f"ModelConfig.num_labels must be an int >= 1; got {self.num_labels!r}")
+        _at_least(self, 1, "num_labels")
         if self.labels is not None:
             self.labels = list(self.labels)
             if len(self.labels) != self.num_labels or len(set(self.labels)) != len(self.labels):
@@ -331,9 +381,107 @@ class ModelConfig:
             self.mlm_head = False
             self.pooler = self.task == "sequence-classification" and self.classifier_pooling == "pooler"
 
+
+# ---- outside the architecture: token ids, training, running and saving ----
+
+
+@dataclass
+class TokenFields(Section):
+    """The special token ids (None = the model has none)."""
+
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+
+
+@dataclass
+class TrainingFields(Section):
+    """What only training reads.
+
+    dropout (embeddings and residual branches), attention_dropout, activation_dropout (inside the
+    feed-forward, T5), dropout_after_final_norm (T5).
+    init_std: the standard deviation of the initial weights.
+    activation_checkpointing: recompute each block in the backward pass.
+    """
+
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    activation_dropout: float = 0.0
+    dropout_after_final_norm: bool = False
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+    def _check(self) -> None:
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name} must be in [0, 1); got {getattr(self, name)!r}")
+
+
+@dataclass
+class RunFields(Section):
+    """How the model runs and what it saves as; neither changes what it computes.
+
+    attention_backend: passed to flashformer.attention ("auto" picks).
+    hf_model_type: the Hugging Face family this model saves as (one of HF_MODEL_TYPES), or None.
+        The recurrent archs, linear attention and global tokens have no Hugging Face family: for
+        them it becomes None (so that `--model.arch lstm` on the gpt-mini preset trains without
+        a GPT-2 export at the end).
+    """
+
+    attention_backend: str = "auto"
+    hf_model_type: str | None = None
+
+    def _check(self) -> None:
+        if self.hf_model_type is not None:
+            _choice("hf_model_type", self.hf_model_type, HF_MODEL_TYPES)
+        if self.arch in RECURRENT_ARCHS or self.attention_kind == "linear" or self.global_tokens:
+            self.hf_model_type = None  # transformers has no such family: nothing to export as
+
+
+# dataclasses gather a class's fields from its last base to its first: the sections are
+# listed right to left, so that the fields (and config.json) read from SizeFields to RunFields
+@dataclass
+class ModelConfig(
+    RunFields,
+    TrainingFields,
+    TokenFields,
+    TaskHeadFields,
+    OutputHeadFields,
+    StateSpaceFields,
+    NormFields,
+    FeedForwardFields,
+    LayerPatternFields,
+    AttentionFields,
+    PositionFields,
+    EmbeddingFields,
+    SizeFields,
+):
+    """Everything that decides a model's shape and behaviour, in sections (`sections()`):
+
+    the architecture, in the order the data flows: SizeFields, EmbeddingFields, PositionFields,
+    AttentionFields, LayerPatternFields, FeedForwardFields, NormFields, StateSpaceFields,
+    OutputHeadFields, TaskHeadFields; then TokenFields, TrainingFields and RunFields. Each
+    section's docstring describes its fields, and its `_check` validates them, in this order,
+    when the config is built. The fields are flat: `ModelConfig(n_kv_heads=2).n_kv_heads`.
+    """
+
+    # which of the fields above were None and filled in from the others (see replace)
+    _derived: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        for section in self.sections():
+            section._check(self)
+
+    @classmethod
+    def sections(cls) -> tuple[type[Section], ...]:
+        """The config's sections in reading order (the order their fields and checks come in)."""
+        return tuple(base for base in reversed(cls.__mro__) if Section in base.__bases__)
+
     # ---- serialization (config.json of our own checkpoints) ----
 
     def to_dict(self) -> dict:
+        """The fields as one flat dict, as config.json holds them."""
         out = dataclasses.asdict(self)  # rope_scaling becomes a plain dict
         del out["_derived"]
         return out
@@ -363,128 +511,14 @@ def _choice(name: str, value, allowed: tuple) -> None:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}; got {value!r}")
 
 
-# ---- presets ----
-
-_BERT = dict(
-    arch="encoder",
-    vocab_size=30522,
-    max_seq_len=512,
-    position="learned",
-    norm="layernorm",
-    norm_eps=1e-12,
-    prenorm=False,
-    embedding_norm=True,
-    activation="gelu",
-    type_vocab_size=2,
-    mlm_head=True,
-    pooler=True,
-    pad_token_id=0,
-    hf_model_type="bert",
-)
-_GPT2 = dict(
-    arch="decoder",
-    vocab_size=50257,
-    max_seq_len=1024,
-    position="learned",
-    norm="layernorm",
-    norm_eps=1e-5,
-    activation="gelu_tanh",
-    bos_token_id=50256,
-    eos_token_id=50256,
-    hf_model_type="gpt2",
-)
-_T5 = dict(
-    arch="encoder-decoder",
-    vocab_size=32128,
-    position="relative",
-    max_seq_len=512,
-    norm="rmsnorm",
-    norm_eps=1e-6,
-    activation="relu",
-    attention_bias=False,
-    ffn_bias=False,
-    attention_scale=1.0,
-    tie_word_embeddings=True,
-    scale_decoder_output=True,
-    activation_dropout=0.1,
-    dropout_after_final_norm=True,
-    pad_token_id=0,
-    eos_token_id=1,
-    decoder_start_token_id=0,
-    hf_model_type="t5",
-)
-_LLAMA = dict(
-    arch="decoder",
-    vocab_size=32000,
-    max_seq_len=2048,
-    position="rope",
-    rope_theta=10000.0,
-    norm="rmsnorm",
-    norm_eps=1e-5,
-    activation="silu",
-    gated_ffn=True,
-    attention_bias=False,
-    ffn_bias=False,
-    tie_word_embeddings=False,
-    dropout=0.0,
-    attention_dropout=0.0,
-    bos_token_id=1,
-    eos_token_id=2,
-    hf_model_type="llama",
-)
-# recurrent language models: no positions (the recurrence orders the tokens), no attention
-_RECURRENT = dict(
-    n_heads=1,  # not read: no attention (n_heads only has to divide d_model)
-    vocab_size=2048,
-    max_seq_len=256,
-    position="none",
-    dropout=0.0,
-    attention_dropout=0.0,
-    tie_word_embeddings=True,
-)
-_TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=1000, max_seq_len=128)
-
-PRESETS: dict[str, dict] = {
-    "bert-base": dict(_BERT, d_model=768, n_layers=12, n_heads=12, d_ff=3072),
-    "gpt2": dict(_GPT2, d_model=768, n_layers=12, n_heads=12, d_ff=3072),
-    "t5-small": dict(_T5, d_model=512, n_layers=6, n_heads=8, head_dim=64, d_ff=2048),
-    # about 110M parameters: GPT-2-small's width with LLaMA's design (GQA 12/4, SwiGLU, RoPE, RMSNorm)
-    "llama-small": dict(_LLAMA, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048),
-    # the default of `flashformer train`: a GPT-2-style model small enough to
-    # learn Python's stdlib visibly in a few minutes on two CPU cores
-    "gpt-mini": dict(
-        _GPT2,
-        d_model=192,
-        n_layers=4,
-        n_heads=4,
-        d_ff=768,
-        max_seq_len=256,
-        vocab_size=2048,
-        dropout=0.0,
-        attention_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-    ),
-    "bert-tiny": dict(_BERT, **_TINY),
-    "gpt2-tiny": dict(_GPT2, **_TINY),
-    "t5-tiny": dict(_T5, **dict(_TINY, head_dim=16)),
-    "llama-tiny": dict(_LLAMA, **dict(_TINY, n_kv_heads=2, d_ff=96)),
-    # the alternatives of docs/alternatives.md, gpt-mini's vocabulary and training defaults
-    "lstm-mini": dict(_RECURRENT, arch="lstm", d_model=256, n_layers=2),
-    "gru-mini": dict(_RECURRENT, arch="gru", d_model=288, n_layers=2),
-    "mamba-mini": dict(_RECURRENT, arch="ssm", d_model=192, n_layers=6, norm="rmsnorm"),
-    "lstm-tiny": dict(_RECURRENT, **dict(_TINY, arch="lstm")),
-    "gru-tiny": dict(_RECURRENT, **dict(_TINY, arch="gru")),
-    "mamba-tiny": dict(_RECURRENT, **dict(_TINY, arch="ssm", norm="rmsnorm", ssm_state=8)),
-}
+def _at_least(config, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < minimum:
+            raise ValueError(f"ModelConfig.{name} must be an int >= {minimum}; got {value!r}")
 
 
-def preset(name: str, **overrides) -> ModelConfig:
-    """The ModelConfig of a preset, with any fields overridden."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    known = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"unknown ModelConfig fields: {unknown}")
-    return ModelConfig(**dict(PRESETS[name], **overrides))
+def _positive_or_none(config, name: str) -> None:
+    value = getattr(config, name)
+    if value is not None and not value > 0:
+        raise ValueError(f"ModelConfig.{name} must be None or > 0; got {value!r}")

@@ -29,10 +29,11 @@ from flashformer.checks import (
 from flashformer.generate.mixin import GenerationMixin
 from flashformer.kernels.cpu import Linear, linear
 from flashformer.model.base import ModelOutput, PreTrainedModel, check_arch, cross_entropy
-from flashformer.model.config import ModelConfig, preset
+from flashformer.model.config import ModelConfig
 from flashformer.model.heads import MaskedLMHead, Pooler, make_task_head
 from flashformer.model.layers import Softcap, recording_attention
 from flashformer.model.native import native_decoder
+from flashformer.model.presets import preset
 from flashformer.model.recurrent import GRUModel, LSTMModel
 from flashformer.model.ssm import SSMModel
 from flashformer.model.stacks import Decoder, Embeddings, Encoder
@@ -351,7 +352,7 @@ class _NoInitialization(TorchFunctionMode):
 
 def build(config: ModelConfig | str, **overrides) -> PreTrainedModel:
     """A randomly initialized model from a ModelConfig or a preset name
-    (flashformer.model.config.PRESETS), with any config fields overridden."""
+    (flashformer.model.presets.PRESETS), with any config fields overridden."""
     if isinstance(config, str):
         config = preset(config, **overrides)
     elif isinstance(config, ModelConfig):

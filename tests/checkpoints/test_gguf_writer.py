@@ -338,7 +338,7 @@ def test_llama3_split_is_named_llama_bpe(tmp_path, tokenizer):
 
 
 def test_a_training_run_exports(tmp_path):
-    from flashformer.model.config import preset
+    from flashformer.model.presets import preset
     from flashformer.train.config import TrainConfig
     from flashformer.train.trainer import Trainer
 
@@ -393,8 +393,8 @@ def test_bad_requests_are_refused_by_name(folder, tmp_path):
 
 
 def test_a_family_without_a_gguf_writer_is_refused(tmp_path, tokenizer):
-    from flashformer.model.config import preset
     from flashformer.model.models import build
+    from flashformer.model.presets import preset
 
     model = build(preset("bert-tiny", vocab_size=VOCAB))
     model.save_pretrained(tmp_path / "bert")

@@ -17,7 +17,7 @@ import flashformer
 from flashformer import costs
 from flashformer.cli import commands as cli
 from flashformer.costs import report
-from flashformer.model.config import preset
+from flashformer.model.presets import preset
 from flashformer.viz import attention as viz_attention
 from flashformer.viz import positional
 

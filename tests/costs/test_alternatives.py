@@ -10,8 +10,8 @@ from helpers import flop_counter
 
 from flashformer.costs import alternatives
 from flashformer.generate.cache import make_caches
-from flashformer.model.config import preset
 from flashformer.model.models import build
+from flashformer.model.presets import preset
 
 SIZES = dict(d_model=32, n_layers=2, n_heads=4, d_ff=64, vocab_size=50)
 CONFIGS = {

@@ -25,7 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import flashformer
 from flashformer import costs
 from flashformer.costs.flops import GROUPS, attention_pairs, flash_backward_pairs
-from flashformer.model.config import PRESETS, RECURRENT_ARCHS
+from flashformer.model.config import RECURRENT_ARCHS
+from flashformer.model.presets import PRESETS
 
 FULL_PRESETS = ["bert-base", "gpt2", "t5-small", "llama-small"]
 # the recurrent alternatives have formulas of their own (test_alternatives.py)

@@ -117,7 +117,7 @@ TINY_RUN_PROMPT = "def "
 def train_tiny_run(corpus, out):
     """A real run of the trainer (6 steps, checkpoints at 3 and 6) of a tiny
     byte-level GPT on a corpus of small Python files; returns the trainer's summary."""
-    from flashformer.model.config import preset
+    from flashformer.model.presets import preset
     from flashformer.train.config import TrainConfig
     from flashformer.train.trainer import Trainer
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flashformer.generate.cache import make_caches
-from flashformer.model.config import preset
 from flashformer.model.models import build
+from flashformer.model.presets import preset
 
 
 def tiny_decoder(**changes):

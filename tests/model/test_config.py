@@ -1,10 +1,18 @@
-"""ModelConfig: derived sizes resolved once, presets, and changes that keep them consistent."""
+"""ModelConfig: derived sizes resolved once, presets, changes that keep them consistent, and the
+sections its fields are grouped in."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
-from flashformer.model.config import ModelConfig, preset
+from flashformer.model.config import ModelConfig, Section
+from flashformer.model.presets import preset
 
 
 def test_derived_sizes_are_resolved_at_construction():
@@ -65,3 +73,60 @@ def test_layer_types_are_checked_and_round_trip_through_json():
         preset("llama-tiny", layer_types=sliding)
     with pytest.raises(ValueError, match="final_logit_softcap must be None or > 0; got 0.0"):
         preset("llama-tiny", final_logit_softcap=0.0)
+
+
+# ---- the sections ----
+
+
+def test_every_field_belongs_to_exactly_one_section_in_reading_order():
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.init]
+    by_section = [[f.name for f in dataclasses.fields(section)] for section in ModelConfig.sections()]
+    assert [name for names in by_section for name in names] == fields  # each once, in section order
+    assert all(names for names in by_section)
+
+
+def test_the_sections_are_the_ones_docs_architecture_names_in_its_order():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    match = re.search(r"^Config sections: (.+)$", page, re.M)
+    assert match, "docs/architecture.md has no 'Config sections:' line"
+    assert match.group(1).split(" → ") == [section.__name__ for section in ModelConfig.sections()]
+
+
+@dataclass
+class ExpertFields(Section):
+    """A 2026 family's fields as a section of their own: a mixture of experts in place of the
+    dense feed-forward (Qwen3-MoE, gpt-oss). Declared here, not in the package, to show that the
+    section alone is the edit: serialization, replace and the checks read it from the dataclass."""
+
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn_hidden: int | None = None  # None = d_ff
+
+    def _check(self) -> None:
+        self._derive("expert_ffn_hidden", self.d_ff)
+        if self.n_expert and not 1 <= self.n_expert_used <= self.n_expert:
+            raise ValueError(
+                f"ModelConfig.n_expert_used must be in [1, n_expert={self.n_expert}]; got {self.n_expert_used!r}"
+            )
+
+
+@dataclass
+class ConfigWithExperts(ExpertFields, ModelConfig):
+    pass
+
+
+def test_a_new_section_is_the_only_edit_for_round_trip_replace_and_checks():
+    import json
+
+    assert ConfigWithExperts.sections() == (*ModelConfig.sections(), ExpertFields)
+    config = ConfigWithExperts(**preset("llama-tiny").to_dict(), n_expert=8, n_expert_used=2)
+    assert (config.expert_ffn_hidden, config.head_dim) == (96, 16)  # derived, as the sizes are
+    assert ConfigWithExperts.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert config.replace(d_ff=64).expert_ffn_hidden == 64  # derived again
+    old = preset("llama-tiny").to_dict()  # a config.json written before the section: a flat dict
+    assert ConfigWithExperts.from_dict(old).n_expert == 0
+    assert typing.get_type_hints(ConfigWithExperts)["n_expert"] is int  # what --model.FIELD parses with
+    with pytest.raises(ValueError, match=r"ModelConfig.n_expert_used must be in \[1, n_expert=8\]; got 9"):
+        config.replace(n_expert_used=9)
+    with pytest.raises(ValueError, match=r"ModelConfig.d_model must be an int >= 1; got 0"):
+        config.replace(d_model=0)  # the other sections still check first

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from helpers import TestCache
 
 import flashformer
-from flashformer.model.config import PRESETS, ModelConfig, preset
+from flashformer.model.config import ModelConfig
 from flashformer.model.models import DecoderModel, EncoderDecoderModel, EncoderModel
 from flashformer.model.positional import RopeScaling
+from flashformer.model.presets import PRESETS, preset
 
 TINY = ["bert-tiny", "gpt2-tiny", "t5-tiny", "llama-tiny"]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flashformer.generate.cache import RecurrentState, make_caches
-from flashformer.model.config import preset
 from flashformer.model.models import build
+from flashformer.model.presets import preset
 
 
 def lstm_reference(x, weight_ih, weight_hh, bias_ih, bias_hh):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.generate.cache import make_caches
-from flashformer.model.config import preset
 from flashformer.model.models import build
+from flashformer.model.presets import preset
 from flashformer.model.ssm import selective_scan, selective_step
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.loading import export_hf
-from flashformer.model.config import preset
+from flashformer.model.presets import preset
 from flashformer.train.config import TrainConfig
 from flashformer.train.trainer import Trainer, learning_rate
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashformer.checkpoints.loading import load
-from flashformer.model.config import preset
+from flashformer.model.presets import preset
 from flashformer.train.config import TrainConfig
 from flashformer.train.trainer import Trainer
 

@@ -5,7 +5,6 @@ Adding a family is its module and a row."""
 from __future__ import annotations
 
 from flashformer.formatting import markdown_table
-from flashformer.model.config import preset
 from flashformer.model.hf.bert import Bert
 from flashformer.model.hf.gemma import Gemma
 from flashformer.model.hf.gpt2 import GPT2
@@ -15,6 +14,7 @@ from flashformer.model.hf.phi3 import Phi3
 from flashformer.model.hf.qwen2 import Qwen2
 from flashformer.model.hf.qwen3 import Qwen3
 from flashformer.model.hf.t5 import T5
+from flashformer.model.presets import preset
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
