@@ -1,15 +1,16 @@
-"""create_app: the OpenAI-compatible HTTP API over an Engine (FastAPI), assembled from one module
-per endpoint family, with the API key and the errors' statuses.
+"""create_app: the HTTP server over an Engine (FastAPI), OpenAI's endpoints (openai/) and
+Anthropic's (anthropic/) mounted on one app beside the core's routes (http/), with the API key
+and the errors' statuses. It sits above both APIs, which translate into serve/http/ and never
+import each other or this module.
 
-    POST /v1/chat/completions   messages through the model's chat template (chat_completions.py)
-    POST /v1/completions        a prompt string or token ids (completions.py)
-    POST /v1/embeddings         sentence vectors, when the model is an encoder (embeddings.py)
-    POST /v1/responses          OpenAI's Responses API (responses_api.py)
-    POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API (serve/anthropic/)
-    POST /tokenize, /detokenize, GET /tokenizer_info (tokenize.py)
-    GET  /v1/models, /health, /metrics (Prometheus text) (status.py)
-    GET  /                      the chat page (page.py), unless webui=False
-
+    POST /v1/chat/completions   messages through the model's chat template (openai/chat_completions.py)
+    POST /v1/completions        a prompt string or token ids (openai/completions.py)
+    POST /v1/embeddings         sentence vectors, when the model is an encoder (openai/embeddings.py)
+    POST /v1/responses          OpenAI's Responses API (openai/responses_api.py)
+    POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API (anthropic/)
+    POST /tokenize, /detokenize, GET /tokenizer_info (openai/tokenize.py)
+    GET  /v1/models, /health, /metrics (Prometheus text) (http/status.py)
+    GET  /                      the chat page (http/page.py), unless webui=False
 Requests and responses have OpenAI's shapes, so the `openai` client (and
 everything built on it) works unchanged: max_tokens, the sampling options
 (temperature (0 = greedy), top_p, top_k, min_p, the penalties, ...: the rows of
@@ -18,8 +19,8 @@ n, stream (server-sent events ending with `data: [DONE]`, stream_options.include
 logprobs / top_logprobs, echo (the prompt's log-probabilities, max_tokens 0 allowed), usage;
 vLLM's min_tokens, ignore_eos, stop_token_ids and OpenAI's logit_bias; structured outputs:
 response_format (json_object, json_schema) and vLLM's structured_outputs / guided_* fields
-(structured.py: compiled off the engine's thread); tools, tool_choice and tool calls in the
-history and the answers (tools.py); any other field is refused by name (400) unless it cannot
+(http/structured.py: compiled off the engine's thread); tools, tool_choice and tool calls in the
+history and the answers (http/tools.py); any other field is refused by name (400) unless it cannot
 change the answer (user, metadata, ...) or holds its no-op value (docs/serving.md, "Requests").
 Errors are OpenAI's error JSON with the matching status (400 for a bad request, 401 for a wrong
 API key, 404 for an unknown model, 503 when the queue is full). A client that goes away has its
@@ -37,17 +38,17 @@ from flashformer.serve.anthropic.messages import add_messages_routes
 from flashformer.serve.anthropic.protocol import anthropic_error, speaks_anthropic
 from flashformer.serve.embeddings import EmbeddingEngine
 from flashformer.serve.engine import Engine
-from flashformer.serve.openai.chat import ServerOptions
+from flashformer.serve.http.chat import ServerOptions
+from flashformer.serve.http.page import add_page
+from flashformer.serve.http.protocol import APIError
+from flashformer.serve.http.status import add_status_routes
+from flashformer.serve.http.structured import describe_vocabulary_soon
+from flashformer.serve.http.tools import check_parser
 from flashformer.serve.openai.chat_completions import add_chat_routes
 from flashformer.serve.openai.completions import add_completion_routes
 from flashformer.serve.openai.embeddings import add_embedding_routes
-from flashformer.serve.openai.page import add_page
-from flashformer.serve.openai.protocol import APIError
 from flashformer.serve.openai.responses_api import add_responses_routes
-from flashformer.serve.openai.status import add_status_routes
-from flashformer.serve.openai.structured import describe_vocabulary_soon
 from flashformer.serve.openai.tokenize import add_tokenizer_routes
-from flashformer.serve.openai.tools import check_parser
 
 
 def create_app(
