@@ -8,10 +8,10 @@ over a paged KV cache.
     paged_cache.py   the block pool (shared blocks, the prefix cache) and the per-layer paged caches
     embeddings.py    the embedding engine (an encoder served)
     http/            the HTTP core every API translates into: the one chat path, answers, the
-                     request bodies it takes, errors, status and the chat page
+                     request bodies it takes, errors, status, the chat page, the bare app
     openai/          OpenAI's endpoints (chat completions, completions, embeddings, responses)
     anthropic/       Anthropic's Messages API
-    app.py           create_app: both APIs' routes on one FastAPI app, the API key, the errors
+    app.py           create_app: both APIs' routes on http/'s app, errors in each API's shape
     cluster/         engine replicas on Ray Serve behind that app
 
 Imports run down that list's rooms: the engine's modules, http/, the two APIs (neither imports

@@ -1,7 +1,7 @@
-"""create_app: the HTTP server over an Engine (FastAPI), OpenAI's endpoints (openai/) and
-Anthropic's (anthropic/) mounted on one app beside the core's routes (http/), with the API key
-and the errors' statuses. It sits above both APIs, which translate into serve/http/ and never
-import each other or this module.
+"""create_app: the HTTP server over an Engine (FastAPI): OpenAI's endpoints (openai/) and
+Anthropic's (anthropic/) mounted beside the core's routes (http/) on http/base_app.py's app (the
+API key, the errors' statuses), each error in the shape of the API asked. It sits above both
+APIs, which translate into serve/http/ and never import each other or this module.
 
     POST /v1/chat/completions   messages through the model's chat template (openai/chat_completions.py)
     POST /v1/completions        a prompt string or token ids (openai/completions.py)
@@ -29,15 +29,14 @@ request cancelled within one engine step.
 
 from __future__ import annotations
 
-import hmac
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
+from fastapi.responses import Response
 
 from flashformer.serve.anthropic.messages import add_messages_routes
 from flashformer.serve.anthropic.protocol import anthropic_error, speaks_anthropic
 from flashformer.serve.embeddings import EmbeddingEngine
 from flashformer.serve.engine import Engine
+from flashformer.serve.http.base_app import base_app
 from flashformer.serve.http.chat import ServerOptions
 from flashformer.serve.http.page import add_page
 from flashformer.serve.http.protocol import APIError
@@ -68,9 +67,7 @@ def create_app(
     reasoning is split off the answers in (text.reasoning; None: none is)."""
     check_parser(tool_parser)
     server = ServerOptions(tool_parser, reasoning_parser)
-    app = FastAPI(title="flashformer", docs_url=None, redoc_url=None)
-    add_error_handlers(app)
-    add_api_key(app, api_key)
+    app = base_app(api_key, error_shape)
     add_status_routes(app, engine, model_name)
     add_chat_routes(app, engine, model_name, server)
     add_completion_routes(app, engine, model_name)
@@ -85,63 +82,6 @@ def create_app(
     return app
 
 
-def error_response(request: Request, error: APIError):
+def error_shape(path: str, error: APIError) -> Response:
     """An APIError in the shape of the API asked: Anthropic's under its paths, else OpenAI's."""
-    return anthropic_error(error) if speaks_anthropic(request.url.path) else error.response()
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """APIError answers in its API's shape; a body that fails its pydantic model answers 400
-    naming the first field at fault, the rule and the value received."""
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return error_response(request, error)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            message = f"the request body is not valid JSON: {first.get('msg')}"
-        else:
-            got = f"; got {first['input']!r}" if "input" in first and first.get("type") != "missing" else ""
-            message = f"{where or 'the request body'}: {first.get('msg', 'invalid')}{got}"
-        return error_response(request, APIError(400, message, param=where))
-
-
-def add_api_key(app: FastAPI, api_key: str | None) -> None:
-    """With a key, every /v1 call must carry it: `Authorization: Bearer <key>`, or `x-api-key` as
-    Anthropic's clients send it; compared in constant time. 401 otherwise."""
-    if api_key is not None:
-        app.add_middleware(RequireAPIKey, api_key=api_key)
-
-
-class RequireAPIKey:
-    """add_api_key's check as a plain ASGI middleware: a /v1 request without the key is answered
-    401 here, and everything else passes through untouched. (Starlette's BaseHTTPMiddleware, an
-    @app.middleware("http") function, carries every chunk of a streamed answer through a memory
-    stream to a task of its own: a task switch per token, on the cores that decode.)"""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._carries_key(scope):
-            refusal = APIError(401, "incorrect API key", kind="authentication_error", code="invalid_api_key")
-            response = anthropic_error(refusal) if speaks_anthropic(scope["path"]) else refusal.response()
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _carries_key(self, scope) -> bool:
-        bearer = _header(scope, b"authorization")
-        anthropic = _header(scope, b"x-api-key")  # Anthropic's clients' header
-        # both compared, in constant time, whichever is given
-        return hmac.compare_digest(bearer, self.bearer) | hmac.compare_digest(anthropic, self.key)
-
-
-def _header(scope, name: bytes) -> bytes:
-    """The first value of a request header (names are lowercase in ASGI), b"" if absent."""
-    return next((value for key, value in scope["headers"] if key == name), b"")
+    return anthropic_error(error) if speaks_anthropic(path) else error.response()
