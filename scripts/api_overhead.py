@@ -81,7 +81,7 @@ def translation_cost() -> dict[str, float]:
     """Seconds to parse and translate each body in-process (the chat body only parsed), best of
     2000 runs."""
     from flashformer.serve.anthropic.protocol import MessagesRequest, chat_request
-    from flashformer.serve.openai.protocol import ChatCompletionRequest
+    from flashformer.serve.http.protocol import ChatCompletionRequest
     from flashformer.serve.openai.responses_api import ResponsesRequest, _chat_request, _input_messages
 
     request = {api: json.loads(body) for api, (_, _, body) in bodies("m").items()}

@@ -1,5 +1,5 @@
-"""The package's shape: rooms importing one way, no cycles, small modules, and a module map
-that names every module.
+"""The package's shape: rooms importing one way, and the sub-rooms inside a room too (no two
+importing each other), no cycles, small modules, and a module map that names every module.
 
 The room order and the module map are read from docs/architecture.md, so the page and the
 code cannot drift apart. The import graph is read from the source with `ast`, imports inside
@@ -169,6 +169,93 @@ def test_the_import_graph_has_no_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+# ---- sub-rooms ----
+
+
+def sub_room_of(module: str) -> str | None:
+    """A module's sub-room inside its room: the folder it sits in (flashformer.serve.http for
+    flashformer.serve.http.chat), or itself for a module at the room's top
+    (flashformer.serve.engine). None for the package, a room's __init__ and the helpers."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) >= 3 else None
+
+
+def sub_room_arrows(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(sub-room, sub-room of the same room) -> the imports from the first into the second."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            ours, theirs = sub_room_of(module), sub_room_of(target)
+            if ours and theirs and ours != theirs and ours.split(".")[1] == theirs.split(".")[1]:
+                arrows.setdefault((ours, theirs), []).append(f"{module} imports {target}")
+    return arrows
+
+
+def sub_room_back_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Sub-rooms of one room that import each other (directly, or round a longer circle), as
+    sentences naming the imports: inside a room, too, one direction is down."""
+    arrows = sub_room_arrows(graph)
+    wrong = [
+        f"{a} and {b} import each other: " + "; ".join(arrows[a, b] + arrows[b, a])
+        for a, b in sorted(arrows)
+        if a < b and (b, a) in arrows
+    ]
+    if not wrong:
+        rooms = {room for pair in arrows for room in pair}
+        circle = find_cycle({room: {b for a, b in arrows if a == room} for room in rooms})
+        if circle:
+            steps = [arrows[a, b][0] for a, b in zip(circle, circle[1:])]
+            wrong.append("sub-rooms import in a circle " + " -> ".join(circle) + ": " + "; ".join(steps))
+    return wrong
+
+
+def test_no_two_sub_rooms_import_each_other():
+    """Inside a room, its folders (serve/http/, serve/openai/, serve/anthropic/, serve/cluster/,
+    model/hf/, ...) and its top-level modules import one way too: shared helpers go in a sub-room
+    both import, never in one of the two (docs/architecture.md, serve/'s order)."""
+    wrong = sub_room_back_arrows(import_graph())
+    assert not wrong, (
+        "sub-rooms importing each other (give what both need a sub-room of its own):\n" + "\n".join(wrong)
+    )
+
+
+def test_the_sub_room_checker_finds_back_arrows():
+    # what serve/ was: the app in openai/ mounting anthropic/'s routes, which took openai/'s chat path
+    graph = {
+        "flashformer.serve": set(),
+        "flashformer.serve.engine": set(),
+        "flashformer.serve.openai.app": {"flashformer.serve.anthropic.messages", "flashformer.serve.engine"},
+        "flashformer.serve.openai.chat": {"flashformer.serve.engine"},
+        "flashformer.serve.anthropic.messages": {"flashformer.serve.openai.chat"},
+        "flashformer.model.hf.llama": {"flashformer.serve.openai.chat"},  # another room: not a sub-room arrow
+    }
+    assert sub_room_back_arrows(graph) == [
+        "flashformer.serve.anthropic and flashformer.serve.openai import each other: "
+        "flashformer.serve.anthropic.messages imports flashformer.serve.openai.chat; "
+        "flashformer.serve.openai.app imports flashformer.serve.anthropic.messages"
+    ]
+    # what it is: the core below both APIs, the app above them
+    graph = {
+        "flashformer.serve.engine": set(),
+        "flashformer.serve.http.chat": {"flashformer.serve.engine"},
+        "flashformer.serve.openai.bodies": {"flashformer.serve.http.chat"},
+        "flashformer.serve.anthropic.messages": {"flashformer.serve.http.chat"},
+        "flashformer.serve.app": {"flashformer.serve.openai.bodies", "flashformer.serve.anthropic.messages"},
+    }
+    assert sub_room_back_arrows(graph) == []
+    # a longer circle: the core importing an API that imports the app
+    graph["flashformer.serve.http.chat"] = {"flashformer.serve.openai.bodies"}
+    graph["flashformer.serve.openai.bodies"] = {"flashformer.serve.app"}
+    graph["flashformer.serve.app"] = {"flashformer.serve.http.chat"}
+    assert sub_room_back_arrows(graph) == [
+        "sub-rooms import in a circle flashformer.serve.http -> flashformer.serve.openai -> "
+        "flashformer.serve.app -> flashformer.serve.http: "
+        "flashformer.serve.http.chat imports flashformer.serve.openai.bodies; "
+        "flashformer.serve.openai.bodies imports flashformer.serve.app; "
+        "flashformer.serve.app imports flashformer.serve.http.chat"
+    ]
 
 
 def test_no_module_passes_the_line_limit():

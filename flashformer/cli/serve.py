@@ -116,9 +116,9 @@ def main_from_args(args) -> None:
         from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
         from flashformer.kernels.machine import process_seconds
         from flashformer.model.models import EncoderModel
+        from flashformer.serve.app import create_app
         from flashformer.serve.embeddings import EmbeddingEngine
         from flashformer.serve.engine import Engine
-        from flashformer.serve.openai import create_app
         from flashformer.serve.speculation import SpeculativeConfig
 
     # checked before the model loads

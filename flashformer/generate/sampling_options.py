@@ -7,7 +7,7 @@ derived from the table:
 
     generate()'s keywords          GenerationSettings' fields (sampling.py), checked by range
     the logits processor           penalties always, warpers when sampling, in the table's order
-    the server's request fields    serve/openai/protocol.py's Sampling (pydantic, 400 by name)
+    the server's request fields    serve/http/protocol.py's Sampling (pydantic, 400 by name)
     the server's SamplingParams    serve/engine.py (a request's null is the no-op value)
     the CLI's flags                `generate` and `chat` (cli/arguments.py), where `cli` is set
 

@@ -7,7 +7,13 @@ over a paged KV cache.
     engine.py        requests, sequences, events, and the Engine that wires them
     paged_cache.py   the block pool (shared blocks, the prefix cache) and the per-layer paged caches
     embeddings.py    the embedding engine (an encoder served)
-    openai/          the HTTP API (FastAPI): protocol.py (request bodies), one module per
-                     endpoint family (chat_completions.py, completions.py, ...), app.py
-                     (create_app: their routes, auth, errors), responses.py (JSON, SSE, logprobs)
+    http/            the HTTP core every API translates into: the one chat path, answers, the
+                     request bodies it takes, errors, status, the chat page, the bare app
+    openai/          OpenAI's endpoints (chat completions, completions, embeddings, responses)
+    anthropic/       Anthropic's Messages API
+    app.py           create_app: both APIs' routes on http/'s app, errors in each API's shape
+    cluster/         engine replicas on Ray Serve behind that app
+
+Imports run down that list's rooms: the engine's modules, http/, the two APIs (neither imports
+the other), app.py, cluster/ (tests/test_layout.py checks it).
 """

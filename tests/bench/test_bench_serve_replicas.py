@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flashformer.bench.serve_replicas import counters_of, hit_rate, replica_targets, replicas_command
-from flashformer.serve.openai.responses import prometheus
+from flashformer.serve.http.status import prometheus
 
 
 def test_the_replicas_share_the_single_servers_threads():

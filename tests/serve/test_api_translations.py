@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flashformer.serve.anthropic.protocol import MessagesRequest, chat_request
-from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.http.protocol import APIError
 from flashformer.serve.openai.responses_api import _input_messages
 
 TOOL = {"name": "get_weather", "description": "d", "input_schema": {"type": "object", "properties": {}}}

@@ -316,7 +316,7 @@ def test_call_schemas_accept_exactly_the_valid_calls():
     the function's objects do not list."""
     import jsonschema
 
-    from flashformer.serve.openai.tools import tool_call_schema
+    from flashformer.serve.http.tools import tool_call_schema
 
     good = {"to": {"zip": "75001"}, "count": 2}
     bad = [{"to": {"zip": "7500"}, "count": 2}, {"to": {"zip": "75001"}, "count": 0}, {"to": {}}]

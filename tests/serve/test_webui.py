@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_serve import KEY, free_port, http, metrics, serving, tiny_chat_model  # noqa: F401
 
-from flashformer.serve.openai import create_app
+from flashformer.serve.app import create_app
 from flashformer.serve.request import Event
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -1,6 +1,6 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat path
-(protocol.py translates the body; serve/openai/chat.py renders, checks and submits it; the
-answer is read by serve/openai/answer.py and only shaped here).
+(protocol.py translates the body; serve/http/chat.py renders, checks and submits it; the
+answer is read by serve/http/answer.py and only shaped here).
 
 A whole answer is a message: {"id": "msg_...", "type": "message", "role": "assistant",
 "content": [thinking?, text?, tool_use...], "stop_reason", "stop_sequence", "usage"}. A streamed
@@ -32,10 +32,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flashformer.serve.anthropic.protocol import MessagesBase, MessagesRequest, chat_request
-from flashformer.serve.openai.answer import AnswerPlan, AnswerReader, read_answer
-from flashformer.serve.openai.chat import ServerOptions, prepare_chat, render_prompt, submit
-from flashformer.serve.openai.protocol import check_model
-from flashformer.serve.openai.responses import ClientGone, until_done
+from flashformer.serve.http.answer import AnswerPlan, AnswerReader, read_answer
+from flashformer.serve.http.chat import (
+    ClientGone,
+    ServerOptions,
+    prepare_chat,
+    render_prompt,
+    submit,
+    until_done,
+)
+from flashformer.serve.http.protocol import check_model
 from flashformer.text.reasoning import Thought
 
 PING_SECONDS = 5.0

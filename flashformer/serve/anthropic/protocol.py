@@ -1,5 +1,5 @@
 """Anthropic's Messages API as a chat request: the bodies (pydantic), their translation into a
-ChatCompletionRequest for the one chat path (serve/openai/chat.py), and Anthropic's error shape.
+ChatCompletionRequest for the one chat path (serve/http/chat.py), and Anthropic's error shape.
 
     Messages                                   the chat request
     system (a string or text blocks)           a system message (blocks joined by a blank line)
@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest
+from flashformer.serve.http.protocol import APIError, ChatCompletionRequest
 
 # fields that cannot change an answer: who asks, how to bill, where to cache
 NO_EFFECT = {"metadata", "service_tier", "cache_control"}

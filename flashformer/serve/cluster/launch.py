@@ -3,7 +3,7 @@ deployment (EngineReplica, routed by PrefixAffinityRouter), behind the same HTTP
 
     ray.init (a local cluster, or --ray-address's) -> serve.start without Serve's HTTP proxy
     -> the deployment: N replicas, each --threads threads and as many of Ray's CPUs
-    -> this process: openai.create_app over a RemoteEngine (the deployment's handle), uvicorn
+    -> this process: serve.app's create_app over a RemoteEngine (the deployment's handle), uvicorn
 
 The app runs here, in the process the user started, not behind Ray Serve's HTTP proxy: the proxy
 hands a request's body to the app's replica only after routing, so it could not route by the
@@ -23,10 +23,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from flashformer.checkpoints.loading import load_tokenizer
+from flashformer.serve.app import create_app
 from flashformer.serve.cluster.remote import RemoteEngine, add_cluster_routes
 from flashformer.serve.cluster.replica import EngineReplica
 from flashformer.serve.cluster.router import PrefixAffinityRouter
-from flashformer.serve.openai import create_app
 
 APP = "flashformer"  # the Ray Serve application's name
 DEPLOYMENT = "engine"

@@ -1,4 +1,4 @@
-"""RemoteEngine: what the HTTP app (openai.create_app) is given in place of an Engine when the
+"""RemoteEngine: what the HTTP app (serve.app's create_app) is given in place of an Engine when the
 model runs in replicas on Ray Serve. The app is the one `flashformer serve` always serves, with
 every route it has; only where a request goes changes.
 
@@ -34,7 +34,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from flashformer.generate.constraints import ConstraintSpec
 from flashformer.serve.cluster.affinity import prefix_key
 from flashformer.serve.engine import Busy, Engine
-from flashformer.serve.openai.responses import prometheus
+from flashformer.serve.http.status import prometheus
 from flashformer.serve.request import Event, Request, SamplingParams, check_prompt_fits
 
 # counters a replica's engine reports that add up across replicas (the rest are per replica)
@@ -243,7 +243,7 @@ def add_cluster_routes(app: FastAPI, engine: RemoteEngine, states=None) -> None:
 
 
 def labelled_prometheus(stats: list[dict]) -> str:
-    """Prometheus text of several engines' counters: responses.prometheus's names, help and
+    """Prometheus text of several engines' counters: http.status.prometheus's names, help and
     types, one sample per replica with a replica label, and flashformer_replicas."""
     lines = [
         "# HELP flashformer_replicas engine replicas answering",

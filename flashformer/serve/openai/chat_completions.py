@@ -1,18 +1,18 @@
-"""POST /v1/chat/completions: messages through the model's chat template (chat.py's path, the
-one every chat-shaped API takes), answered whole or streamed (responses.py)."""
+"""POST /v1/chat/completions: messages through the model's chat template (http/chat.py's path, the
+one every chat-shaped API takes), answered whole or streamed (bodies.py)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from flashformer.serve.openai.chat import ServerOptions, prepare_chat
-from flashformer.serve.openai.protocol import (
+from flashformer.serve.http.chat import ServerOptions, prepare_chat
+from flashformer.serve.http.protocol import (
     ChatCompletionRequest,
     check_generates,
     check_model,
     refuse_unsupported,
 )
-from flashformer.serve.openai.responses import respond
+from flashformer.serve.openai.bodies import respond
 
 
 def add_chat_routes(app: FastAPI, engine, model_name: str, server: ServerOptions) -> None:

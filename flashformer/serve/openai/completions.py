@@ -1,21 +1,21 @@
 """POST /v1/completions: a prompt string or token ids (one prompt per request; n for several
 choices), with echo (the prompt opens the text; with logprobs, its tokens' log-probabilities
-too), answered whole or streamed (responses.py)."""
+too), answered whole or streamed (bodies.py)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from flashformer.serve.openai.chat import params_of
-from flashformer.serve.openai.protocol import (
+from flashformer.serve.http.chat import params_of
+from flashformer.serve.http.protocol import (
     APIError,
     CompletionRequest,
     check_generates,
     check_model,
     refuse_unsupported,
 )
-from flashformer.serve.openai.responses import respond
-from flashformer.serve.openai.structured import compile_for, requested_constraint
+from flashformer.serve.http.structured import compile_for, requested_constraint
+from flashformer.serve.openai.bodies import respond
 
 
 def add_completion_routes(app: FastAPI, engine, model_name: str) -> None:

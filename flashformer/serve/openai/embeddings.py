@@ -7,11 +7,21 @@ import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
 from flashformer.serve.embeddings import EmbeddingEngine, EmbeddingRequest
 from flashformer.serve.engine import Busy
-from flashformer.serve.openai.protocol import APIError, EmbeddingsRequest, check_model, refuse_unsupported
-from flashformer.serve.openai.responses import embedding_response
+from flashformer.serve.http.protocol import APIError, check_model, refuse_unsupported
+from flashformer.serve.openai.bodies import embedding_response
+
+
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
 
 
 def add_embedding_routes(app: FastAPI, engine, model_name: str) -> None:

@@ -1,5 +1,5 @@
 """POST /v1/responses (and GET /v1/responses/{id}): OpenAI's Responses API over the chat path
-(chat.py), whole or streamed. The body becomes a ChatCompletionRequest:
+(http/chat.py), whole or streamed. The body becomes a ChatCompletionRequest:
 
     Responses                                    the chat request
     instructions                                 a system message first (not carried over)
@@ -15,7 +15,7 @@
     chat_template_kwargs (vLLM's)                the same
     store, metadata                              whether the response is kept; echoed back
 
-The answer (answer.py) becomes output items: a reasoning item (with --reasoning-parser), a
+The answer (http/answer.py) becomes output items: a reasoning item (with --reasoning-parser), a
 message with one output_text part, a function_call per call. Streamed: response.created,
 response.in_progress, then per item response.output_item.added, its parts and deltas
 (response.reasoning_text.delta, response.output_text.delta,
@@ -38,10 +38,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flashformer.serve.openai.answer import Answer, AnswerReader, read_answer
-from flashformer.serve.openai.chat import ServerOptions, prepare_chat, submit
-from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest, check_model, refuse_unsupported
-from flashformer.serve.openai.responses import ClientGone, until_done
+from flashformer.serve.http.answer import Answer, AnswerReader, read_answer
+from flashformer.serve.http.chat import ClientGone, ServerOptions, prepare_chat, submit, until_done
+from flashformer.serve.http.protocol import APIError, ChatCompletionRequest, check_model, refuse_unsupported
 from flashformer.text.reasoning import Thought
 from flashformer.text.tool_calls import ToolCall
 

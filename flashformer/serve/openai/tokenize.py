@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.http.protocol import APIError
 
 
 class TokenizeRequest(BaseModel):

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from flashformer.generate.constraints import Constraint
 from flashformer.generate.sampling_options import REQUEST_OPTIONS
 from flashformer.serve.engine import Busy, Engine
-from flashformer.serve.openai.answer import AnswerPlan
-from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, Sampling
-from flashformer.serve.openai.structured import compile_for, requested_constraint
-from flashformer.serve.openai.tools import call_constraint, plan_tools, template_messages
+from flashformer.serve.http.answer import AnswerPlan
+from flashformer.serve.http.protocol import APIError, ChatCompletionRequest, CompletionRequest, Sampling
+from flashformer.serve.http.structured import compile_for, requested_constraint
+from flashformer.serve.http.tools import call_constraint, plan_tools, template_messages
 from flashformer.serve.request import Event, SamplingParams, Thinking
 from flashformer.serve.request import Request as EngineRequest
 from flashformer.text.reasoning import END, START, check_format, reasoning_start
@@ -262,3 +262,30 @@ def submit(
     except ValueError as error:
         raise APIError(400, str(error), code="context_length_exceeded") from None
     return request, events
+
+
+class ClientGone(Exception):
+    """The client went away while its whole answer was awaited (its request is cancelled)."""
+
+
+async def until_done(request, events, http):
+    """A request's events up to its "done", for an answer sent whole: an "error" is raised as a
+    500, and the request is cancelled when the client goes away (ClientGone) or the handler is
+    cancelled."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    request.cancel()
+                    raise ClientGone from None
+                continue
+            if event.kind == "error":
+                raise APIError(500, event.message, kind="server_error")
+            yield event
+            if event.kind == "done":
+                return
+    except asyncio.CancelledError:
+        request.cancel()
+        raise

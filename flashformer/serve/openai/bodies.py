@@ -1,11 +1,11 @@
-"""What the endpoints answer: a whole completion's JSON, a stream of server-sent events (respond:
-a request submitted and answered either way), their log-probabilities (chat's and completions'
-shapes), embeddings' vectors, and the Prometheus text of /metrics. OpenAI's shapes, so the
-`openai` client reads them unchanged."""
+"""What OpenAI's chat completions and completions answer (respond: a request submitted, then
+answered either way): a whole completion's JSON or a stream of server-sent events, their
+log-probabilities (chat's and completions' shapes), chat's message and deltas; and embeddings'
+vectors. OpenAI's shapes, so the `openai` client reads them unchanged. (The Responses API's
+bodies are responses_api.py's; what every API shares is serve/http/'s.)"""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -16,10 +16,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flashformer.serve.engine import Engine
-from flashformer.serve.openai.answer import AnswerPlan, ChatDeltas, message_of
-from flashformer.serve.openai.chat import submit
-from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.http.answer import AnswerPlan, AnswerReader, read_answer
+from flashformer.serve.http.chat import ClientGone, submit, until_done
 from flashformer.serve.request import SamplingParams
+from flashformer.text.reasoning import Thought
+from flashformer.text.tool_calls import CallDelta
 
 
 async def respond(
@@ -47,40 +48,13 @@ async def respond(
     return await collect(request, events, http, ident, created, model_name, chat, engine, echo, answer)
 
 
-class ClientGone(Exception):
-    """The client went away while its whole answer was awaited (its request is cancelled)."""
-
-
-async def until_done(request, events, http):
-    """A request's events up to its "done", for an answer sent whole: an "error" is raised as a
-    500, and the request is cancelled when the client goes away (ClientGone) or the handler is
-    cancelled."""
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    request.cancel()
-                    raise ClientGone from None
-                continue
-            if event.kind == "error":
-                raise APIError(500, event.message, kind="server_error")
-            yield event
-            if event.kind == "done":
-                return
-    except asyncio.CancelledError:
-        request.cancel()
-        raise
-
-
 async def collect(
     request, events, http, ident, created, model_name, chat, engine, echo=None, answer=None
 ) -> dict:
     """Wait for the whole answer (cancelling it if the client goes away), then one response.
     echo: the prompt's text, which then opens every choice's text (and the prompt's tokens its
     log-probabilities, when the engine scored them: OpenAI's legacy echo). answer: the chat
-    request's AnswerPlan (answer.py): its reasoning and calls are read out of each choice's text."""
+    request's AnswerPlan (http/answer.py): its reasoning and calls are read out of each choice's text."""
     texts = [""] * len(request.sequences)
     logprobs: list[list] = [[] for _ in request.sequences]
     prompt_logprobs: list = []
@@ -127,7 +101,7 @@ async def stream_events(
     """Server-sent events: a chunk per piece of text, a closing chunk per choice, the usage
     chunk if asked, then [DONE]. Cancelled if the client goes away (the generator is closed).
     answer: the chat request's AnswerPlan; with tools or a reasoning parser each choice's text
-    goes through answer.ChatDeltas, and a chunk carries a piece of reasoning, content or a call."""
+    goes through ChatDeltas (below), and a chunk carries a piece of reasoning, content or a call."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     read = answer is not None and (answer.tools is not None or answer.reasoning is not None)
     calls = [ChatDeltas(answer) for _ in request.sequences] if read else None
@@ -241,37 +215,60 @@ def embedding_response(vectors: list[np.ndarray], encoding_format: str, tokens: 
     return {"object": "list", "data": data, "model": model_name, "usage": usage}
 
 
-def prometheus(metrics: dict) -> str:
-    help_texts = {
-        "requests_running": ("gauge", "requests with a sequence in the running batch"),
-        "sequences_running": ("gauge", "sequences in the running batch"),
-        "sequences_waiting": ("gauge", "sequences waiting to be admitted"),
-        "kv_blocks_in_use": ("gauge", "KV cache blocks held by sequences"),
-        "kv_blocks_total": ("gauge", "KV cache blocks sequences can hold"),
-        "kv_blocks_cached": ("gauge", "KV cache blocks holding a cached prefix (held or free)"),
-        "kv_window_blocks_in_use": ("gauge", "sliding-window layers' KV blocks held by sequences"),
-        "kv_window_blocks_total": ("gauge", "sliding-window layers' KV blocks sequences can hold"),
-        "kv_bytes_in_use": ("gauge", "bytes of the KV blocks held by sequences, every layer"),
-        "kv_bytes_in_use_peak": ("gauge", "the most bytes of KV blocks held at once since the start"),
-        "kv_bytes_total": ("gauge", "bytes of the KV pools, every layer"),
-        "kv_block_bytes": ("gauge", "bytes of one KV block, every layer of its group (full attention)"),
-        "kv_window_block_bytes": ("gauge", "bytes of one KV block of the sliding-window layers' group"),
-        "prefix_cache_hit_rate": ("gauge", "prompt tokens reused from the prefix cache / tokens looked up"),
-        "prefix_cache_queries": ("counter", "tokens looked up in the prefix cache at admissions"),
-        "prefix_cache_hits": ("counter", "tokens reused from the prefix cache at admissions"),
-        "tokens_per_second": ("gauge", "generated tokens per second over the last 10 s"),
-        "steps": ("counter", "engine steps"),
-        "generated_tokens": ("counter", "tokens generated"),
-        "prompt_tokens": ("counter", "prompt tokens computed"),
-        "preemptions": ("counter", "sequences preempted for lack of KV blocks"),
-        "start_seconds": ("gauge", "seconds from the server process's start to serving its first request"),
-        "inputs_waiting": ("gauge", "embedding inputs waiting to be encoded"),
-        "inputs_per_second": ("gauge", "embedding inputs encoded per second over the last 10 s"),
-        "embedded_inputs": ("counter", "embedding inputs encoded"),
-    }
-    lines = []
-    for name, value in metrics.items():
-        kind, text = help_texts.get(name, ("gauge", name))
-        full = f"flashformer_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {full} {text}", f"# TYPE {full} {kind}", f"{full} {value}"]
-    return "\n".join(lines) + "\n"
+# ---- chat completions' shapes ----
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def message_of(text: str, plan: AnswerPlan, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A whole answer's chat message (reasoning_content with a reasoning parser, tool_calls
+    read from the text) and its finish reason ("tool_calls" where an answer that ended by
+    itself made calls)."""
+    answer = read_answer(text, plan)
+    message: dict = {"role": "assistant", "content": answer.text}
+    if plan.reasoning is not None:
+        message["reasoning_content"] = answer.reasoning
+    if not answer.calls:
+        return message, finish_reason
+    message["content"] = answer.text or None
+    message["tool_calls"] = [
+        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in answer.calls
+    ]
+    return message, ("tool_calls" if finish_reason == "stop" else finish_reason)
+
+
+class ChatDeltas:
+    """One choice's streamed deltas in chat completions' shapes: {"reasoning_content": ...},
+    {"content": ...}, or {"tool_calls": [{"index", "id", "type", "function": {"name",
+    "arguments"}}]} for a call's first piece and {"tool_calls": [{"index", "function":
+    {"arguments"}}]} for the next ones."""
+
+    def __init__(self, plan: AnswerPlan):
+        self.reader = AnswerReader(plan)
+        self.ids: list[str] = []
+
+    def feed(self, text: str) -> list[dict]:
+        return [self._delta(piece) for piece in self.reader.feed(text)]
+
+    def finish(self) -> list[dict]:
+        return [self._delta(piece) for piece in self.reader.finish()]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.reader.called and reason == "stop" else reason
+
+    def _delta(self, piece) -> dict:
+        if isinstance(piece, Thought):
+            return {"reasoning_content": piece.text}
+        if isinstance(piece, str):
+            return {"content": piece}
+        return {"tool_calls": [self._call_delta(piece)]}
+
+    def _call_delta(self, piece: CallDelta) -> dict:
+        if piece.name is None:
+            return {"index": piece.index, "function": {"arguments": piece.arguments}}
+        self.ids.append(call_id())
+        function = {"name": piece.name, "arguments": piece.arguments}
+        return {"index": piece.index, "id": self.ids[-1], "type": "function", "function": function}

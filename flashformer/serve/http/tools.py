@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashformer.generate.constraints import ConstraintSpec
-from flashformer.serve.openai.protocol import APIError, ChatCompletionRequest
+from flashformer.serve.http.protocol import APIError, ChatCompletionRequest
 from flashformer.text.tool_calls import PARSERS, format_of_template
 from flashformer.text.tool_prompt import (
     generic_tool_messages,

@@ -31,7 +31,7 @@ from flashformer.generate.constraints import (
     UnsupportedSchema,
     compile_constraint,
 )
-from flashformer.serve.openai.protocol import APIError
+from flashformer.serve.http.protocol import APIError
 
 GUIDED = {
     "guided_json": "json_schema",

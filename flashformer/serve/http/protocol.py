@@ -1,6 +1,6 @@
 """OpenAI's request bodies (pydantic: fastapi checks them and answers 400 by name), the checks
 every endpoint makes (the model's name, a text model), and the error shape: for the endpoint
-modules create_app assembles (app.py)."""
+modules create_app assembles (serve/app.py): the body every chat-shaped API translates into."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     # flashformer's: false keeps a server with --speculative-config from drafting for this request
     speculative: bool | None = None
-    # structured outputs (serve/openai/structured.py reads and checks them, naming the field):
+    # structured outputs (serve/http/structured.py reads and checks them, naming the field):
     # OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
     response_format: Any = None
     structured_outputs: Any = None
@@ -73,7 +73,7 @@ Sampling = create_model(
 )
 
 
-# ---- tools (serve/openai/tools.py uses them) ----
+# ---- tools (serve/http/tools.py uses them) ----
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule
 
@@ -137,15 +137,6 @@ class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-
-
-class EmbeddingsRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: str = "float"
-    dimensions: int | None = None
 
 
 # ---- fields outside the models above ----
