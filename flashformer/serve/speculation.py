@@ -158,8 +158,20 @@ class Speculator:
                 found[sequence] = guesses
         return found
 
-    def observe(self, sequence, drafted: int, kept: int) -> None:
-        sequence.draft_length.observe(drafted, kept, sequence.draft_match)
+    def verify(self, sequence, guesses: list[int], rows: torch.Tensor, choose) -> int:
+        """rows (1 + k, V): the logits after the sequence's last token and after each of its k
+        drafts (guesses). Each row's token is chosen as a plain step would choose it (choose(sequence,
+        row): the engine's own, which appends and streams it), up to the first that is not the
+        draft there; an accepted draft's keys are in the cache already. How many drafts it kept."""
+        kept = 0
+        for i, row_logits in enumerate(rows):
+            choose(sequence, row_logits)
+            if sequence.finish_reason is not None or i == len(guesses) or sequence.tokens[-1] != guesses[i]:
+                break
+            kept += 1
+            sequence.computed += 1
+        sequence.draft_length.observe(len(guesses), kept, sequence.draft_match)
+        return kept
 
 
 def _measured_row_cost(model, limit: int, draft=None) -> float:
