@@ -94,11 +94,13 @@ class GenerationSettings(SamplingValues):
     constraint: Constraint | list[Constraint | None] | None = None
     # speculative decoding (speculative.py), transformers' names: n-gram lookup drafts of up to
     # prompt_lookup_num_tokens tokens, matching up to max_matching_ngram_size tokens; or a draft
-    # model with the same tokenizer (assistant_model) running up to num_assistant_tokens ahead
+    # model with the same tokenizer (assistant_model) running up to num_assistant_tokens ahead;
+    # speculative_method: a row of proposers.PROPOSERS by name (None: the one these ask for)
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = 4  # llama.cpp's lookup matches up to 4 too
     assistant_model: object | None = None
     num_assistant_tokens: int = 5
+    speculative_method: str | None = None
     # the KV cache's element types for keys and values, llama.cpp's names (kernels/kv_blocks.py:
     # f32, f16, q8_0, q4_0); None: the model's own (generate.cache.cache_dtype)
     cache_type_k: str | None = None
@@ -162,7 +164,7 @@ def check_settings(s: GenerationSettings, model) -> None:
     if not isinstance(s.native, bool):
         raise ValueError(f"native must be True or False; got {s.native!r}")
     check_constraint(s.constraint)
-    check_speculation(s, model)
+    check_speculation_numbers(s)
     if model.config.arch == "encoder-decoder":
         start = s.decoder_start_token_id
         if not (isinstance(start, int) and not isinstance(start, bool) and 0 <= start < vocab):
@@ -172,39 +174,15 @@ def check_settings(s: GenerationSettings, model) -> None:
             )
 
 
-def drafting(s: GenerationSettings) -> bool:
-    """Whether `s` asks for speculative decoding."""
-    return bool(s.prompt_lookup_num_tokens) or s.assistant_model is not None
-
-
-def check_speculation(s: GenerationSettings, model) -> None:
-    """The speculative settings, against the model (errors name the argument)."""
+def check_speculation_numbers(s: GenerationSettings) -> None:
+    """The speculative settings' counts (which proposer they ask for, and its checks against the
+    model: proposers.check_speculation, at generate()'s and a chat's start)."""
     if s.prompt_lookup_num_tokens is not None:  # 0 or None: no lookup
         _check_int("prompt_lookup_num_tokens", s.prompt_lookup_num_tokens, 0)
     _check_int("max_matching_ngram_size", s.max_matching_ngram_size, 1)
     _check_int("num_assistant_tokens", s.num_assistant_tokens, 1)
-    if not drafting(s):
-        return
-    if s.prompt_lookup_num_tokens and s.assistant_model is not None:
-        raise ValueError("give prompt_lookup_num_tokens or assistant_model, not both")
-    if s.num_beams != 1:
-        raise ValueError(
-            f"speculative decoding picks one token at a time: num_beams must be 1; got {s.num_beams}"
-        )
-    if model.config.arch != "decoder":
-        raise ValueError(f"speculative decoding needs a decoder-only model; got arch {model.config.arch!r}")
-    draft = s.assistant_model
-    if draft is not None:
-        config = getattr(draft, "config", None)
-        if config is None or getattr(config, "arch", None) != "decoder":
-            raise ValueError("assistant_model must be a flashformer decoder model (GPT-2, LLaMA, ...)")
-        if config.vocab_size != model.config.vocab_size:
-            raise ValueError(
-                f"assistant_model must share the model's tokenizer: its vocab_size is {config.vocab_size}, "
-                f"the model's {model.config.vocab_size}"
-            )
-        if next(draft.parameters()).device != next(model.parameters()).device:
-            raise ValueError("assistant_model must be on the model's device")
+    if s.speculative_method is not None and not isinstance(s.speculative_method, str):
+        raise ValueError(f"speculative_method must be a proposer's name; got {s.speculative_method!r}")
 
 
 def check_logit_bias(bias, vocab: int) -> None:
