@@ -2,7 +2,8 @@
 
     model.generate(ids, prompt_lookup_num_tokens=8)                        # "ngram", transformers' name
     model.generate(ids, assistant_model=draft)                             # "draft_model"
-    model.generate(ids, prompt_lookup_num_tokens=8, speculative_method="ngram")  # vLLM's names
+    model.generate(ids, prompt_lookup_num_tokens=8, speculative_method="suffix")
+    flashformer serve FILE --speculative-config '{"method": "suffix"}'     # vLLM's names
 
 A proposer answers two questions about a context (the prompt and the tokens so far, each call
 continuing the last): match(context), how well the place its drafts come from agrees with the
@@ -25,6 +26,7 @@ from torch import Tensor
 from flashformer.generate.draft_model import DraftModel
 from flashformer.generate.prompt_lookup import PromptLookup
 from flashformer.generate.sampling import GenerationSettings
+from flashformer.generate.suffix_lookup import SuffixLookup
 
 __all__ = [
     "PROPOSERS",
@@ -86,6 +88,14 @@ PROPOSERS: dict[str, ProposerKind] = {
             True,
             lambda i: DraftModel(i.draft_model, i.prompt, i.settings, i.generator, i.room),
             "a smaller model with the same tokenizer decoding ahead",
+        ),
+        ProposerKind(
+            "suffix",
+            None,
+            "prompt_lookup_num_tokens",
+            False,
+            lambda i: SuffixLookup([]),
+            "longest match: what followed the longest earlier run of the context's last tokens",
         ),
     )
 }

@@ -25,7 +25,7 @@ COSTS = {"PromptLookup": 0.25, "DraftModel": 0.25, "SuffixLookup": 0.25}  # fixe
 
 
 def test_each_row_by_both_naming_schemes():
-    assert set(PROPOSERS) >= {"ngram", "draft_model"}
+    assert set(PROPOSERS) == {"ngram", "draft_model", "suffix"}
     for kind in PROPOSERS.values():
         assert proposer_kind(GenerationSettings(speculative_method=kind.method)) is kind  # vLLM's name
         assert (
@@ -50,10 +50,10 @@ def test_an_unknown_name_names_the_argument_the_value_and_the_choices(decoder_pa
     choices = str(sorted(PROPOSERS)).replace("[", r"\[").replace("]", r"\]")
     with pytest.raises(ValueError, match=rf"speculative_method must be one of {choices}; got 'eagle'"):
         model.generate(prompts(batch=1), prompt_lookup_num_tokens=3, speculative_method="eagle")
-    with pytest.raises(ValueError, match=r"method must be one of \('ngram', 'draft_model'"):
+    with pytest.raises(ValueError, match=r"method must be one of \('ngram', 'draft_model', 'suffix'\)"):
         SpeculativeConfig.from_json('{"method": "eagle"}')
-    with pytest.raises(ValueError, match="speculative_method 'ngram' drafts up to prompt_lookup_num_tokens"):
-        model.generate(prompts(batch=1), speculative_method="ngram")
+    with pytest.raises(ValueError, match="speculative_method 'suffix' drafts up to prompt_lookup_num_tokens"):
+        model.generate(prompts(batch=1), speculative_method="suffix")
     with pytest.raises(ValueError, match="assistant_model goes with speculative_method"):
         model.generate(prompts(batch=1), speculative_method="draft_model", num_assistant_tokens=3)
     with pytest.raises(ValueError, match="not both"):
@@ -81,7 +81,7 @@ def test_every_row_builds_a_proposer_of_the_protocol(decoder_pair):
             assert drafts == [3, 22, 7]  # both lookups: what followed 5 9 14 before
 
 
-@pytest.mark.parametrize("method", ["ngram"])
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_tokens_are_plain_greedy_s(decoder_pair, method):
     _, _, model = decoder_pair
     speculative._ROW_COSTS[model] = dict(COSTS)
