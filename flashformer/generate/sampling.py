@@ -12,8 +12,9 @@ logit_bias and the presence and frequency penalties, which transformers
 lacks), and is checked before any compute; errors name the argument. The
 sampling options (temperature, top-k, top-p, the penalties, ...) are the rows of
 sampling_options.OPTIONS, each with its range and its processor. The server
-builds the same settings from a request (serve/engine.py), so a request and a
-generate() call with the same settings pick the same tokens.
+builds the same settings from a request (serve/request.py) and chooses each
+sequence's tokens with a RowChooser, the TokenChooser's scores for one row, so a
+request and a generate() call with the same settings pick the same tokens.
 """
 
 from __future__ import annotations
