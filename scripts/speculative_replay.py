@@ -25,13 +25,14 @@ import torch
 import flashformer
 from flashformer.bench.speculative import WORKLOADS, prompt_text
 from flashformer.generate import speculative
+from flashformer.generate.prompt_lookup import PromptLookup
 from flashformer.generate.sampling import GenerationSettings
 
 
 def replay(prompt: list[int], answer: list[int], cost: float, rule) -> float:
     """rule(lookup, context, room) -> drafts, and afterwards rule.observe(drafted, kept); or None:
     the perfect draft length."""
-    lookup = speculative.PromptLookup(prompt, GenerationSettings.max_matching_ngram_size)
+    lookup = PromptLookup(prompt, GenerationSettings.max_matching_ngram_size)
     speed = speculative.DraftLength(10, cost)
     at, spent = 0, 0.0  # answer[at] is the newest token; answer[0] came from the prompt's forward
     while at < len(answer) - 1:

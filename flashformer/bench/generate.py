@@ -43,6 +43,7 @@ from flashformer.bench.model_shapes import SHAPES, shape_named, write_shape
 from flashformer.checkpoints.loading import QUANTIZE_CHOICES
 from flashformer.files import write_json
 from flashformer.formatting import markdown_table
+from flashformer.generate.proposers import PROPOSERS
 from flashformer.kernels.machine import machine_info
 
 MODULE = "flashformer.bench.generate"
@@ -299,6 +300,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-quantize", choices=QUANTIZE_CHOICES, help="with --draft: how the draft model loads"
     )
     parser.add_argument(
+        "--speculative-method",
+        choices=sorted(PROPOSERS),
+        help="with --prompt-lookup N: the proposer that drafts up to N tokens (generate.proposers; default "
+        "ngram, draft_model with --draft)",
+    )
+    parser.add_argument(
         "--serve-clients",
         type=numbers,
         help="with --prompt-lookup: also `flashformer serve` with and without --speculative-config, the "
@@ -401,10 +408,12 @@ def run_speculative(args: argparse.Namespace) -> dict:
         "serve_clients": args.serve_clients or [],
         "draft": args.draft,
         "draft_quantize": args.draft_quantize,
+        "method": args.speculative_method,
     }
     print(
         f"speculative decoding benchmark: {args.model}, {config['new_tokens']} new tokens, greedy, "
-        f"{'a draft model' if args.draft else 'prompt lookup'} with up to {args.prompt_lookup} drafts, "
+        f"{'a draft model' if args.draft else args.speculative_method or 'ngram'} with up to "
+        f"{args.prompt_lookup} drafts, "
         f"{args.processes} fresh processes"
     )
     payload = speculative.run(args.model, config, args.out, args.threads, args.timeout)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from flashformer.bench.common import grouped_bars, quantize_flags, run_worker
+from flashformer.checkpoints.loading import load_draft_model
 
 CODE = """def parse_range(text):
     start, _, end = text.partition("-")
@@ -115,10 +116,10 @@ def timing_worker(point: dict) -> dict:
     model, tokenizer = flashformer.load(point["model"], quantize=point["quantize"])
     n, lookup = point["new_tokens"], point["prompt_lookup"]
     if point.get("draft"):
-        draft, _ = flashformer.load(point["draft"], quantize=point.get("draft_quantize"))
+        draft = load_draft_model(point["draft"], point.get("draft_quantize"))
         speculation = dict(assistant_model=draft, num_assistant_tokens=lookup)
-    else:
-        speculation = dict(prompt_lookup_num_tokens=lookup)
+    else:  # a lookup of the table (generate.proposers): ngram unless told
+        speculation = dict(prompt_lookup_num_tokens=lookup, speculative_method=point.get("method"))
     found = {}
     for name, (_, message, base_text) in WORKLOADS.items():
         ids = torch.tensor([tokenizer.encode(prompt_text(tokenizer, message, base_text))])
@@ -232,7 +233,7 @@ def serve_run(model: str, config: dict, threads: int) -> dict:
     chat = getattr(tokenizer, "chat_template", None) is not None
     copying = [(message if chat else base) for copies, message, base in WORKLOADS.values() if copies]
     warm_up = [((WORKLOADS["poem"][1] if chat else WORKLOADS["poem"][2]), 8)]
-    method = {"method": "ngram"}
+    method = {"method": config.get("method") or "ngram"}
     if config.get("draft"):
         method = {
             "method": "draft_model",
@@ -296,6 +297,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         "prompt_lookup": config["prompt_lookup"],
         "draft": draft,
         "draft_quantize": config.get("draft_quantize"),
+        "method": config.get("method"),
     }
     bench_threads = threads or torch.get_num_threads()
     tokenizer = flashformer.load_tokenizer(point["model"])
@@ -335,6 +337,7 @@ def run(model: str, config: dict, out_dir: Path, threads: int | None, timeout_s:
         },
     }
     stem = f"speculative-{Path(model).stem.split('.')[0].lower()}" + ("-draft" if draft else "")
+    stem += f"-{config['method']}" if config.get("method") not in (None, "ngram", "draft_model") else ""
     write_json(out_dir / f"{stem}.json", payload)
     plot(payload, out_dir / f"{stem}.png")
     return payload
@@ -401,7 +404,8 @@ def method(payload: dict) -> tuple[str, str]:
     draft = payload["point"].get("draft")
     if draft:
         return f"draft {Path(draft).name}", "llama-speculative"
-    return "prompt lookup", "llama-lookup"
+    lookup = payload["point"].get("method") or "ngram"
+    return ("prompt lookup" if lookup == "ngram" else f"{lookup} lookup"), "llama-lookup"
 
 
 def table(payload: dict) -> str:

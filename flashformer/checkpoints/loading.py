@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -157,6 +158,15 @@ def load(
             raise
         raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {error}") from None
     return model, _load_tokenizer(folder)
+
+
+@functools.cache
+def load_draft_model(path: str | Path, quantize: str | None = AUTO, activations: str = "int8"):
+    """A draft model for speculative decoding (generate's assistant_model, --speculative-config's
+    "model"), loaded once per path and options: the one loader of `generate --draft`, `chat` (which
+    asks for its settings every turn), `serve`, its replicas and the speculative benchmark."""
+    model, _ = load(path, quantize=quantize, activations=activations)
+    return model
 
 
 def load_tokenizer(path: str | Path):

@@ -5,12 +5,12 @@ flags of `generate` and `chat`, the tokens that end generation, and the conversi
 from __future__ import annotations
 
 import argparse
-import functools
 import typing
 from pathlib import Path
 
-from flashformer.checkpoints.loading import AUTO, QUANTIZE_CHOICES, load
+from flashformer.checkpoints.loading import AUTO, QUANTIZE_CHOICES, load, load_draft_model
 from flashformer.generate.chat import Chat
+from flashformer.generate.proposers import PROPOSERS
 from flashformer.generate.sampling_options import CLI_OPTIONS
 from flashformer.kernels import kv_blocks
 from flashformer.model.quantize import ACTIVATION_SCHEMES
@@ -93,6 +93,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
         help="speculative decoding: a smaller model with the same tokenizer drafts for this one",
     )
     parser.add_argument(
+        "--speculative-method",
+        choices=sorted(PROPOSERS),
+        help="speculative decoding: which proposer drafts ("
+        + "; ".join(f"{kind.method}: {kind.summary}" for kind in PROPOSERS.values())
+        + "). Default: ngram with --prompt-lookup N (another lookup drafts up to N too), draft_model with --draft",
+    )
+    parser.add_argument(
         "--draft-tokens", type=int, default=5, help="with --draft: the most tokens it drafts ahead (5)"
     )
     parser.add_argument(
@@ -129,18 +136,12 @@ def sampling_settings(args) -> dict:
         prompt_lookup_num_tokens=args.prompt_lookup,
         assistant_model=None
         if args.draft is None
-        else draft_model(args.draft, args.draft_quantize or args.quantize, args.activations),
+        else load_draft_model(args.draft, args.draft_quantize or args.quantize, args.activations),
         num_assistant_tokens=args.draft_tokens,
+        speculative_method=args.speculative_method,
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
     )
-
-
-@functools.cache
-def draft_model(path: str, quantize: str | None, activations: str):
-    """--draft's model, loaded once (chat asks for the settings every turn)."""
-    model, _ = load(path, quantize=quantize, activations=activations)
-    return model
 
 
 def chat_from_args(args, model, tokenizer, **options) -> Chat:

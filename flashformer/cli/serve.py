@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flashformer.cli import arguments
+from flashformer.checkpoints.loading import load_draft_model
 from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments
 from flashformer.formatting import format_bytes
+from flashformer.generate.proposers import PROPOSERS
 from flashformer.startup import paused_gc
 from flashformer.text.reasoning import FORMATS as REASONING_FORMATS
 from flashformer.text.tool_calls import PARSERS
@@ -73,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 8, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 4}, or {"method": '
-        '"draft_model", "model": PATH, "quantization": MODE, ...} (greedy requests draft)',
+        '"draft_model", "model": PATH, "quantization": MODE, ...}; methods: '
+        + ", ".join(PROPOSERS)
+        + " (greedy requests draft)",
     )
     parser.add_argument(
         "--threads",
@@ -252,8 +255,6 @@ def run_beside(engine, http) -> bool:
 
 def draft_model(speculative, args):
     """--speculative-config's draft model, loaded (quantized as it says, else as --quantize), or None."""
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or not PROPOSERS[speculative.method].needs_model:
         return None
-    return arguments.draft_model(
-        speculative.model, speculative.quantization or args.quantize, args.activations
-    )
+    return load_draft_model(speculative.model, speculative.quantization or args.quantize, args.activations)

@@ -19,10 +19,11 @@ from collections.abc import Iterator
 import torch
 
 from flashformer.generate.cache import make_caches
+from flashformer.generate.draft_model import common_prefix
 from flashformer.generate.mixin import stream_tokens
+from flashformer.generate.proposers import check_speculation
 from flashformer.generate.sampling import TokenHistory, make_generator, settings_from
 from flashformer.generate.session import DecoderSession
-from flashformer.generate.speculative import common_prefix
 from flashformer.text.detokenizer import stream_text
 
 
@@ -68,7 +69,7 @@ class Chat:
         self.settings = dict(settings)
         self.settings.setdefault("max_new_tokens", 512)
         self.settings.setdefault("eos_token_id", tokenizer.stop_token_ids)
-        settings_from(model, **dict(self.settings, max_new_tokens=1))  # every setting checked now
+        check_speculation(settings_from(model, **dict(self.settings, max_new_tokens=1)), model)  # all now
         device = next(model.parameters()).device
         self.generator = make_generator(None, seed, device)
         self.caches = make_caches(

@@ -32,12 +32,12 @@ from torch import Tensor
 from flashformer.checks import check_token_ids, padding_mask_from
 from flashformer.generate import sampling_options, speculative
 from flashformer.generate.beam_search import beam_search
+from flashformer.generate.proposers import check_speculation, drafting
 from flashformer.generate.sampling import (
     GenerationSettings,
     TokenChooser,
     TokenHistory,
     choose_tokens,
-    drafting,
     make_generator,
     settings_from,
 )
@@ -112,8 +112,8 @@ def stream_tokens(
     or every row has produced an eos (finished rows then get pad_token_id).
     Inference only, whoever calls it (generate, stream, a chat session): a
     compiled step traced with gradients on would also build a backward graph,
-    which a quantized model's layers refuse. With prompt_lookup_num_tokens or an
-    assistant_model the tokens come from speculative decoding (speculative.py):
+    which a quantized model's layers refuse. With prompt_lookup_num_tokens, an
+    assistant_model or a speculative_method the tokens come from speculative decoding (speculative.py):
     the same tokens for greedy, the same distribution when sampling."""
     if drafting(s):
         yield from speculative.speculative_tokens(session, s, history, generator, logits_out)
@@ -136,6 +136,7 @@ def stream_tokens(
 
 def _prepare(model, input_ids, attention_mask, generator, seed, kwargs):
     s = settings_from(model, **kwargs)
+    check_speculation(s, model)
     check_prompt(model, input_ids, attention_mask, s)
     generator = make_generator(generator, seed, input_ids.device)
     return s, generator

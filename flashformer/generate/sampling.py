@@ -12,8 +12,9 @@ logit_bias and the presence and frequency penalties, which transformers
 lacks), and is checked before any compute; errors name the argument. The
 sampling options (temperature, top-k, top-p, the penalties, ...) are the rows of
 sampling_options.OPTIONS, each with its range and its processor. The server
-builds the same settings from a request (serve/engine.py), so a request and a
-generate() call with the same settings pick the same tokens.
+builds the same settings from a request (serve/request.py) and chooses each
+sequence's tokens with a RowChooser, the TokenChooser's scores for one row, so a
+request and a generate() call with the same settings pick the same tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from flashformer.kernels import kv_blocks
 __all__ = [
     "GenerationSettings",
     "LogitsProcessor",
+    "RowChooser",
+    "Thinking",
     "TokenChooser",
     "TokenHistory",
     "choose_tokens",
@@ -92,11 +95,13 @@ class GenerationSettings(SamplingValues):
     constraint: Constraint | list[Constraint | None] | None = None
     # speculative decoding (speculative.py), transformers' names: n-gram lookup drafts of up to
     # prompt_lookup_num_tokens tokens, matching up to max_matching_ngram_size tokens; or a draft
-    # model with the same tokenizer (assistant_model) running up to num_assistant_tokens ahead
+    # model with the same tokenizer (assistant_model) running up to num_assistant_tokens ahead;
+    # speculative_method: a row of proposers.PROPOSERS by name (None: the one these ask for)
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = 4  # llama.cpp's lookup matches up to 4 too
     assistant_model: object | None = None
     num_assistant_tokens: int = 5
+    speculative_method: str | None = None
     # the KV cache's element types for keys and values, llama.cpp's names (kernels/kv_blocks.py:
     # f32, f16, q8_0, q4_0); None: the model's own (generate.cache.cache_dtype)
     cache_type_k: str | None = None
@@ -160,7 +165,7 @@ def check_settings(s: GenerationSettings, model) -> None:
     if not isinstance(s.native, bool):
         raise ValueError(f"native must be True or False; got {s.native!r}")
     check_constraint(s.constraint)
-    check_speculation(s, model)
+    check_speculation_numbers(s)
     if model.config.arch == "encoder-decoder":
         start = s.decoder_start_token_id
         if not (isinstance(start, int) and not isinstance(start, bool) and 0 <= start < vocab):
@@ -170,39 +175,15 @@ def check_settings(s: GenerationSettings, model) -> None:
             )
 
 
-def drafting(s: GenerationSettings) -> bool:
-    """Whether `s` asks for speculative decoding."""
-    return bool(s.prompt_lookup_num_tokens) or s.assistant_model is not None
-
-
-def check_speculation(s: GenerationSettings, model) -> None:
-    """The speculative settings, against the model (errors name the argument)."""
+def check_speculation_numbers(s: GenerationSettings) -> None:
+    """The speculative settings' counts (which proposer they ask for, and its checks against the
+    model: proposers.check_speculation, at generate()'s and a chat's start)."""
     if s.prompt_lookup_num_tokens is not None:  # 0 or None: no lookup
         _check_int("prompt_lookup_num_tokens", s.prompt_lookup_num_tokens, 0)
     _check_int("max_matching_ngram_size", s.max_matching_ngram_size, 1)
     _check_int("num_assistant_tokens", s.num_assistant_tokens, 1)
-    if not drafting(s):
-        return
-    if s.prompt_lookup_num_tokens and s.assistant_model is not None:
-        raise ValueError("give prompt_lookup_num_tokens or assistant_model, not both")
-    if s.num_beams != 1:
-        raise ValueError(
-            f"speculative decoding picks one token at a time: num_beams must be 1; got {s.num_beams}"
-        )
-    if model.config.arch != "decoder":
-        raise ValueError(f"speculative decoding needs a decoder-only model; got arch {model.config.arch!r}")
-    draft = s.assistant_model
-    if draft is not None:
-        config = getattr(draft, "config", None)
-        if config is None or getattr(config, "arch", None) != "decoder":
-            raise ValueError("assistant_model must be a flashformer decoder model (GPT-2, LLaMA, ...)")
-        if config.vocab_size != model.config.vocab_size:
-            raise ValueError(
-                f"assistant_model must share the model's tokenizer: its vocab_size is {config.vocab_size}, "
-                f"the model's {model.config.vocab_size}"
-            )
-        if next(draft.parameters()).device != next(model.parameters()).device:
-            raise ValueError("assistant_model must be on the model's device")
+    if s.speculative_method is not None and not isinstance(s.speculative_method, str):
+        raise ValueError(f"speculative_method must be a proposer's name; got {s.speculative_method!r}")
 
 
 def check_logit_bias(bias, vocab: int) -> None:
@@ -356,12 +337,8 @@ class TokenChooser:
         """logits (B, V) of new token `index` -> the scores (B, V) to choose from."""
         if self.matchers is None:
             return self.process(logits, self.history, index)
-        # the grammar's mask first, so that the processors see only what it allows
-        masked = constrain(logits, _still_running(self.matchers, self.unfinished), self.process.eos)
-        scores = self.process(masked, self.history, index)
-        if index < self.s.min_new_tokens:
-            scores = keep_an_end(scores, masked)
-        return scores
+        matchers = _still_running(self.matchers, self.unfinished)
+        return constrained_scores(self.process, logits, self.history, index, matchers)
 
     def commit(self, tokens: Tensor, index: int) -> Tensor:
         """The chosen tokens (B,) of new token `index` -> what the rows emit (pad where ended)."""
@@ -387,6 +364,106 @@ class TokenChooser:
     @property
     def all_ended(self) -> bool:
         return self.unfinished is not None and not bool(self.unfinished.any())
+
+
+def constrained_scores(
+    process: LogitsProcessor,
+    logits: Tensor,
+    history: TokenHistory | None,
+    index: int,
+    matchers: list,
+    reopen: int | None = None,
+) -> Tensor:
+    """The scores (B, V) of a constrained step: the grammar's mask first, so that the processors
+    see only what it allows (`reopen`: a token id the mask may not take away, a reasoning's
+    opening tag), then the processors; before min_new_tokens an end stays possible."""
+    masked = constrain(logits, matchers, process.eos)
+    if reopen is not None:
+        masked[:, reopen] = logits[:, reopen]
+    scores = process(masked, history, index)
+    if index < process.s.min_new_tokens:
+        scores = keep_an_end(scores, masked)
+    return scores
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking model's tags (token ids) for a sequence whose answer is constrained, the grammar
+    starting after `end` ("before": `start` may come first), or whose reasoning has a budget."""
+
+    start: int
+    end: int
+    state: str  # "thinking" | "before" ("answer" needs no Thinking)
+    budget: int | None = None
+
+
+class RowChooser:
+    """One sequence's choice of its tokens, one at a time, with its own state: the server's rows,
+    each a request of its own in a batch. The scores are TokenChooser's (the grammar's mask, the
+    processors, min_new_tokens' rule), from the sequence's matcher and penalties' history (made
+    at its first choice), drawn with its own generator; a thinking model's reasoning (phase
+    "thinking", or "before" it opens) is left free of the grammar, and ended at its budget.
+
+    process: the request's LogitsProcessor (shared by its sequences); matcher: the sequence's
+    place in its grammar (None: free); thinking: the reasoning's tags and budget (None: none)."""
+
+    def __init__(self, process: LogitsProcessor, generator, matcher=None, thinking: Thinking | None = None):
+        self.process, self.generator, self.matcher, self.thinking = process, generator, matcher, thinking
+        self.s = process.s
+        self.phase = thinking and thinking.state  # None once the answer has begun
+        self.thought = 0  # reasoning tokens so far
+        self.history: TokenHistory | None = None
+
+    def plain(self, index: int) -> bool:
+        """Whether new token `index` is the plain argmax of its logits: greedy, no grammar and no
+        reasoning to track, and a processor that changes no score there (the server finds those
+        rows' tokens in one call, choose_tokens on all of them)."""
+        return (
+            not self.s.do_sample
+            and self.matcher is None
+            and self.phase is None
+            and not self.process.changes_scores(index)
+        )
+
+    def choose(self, logits: Tensor, tokens: list[int], index: int) -> int:
+        """New token `index` from one row's logits (V,) float32, after `tokens` (the prompt, then
+        the `index` generated so far)."""
+        thinking, phase = self.thinking, self.phase
+        if self.history is None and needs_history(self.s):
+            self.history = _history(tokens, index, logits.shape[-1], logits.device)
+        if self.matcher is None or phase == "thinking":
+            scores = self.process(logits[None], self.history, index)  # (1, V)
+        else:  # only a constrained row is masked: the others pay nothing for it
+            reopen = thinking.start if phase == "before" else None  # the reasoning may open instead
+            scores = constrained_scores(
+                self.process, logits[None], self.history, index, [self.matcher], reopen
+            )
+        token = int(choose_tokens(scores, self.s.do_sample, self.generator)[0])
+        spent = phase == "thinking" and thinking.budget is not None and self.thought >= thinking.budget
+        return thinking.end if spent else token  # a spent budget ends the reasoning
+
+    def take(self, token: int, device) -> None:
+        """Follow the chosen token (however it was chosen): the reasoning's phase, the grammar
+        (an answer's token), the penalties' history (on `device`, the logits')."""
+        phase = self.phase
+        if phase is not None:  # the reasoning goes on until `end`; "before": it opens at `start`
+            self.thought += phase == "thinking"
+            opened = token == self.thinking.start or (phase == "thinking" and token != self.thinking.end)
+            self.phase = "thinking" if opened else None
+        if self.matcher is not None and phase != "thinking" and self.phase is None:
+            self.matcher.advance(token)
+        if self.history is not None:
+            self.history.add(torch.tensor([token], device=device))
+
+
+def _history(tokens: list[int], index: int, vocab: int, device) -> TokenHistory:
+    """The penalties' record of a row's prompt and generated tokens (tokens: both; index: how
+    many were generated), made at its first choice, then one token added per choice."""
+    prompt_len = len(tokens) - index
+    history = TokenHistory(torch.tensor([tokens[:prompt_len]], device=device), None, vocab)  # (1, P)
+    for token in tokens[prompt_len:]:  # none: a row's first choice comes before any token
+        history.add(torch.tensor([token], device=device))
+    return history
 
 
 def _still_running(matchers: list, unfinished: Tensor | None) -> list:

@@ -2,6 +2,8 @@
 
     ids = model.generate(input_ids, max_new_tokens=200, prompt_lookup_num_tokens=10)  # n-gram lookup
     ids = model.generate(input_ids, max_new_tokens=200, assistant_model=draft)        # a draft model
+    ids = model.generate(input_ids, max_new_tokens=200, prompt_lookup_num_tokens=10,
+                         speculative_method=NAME)              # another row of proposers.PROPOSERS
 
 Batch-1 decoding on a CPU reads every weight once per token. A forward over the last token and
 k guesses (drafts) reads them once for k + 1 positions and costs little more than one step; each
@@ -9,13 +11,15 @@ position's logits then say what the model itself would choose there, so the draf
 the first one it would not have chosen, and that position's own choice is emitted too: 1 to k + 1
 tokens per forward (Leviathan et al., 2023; Chen et al., 2023).
 
-Two proposers, with transformers' argument names:
-- PromptLookup (prompt_lookup_num_tokens, max_matching_ngram_size): the last n tokens (n from the
-  largest size down to 1) found earlier in the prompt or the text so far; the tokens that followed
-  that latest earlier occurrence are the drafts. Free, and right where the answer copies its input
-  (edits of code, quotes, extraction).
-- DraftModel (assistant_model, num_assistant_tokens): a smaller model with the same tokenizer
-  decodes k tokens ahead with its own KV cache, rewound to what the target kept.
+The proposers are the rows of proposers.PROPOSERS, with transformers' argument names where it
+has them:
+- PromptLookup ("ngram": prompt_lookup_num_tokens, max_matching_ngram_size): the last n tokens
+  (n from the largest size down to 1) found earlier in the prompt or the text so far; the tokens
+  that followed that latest earlier occurrence are the drafts. Free, and right where the answer
+  copies its input (edits of code, quotes, extraction).
+- DraftModel ("draft_model": assistant_model, num_assistant_tokens): a smaller model with the
+  same tokenizer decodes k tokens ahead with its own KV cache, rewound to what the target kept.
+- any other row of the table, by its name (speculative_method).
 
 Greedy: every emitted token is the argmax of the same scores a plain step computes at that
 position (the chooser of sampling.py: constraint mask, processors, history), so the tokens are
@@ -49,125 +53,14 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from flashformer.generate.draft_model import DraftModel
+from flashformer.generate.proposers import ProposerInputs, proposer_kind
 from flashformer.generate.sampling import (
     GenerationSettings,
     TokenChooser,
     TokenHistory,
     choose_tokens,
 )
-
-# ---- proposers ----
-
-
-class PromptLookup:
-    """Drafts from the context itself: the tokens that followed the latest earlier occurrence of
-    its last n tokens, for the largest n in [min_ngram, max_ngram] that occurs. Each n-gram's latest
-    continuation is kept in a dict, updated as tokens arrive: a lookup costs O(max_ngram)."""
-
-    def __init__(self, context: list[int], max_ngram: int, min_ngram: int = 1):
-        self.context: list[int] = []
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # [n] gram -> start
-        self.extend(context)
-
-    def extend(self, tokens: list[int]) -> None:
-        for token in tokens:
-            at = len(self.context)  # token's position: it continues the n-grams ending before it
-            for n in range(1, min(self.max_ngram, at) + 1):
-                self.after[n][tuple(self.context[at - n : at])] = at
-            self.context.append(token)
-
-    LONGEST_MATCH = 8  # match() counts matching tokens back to this many
-
-    def match(self, context: list[int]) -> int:
-        """How long a run of tokens ending the context (which continues the one seen so far) also
-        ends at the place the drafts would come from: 0 when its last min_ngram tokens occur
-        nowhere earlier, else the n-gram found, lengthened backwards while the tokens before both
-        agree, up to LONGEST_MATCH. A longer match copies more surely (DraftLength counts each
-        length's kept drafts apart): at the end of a line of copied code it is long, after a
-        common word it is 1."""
-        self.extend(context[len(self.context) :])
-        context = self.context
-        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            start = self.after[n].get(tuple(context[-n:]))
-            if start is not None:
-                length = n
-                while (
-                    length < self.LONGEST_MATCH
-                    and start - length - 1 >= 0
-                    and context[start - length - 1] == context[-length - 1]
-                ):
-                    length += 1
-                return length
-        return 0
-
-    def propose(self, k: int) -> list[int]:
-        """Up to k drafts after the context as extended so far."""
-        context = self.context
-        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            start = self.after[n].get(tuple(context[-n:]))
-            if start is not None:
-                return context[start : start + k]
-        return []
-
-    def draft(self, context: list[int], k: int) -> tuple[list[int], None]:
-        """The proposers' common call: up to k drafts after `context` (which continues the one seen
-        so far), and no distribution (a lookup's draft is a point mass)."""
-        self.extend(context[len(self.context) :])
-        return self.propose(k), None
-
-
-class DraftModel:
-    """A smaller model decoding ahead with its own session (KV cache). Greedy: its argmax; sampling:
-    draws from its softmax at the target's temperature, returning those distributions q."""
-
-    def __init__(self, model, input_ids: Tensor, s: GenerationSettings, generator, room: int):
-        from flashformer.generate.session import DecoderSession
-
-        draft_settings = GenerationSettings(max_new_tokens=room, native=s.native)
-        self.session = DecoderSession(model, input_ids, None, draft_settings)
-        self.cached: list[int] = []  # the tokens whose keys the draft's cache holds
-        self.do_sample, self.temperature, self.generator = s.do_sample, s.temperature, generator
-
-    def match(self, context: list[int]) -> int:
-        """Every context is alike to a draft model (one class of drafts for DraftLength)."""
-        return 1
-
-    def draft(self, context: list[int], k: int) -> tuple[list[int], Tensor | None]:
-        """k drafts after `context`, and with sampling their distributions q (k, V)."""
-        kept = common_prefix(self.cached, context)
-        if kept == len(context):  # always feed at least one token: its logits come next
-            kept -= 1
-        self.session.rewind(kept)
-        feed = context[kept:]
-        device = self.session.input_ids.device
-        logits = self.session.extend(torch.tensor([feed], device=device))[0, -1:]  # (1, V)
-        tokens, dists = [], []
-        for i in range(k):
-            token, q = self._choose(logits)
-            tokens.append(token)
-            dists.append(q)
-            if i + 1 < k:
-                logits = self.session.extend(torch.tensor([[token]], device=device))[0]  # (1, V)
-        self.cached = context + tokens[:-1]
-        return tokens, torch.cat(dists) if self.do_sample else None
-
-    def _choose(self, logits: Tensor) -> tuple[int, Tensor | None]:
-        if not self.do_sample:
-            return int(choose_tokens(logits, False, None)[0]), None
-        q = (logits / self.temperature).softmax(dim=-1)  # (1, V)
-        return int(torch.multinomial(q, 1, generator=self.generator)[0, 0]), q
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens a and b share from the start (a draft's cache; a chat's earlier turns)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
 
 # ---- the loop ----
 
@@ -199,12 +92,18 @@ def speculative_tokens(
     device = session.input_ids.device
     chooser = TokenChooser(s, 1, device, history)
     context = session.input_ids[0].tolist()
-    if s.assistant_model is not None:
-        limit = s.num_assistant_tokens
-        proposer = DraftModel(s.assistant_model, session.input_ids, s, generator, s.max_new_tokens + limit)
-    else:
-        limit = s.prompt_lookup_num_tokens
-        proposer = PromptLookup(context, s.max_matching_ngram_size)
+    kind = proposer_kind(s)  # the table's row
+    limit = getattr(s, kind.limit)
+    inputs = ProposerInputs(
+        session.input_ids,
+        s,
+        generator,
+        s.max_new_tokens + limit,
+        s.max_matching_ngram_size,
+        1,
+        s.assistant_model,
+    )
+    proposer = kind.make(inputs)
     rows = session.prefill()  # (1, V): one position to choose at, no drafts yet
     # timed after the prefill: the forwards write past what the cache holds (a chat's earlier turns)
     speed = DraftLength(limit, row_cost(session, proposer, limit))

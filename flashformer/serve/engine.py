@@ -11,11 +11,12 @@ Each step the engine
    is full), through runner.py: one packed forward of both through the native
    decoder (or a quantized model's modules); for a float model run eagerly, a
    forward per chunk and a padded decode batch;
-4. samples each sequence's next token (generate.sampling: the request's
-   logits processor, then choose_tokens with the sequence's generator; a
-   constrained sequence's grammar mask first, generate.constraints),
-   streams its text to its client (text.detokenizer: stop strings, partial
-   UTF-8 held back), and frees a finished sequence's blocks at once.
+4. chooses each sequence's next token (generate.sampling's RowChooser: the
+   request's logits processor, the sequence's grammar mask, history and
+   generator; the plain argmax rows in one call), streams its text to its
+   client (output.py: stop strings, partial UTF-8 held back, the events), and
+   frees a finished sequence's blocks at once; a drafting sequence's rows are
+   checked draft by draft (speculation.py).
 
 Batch invariance (runner.py) holds for sampling too: each sequence draws from
 its own generator, seeded from the request's seed and the choice's index.
@@ -23,7 +24,8 @@ A preempted sequence replays the tokens it had generated (scheduler.py); a
 token is sampled only once its sequence has caught up.
 
 Modules: loop.py (threads, inbox, Busy), scheduler.py (policy), runner.py (the model's forwards),
-paged_cache.py (the pool), request.py (requests, their sequences and events); this one, the Engine.
+paged_cache.py (the pool), request.py (requests, their sequences and events), output.py (text and
+events out), speculation.py (drafts and their check); this one, the Engine and its step.
 """
 
 from __future__ import annotations
@@ -33,14 +35,8 @@ from collections import deque
 import torch
 
 from flashformer.eval.loglikelihood import token_logprobs as score_prompt
-from flashformer.generate.constraints import constrain, keep_an_end
-from flashformer.generate.sampling import (
-    GenerationSettings,
-    LogitsProcessor,
-    TokenHistory,
-    choose_tokens,
-    needs_history,
-)
+from flashformer.generate.sampling import LogitsProcessor, RowChooser, choose_tokens
+from flashformer.serve import output
 from flashformer.serve.loop import Busy, ModelLoop
 from flashformer.serve.paged_cache import BlockPool, window_pool_for
 from flashformer.serve.request import (
@@ -165,8 +161,11 @@ class Engine(ModelLoop):
         prompt that can never fit (the context, or the whole pool)."""
         check_prompt_fits(len(request.prompt_ids), self.context, self.pool.capacity * self.pool.block_size)
         request.process = LogitsProcessor(request.settings, self.device)
+        constraint, thinking = request.params.constraint, request.params.thinking
         for sequence in request.sequences:
             sequence.detokenizer = Detokenizer(self.tokenizer, request.params.stop)
+            matcher = None if constraint is None else constraint.matcher()  # its own place in the grammar
+            sequence.chooser = RowChooser(request.process, sequence.generator, matcher, thinking)
         self._enqueue(request, len(request.sequences))
 
     def metrics(self) -> dict:
@@ -214,7 +213,7 @@ class Engine(ModelLoop):
         self._count_waiting(-len(request.sequences))
         for sequence in request.sequences:
             sequence.finish_reason = "length"
-            self._announce(sequence)
+            output.announce(sequence)
         return False
 
     def _has_work(self) -> bool:
@@ -234,7 +233,7 @@ class Engine(ModelLoop):
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.runner.kv_bytes_held())
         self._step()
         for sequence in self.running:  # a step's tokens reach each client as one delta (a verify's several)
-            self._send_held(sequence)
+            output.send_held(sequence)
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.runner.kv_bytes_held())
         self.counts["steps"] += 1
 
@@ -282,7 +281,9 @@ class Engine(ModelLoop):
         self.counts["prompt_tokens"] += sum(end - start for _, start, end in plan)
         for sequence, first, end in ready:
             if sequence in drafts:
-                self._verify(sequence, drafts[sequence], logits[first:end])
+                kept = self.speculator.verify(sequence, drafts[sequence], logits[first:end], self._sample)
+                self.counts["speculative_drafted_tokens"] += len(drafts[sequence])
+                self.counts["speculative_accepted_tokens"] += kept
         self._sample_ready([row for row in ready if row[0] not in drafts], logits)
 
     def _drafts(self, decoding: list[Sequence]) -> dict[Sequence, list[int]]:
@@ -291,28 +292,13 @@ class Engine(ModelLoop):
             return {}
         return self.speculator.step_drafts(decoding, self.pool, self.context)
 
-    def _verify(self, sequence: Sequence, guesses: list[int], rows: torch.Tensor) -> None:
-        """rows (1 + k, V): the logits after the sequence's last token and after each draft. Each
-        row's token is chosen as a plain step would (_sample), up to the first that is not the
-        draft there; an accepted draft's keys are in the cache already."""
-        kept = 0
-        for i, row_logits in enumerate(rows):
-            self._sample(sequence, row_logits)
-            if sequence.finish_reason is not None or i == len(guesses) or sequence.tokens[-1] != guesses[i]:
-                break
-            kept += 1
-            sequence.computed += 1
-        self.speculator.observe(sequence, len(guesses), kept)
-        self.counts["speculative_drafted_tokens"] += len(guesses)
-        self.counts["speculative_accepted_tokens"] += kept
-
     def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
         """The decoding sequences that have a slot for their next token (scheduler.make_room);
         the client of one that alone filled the pool is told it ended."""
         ready, ended = self.scheduler.make_room(decoding)
         for sequence in ended:  # it ends with what it had said, the held-back text included
-            self._last_delta(sequence)
-            self._announce(sequence)
+            output.last_delta(sequence)
+            output.announce(sequence)
         return ready
 
     def _drop_cancelled(self) -> None:
@@ -321,14 +307,19 @@ class Engine(ModelLoop):
             sequence.finish_reason = sequence.finish_reason or "cancelled"
             self._retire(sequence)
 
+    def _retire(self, sequence: Sequence) -> None:
+        """Free a finished sequence's blocks and tell its client."""
+        self.scheduler.finish(sequence)
+        output.announce(sequence)
+
     # ---- tokens out ----
 
     def _sample_ready(self, ready: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
         """The next token of each (sequence, row, _) of ready from its row of logits (R, V). The
-        rows whose choice is the plain argmax (_plain) find it in one choose_tokens call for all of
-        them (the same token as each alone: an argmax reads its own row only); the others go
-        through their processors, constraints and generators one by one (_sample)."""
-        plain = [(sequence, row) for sequence, row, _ in ready if _plain(sequence)]
+        rows whose choice is the plain argmax (RowChooser.plain) find it in one choose_tokens call
+        for all of them (the same token as each alone: an argmax reads its own row only); the
+        others go through their own choosers one by one (_sample)."""
+        plain = [(s, row) for s, row, _ in ready if s.chooser.plain(len(s.generated))]
         rows = [row for _, row in plain]
         if rows == list(range(logits.shape[0])):
             scores = logits  # every row: no copy
@@ -346,129 +337,20 @@ class Engine(ModelLoop):
                 )
 
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
-        """Pick the next token from one row's logits (V,), then stream and check for the end."""
-        request = sequence.request
+        """Choose the next token from one row's logits (V,) (the sequence's RowChooser), then take it."""
         logits = logits.float()
-        if sequence.history is None and needs_history(request.settings):
-            sequence.history = _history(sequence, request.settings, logits.shape[-1], logits.device)
-        generated = len(sequence.generated)
-        thinking, phase = request.params.thinking, sequence.phase
-        spent = phase == "thinking" and thinking.budget is not None and sequence.thought >= thinking.budget
-        if sequence.matcher is None or phase == "thinking":
-            scores = request.process(logits[None], sequence.history, generated)  # (1, V)
-        else:  # only a constrained row is masked: the others pay nothing for it
-            masked = constrain(logits[None], [sequence.matcher], request.process.eos)
-            if phase == "before":  # the reasoning may open instead
-                masked[0, thinking.start] = logits[thinking.start]
-            scores = request.process(masked, sequence.history, generated)
-            if generated < request.settings.min_new_tokens:
-                scores = keep_an_end(scores, masked)
-        token = int(choose_tokens(scores, request.settings.do_sample, sequence.generator)[0])
-        token = thinking.end if spent else token  # a spent budget ends the reasoning
+        token = sequence.chooser.choose(logits, sequence.tokens, len(sequence.generated))
         self._take(sequence, token, logits)
 
     def _take(self, sequence: Sequence, token: int, logits: torch.Tensor | None) -> None:
         """Append the chosen token (logits: its row (V,), for the log-probabilities and the
-        penalties' history; None when neither reads it), then stream and check for the end."""
-        request = sequence.request
-        thinking, phase = request.params.thinking, sequence.phase
+        penalties' history; None when neither reads it), then stream it and end the sequence
+        where it ends (output.stream)."""
+        sequence.chooser.take(token, None if logits is None else logits.device)
         sequence.tokens.append(token)
-        if phase is not None:  # the reasoning goes on until `end`; "before": it opens at `start`
-            sequence.thought += phase == "thinking"
-            opened = token == thinking.start or (phase == "thinking" and token != thinking.end)
-            sequence.phase = "thinking" if opened else None
-        if sequence.matcher is not None and phase != "thinking" and sequence.phase is None:
-            sequence.matcher.advance(token)  # an answer's token
-        if sequence.history is not None:
-            sequence.history.add(torch.tensor([token], device=logits.device))
         self.counts["generated_tokens"] += 1
         self._note_progress(1)
-        asked = request.params.logprobs
-        self._stream(sequence, [] if asked is None else token_logprobs(logits.float(), token, asked))
-
-    def _stream(self, sequence: Sequence, logprobs: list[TokenLogprob]) -> None:
-        """Hold the text the newest token made certain for the step's delta; end the sequence at a
-        stop token, a stop string, max_tokens or the context (then the held-back text goes too)."""
-        params, token = sequence.request.params, sequence.tokens[-1]
-        detokenizer = sequence.detokenizer
-        text, reason = "", None
-        if token in params.stop_token_ids:  # never part of the text
-            reason = "stop"
-        else:
-            text = detokenizer.add(token)
-            reason = "stop" if detokenizer.stopped else None
-        if reason is None and sequence.matcher is not None and sequence.matcher.finished:
-            if sequence.matcher.error:  # never a "stop" whose text breaks the grammar
-                sequence.finish_reason = "error"
-                message = f"structured output: the grammar engine stopped: {sequence.matcher.error}"
-                self._send_held(sequence)  # the kept tokens before this one
-                sequence.request.emit(Event("error", sequence.index, message=message))
-                self._retire(sequence)
-                return
-            reason = "stop"  # the grammar is complete: nothing but a stop token could follow
-        if reason is None and len(sequence.tokens) - sequence.prompt_len >= params.max_tokens:
-            reason = "length"
-        if reason is None and len(sequence.tokens) >= self.context:
-            reason = "length"
-        sequence.held_text += text
-        sequence.held_logprobs += logprobs
-        if reason is None:
-            return
-        sequence.finish_reason = reason
-        self._last_delta(sequence)
-        self._retire(sequence)
-
-    def _send_held(self, sequence: Sequence) -> None:
-        if sequence.held_text or sequence.held_logprobs:
-            sequence.request.emit(Event("delta", sequence.index, sequence.held_text, sequence.held_logprobs))
-        sequence.held_text, sequence.held_logprobs = "", []
-
-    def _last_delta(self, sequence: Sequence) -> None:
-        """An ending sequence's last text (held, then what the detokenizer held back) and its count."""
-        sequence.held_text += sequence.detokenizer.finish()
-        self._send_held(sequence)
-        sequence.request.completion_tokens += len(sequence.generated)
-
-    def _retire(self, sequence: Sequence) -> None:
-        """Free a finished sequence's blocks and tell its client."""
-        self.scheduler.finish(sequence)
-        self._announce(sequence)
-
-    def _announce(self, sequence: Sequence) -> None:
-        """Tell the client that a choice ended; when its request is done, say so with the usage."""
-        request = sequence.request
-        if sequence.finish_reason != "cancelled":
-            stop = sequence.detokenizer.stop_string if sequence.detokenizer is not None else None
-            request.emit(Event("finish", sequence.index, finish_reason=sequence.finish_reason, stop=stop))
-        if request.finished and not request.cancelled.is_set():
-            prompt = len(request.prompt_ids)
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": request.completion_tokens,
-                "total_tokens": prompt + request.completion_tokens,
-                # the prompt tokens the prefix cache gave the first choice at its first admission
-                "prompt_tokens_details": {"cached_tokens": request.sequences[0].cached_tokens or 0},
-            }
-            request.emit(Event("done", usage=usage))
-
-
-def _plain(sequence: Sequence) -> bool:
-    """Whether the sequence's next token is the plain argmax of its logits: greedy, no grammar and
-    no reasoning to track, and a logits processor that changes no score at this step."""
-    request = sequence.request
-    return (
-        not request.settings.do_sample
-        and sequence.matcher is None
-        and sequence.phase is None
-        and not request.process.changes_scores(len(sequence.tokens) - sequence.prompt_len)
-    )
-
-
-def _history(sequence: Sequence, settings: GenerationSettings, vocab: int, device) -> TokenHistory:
-    """The penalties' record of a sequence's prompt and generated tokens: made at its first
-    sample, then one token added per sample."""
-    prompt = torch.tensor([sequence.tokens[: sequence.prompt_len]], device=device)  # (1, P)
-    history = TokenHistory(prompt, None, vocab)
-    for token in sequence.generated:  # none: a sequence's first sample comes before any token
-        history.add(torch.tensor([token], device=device))
-    return history
+        asked = sequence.request.params.logprobs
+        logprobs = [] if asked is None else token_logprobs(logits.float(), token, asked)
+        if output.stream(sequence, logprobs, self.context):
+            self._retire(sequence)

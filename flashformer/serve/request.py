@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.generate.constraints import Constraint
-from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, TokenHistory
+from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, RowChooser, Thinking
 from flashformer.generate.sampling_options import RequestSamplingValues, settings_of_request
 from flashformer.text.detokenizer import Detokenizer
 
@@ -32,17 +32,6 @@ __all__ = [
     "generation_settings",
     "token_logprobs",
 ]
-
-
-@dataclass(frozen=True)
-class Thinking:
-    """A thinking model's tags (token ids) for a request whose answer is constrained, the grammar
-    starting after `end` ("before": `start` may come first), or whose reasoning has a budget."""
-
-    start: int
-    end: int
-    state: str  # "thinking" | "before" ("answer" needs no Thinking)
-    budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,10 +124,8 @@ class Sequence:
         self.window_registered = 0
         self.cached_tokens: int | None = None  # tokens reused at its first admission
         self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
-        self.history: TokenHistory | None = None  # for the penalties; made at the first sample
-        constraint = request.params.constraint  # its own place in the grammar, if constrained
-        self.matcher = None if constraint is None else constraint.matcher()
-        self.phase, self.thought = request.params.thinking and request.params.thinking.state, 0  # reasoning
+        # its choice of tokens: its grammar's matcher, penalties' history, reasoning (Engine.submit)
+        self.chooser: RowChooser | None = None
         self.finish_reason: str | None = None
         self.held_text, self.held_logprobs = "", []  # this step's, sent as one delta at its end
         self.proposer = self.draft_length = None  # its drafts' source and length (speculation.py)

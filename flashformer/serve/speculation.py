@@ -2,11 +2,12 @@
 
     flashformer serve FILE --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}'
 
-The configuration has vLLM's names: method "ngram" (prompt lookup: the last n tokens, n from
-prompt_lookup_max down to prompt_lookup_min, found earlier in the sequence; what followed them is
-drafted) or "draft_model" (a smaller model with the same tokenizer, "model": its path,
-"quantization": how it loads, by default as the served model; each drafting sequence keeps its
-own session of it, a static KV cache as long as its prompt and answer); num_speculative_tokens
+The configuration has vLLM's names: method, a row of generate.proposers.PROPOSERS: "ngram"
+(prompt lookup: the last n tokens, n from prompt_lookup_max down to prompt_lookup_min, found
+earlier in the sequence; what followed them is drafted), "draft_model" (a smaller model with the
+same tokenizer, "model": its path, "quantization": how it loads, by default as the served model,
+by checkpoints.loading.load_draft_model; each drafting sequence keeps its own session of it, a
+static KV cache as long as its prompt and answer), or another row by its name; num_speculative_tokens
 (the most drafts a step checks per sequence); disable_by_batch_size (4: speculation stops while a
 step decodes more sequences than this, where it stopped paying on this CPU; below it the draft
 length weighs the batch too, see below). A request opts out with "speculative": false.
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from flashformer.generate.speculative import DraftLength, DraftModel, PromptLookup, row_cost
+from flashformer.generate.proposers import PROPOSERS, ProposerInputs
+from flashformer.generate.speculative import DraftLength, row_cost
 from flashformer.model.quantize import MODES
 
 # measured (docs/benchmarks.md, "Speculative decoding": SmolLM2 Q4_1, the copying workloads, 2
 # threads): with drafts 1.65x at 1 client, 1.36x at 2, 1.12x at 4, 0.97x at 8, 0.94x at 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-METHODS = ("ngram", "draft_model")
+METHODS = tuple(PROPOSERS)
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,11 @@ class SpeculativeConfig:
         method = given.get("method", "ngram")
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {METHODS}; got {method!r}")
-        if method == "draft_model" and not isinstance(given.get("model"), str):
-            raise ValueError("--speculative-config: method 'draft_model' needs \"model\": the draft's path")
-        if method == "ngram" and ("model" in given or "quantization" in given):
-            raise ValueError(
-                '--speculative-config: "model" and "quantization" go with method \'draft_model\''
-            )
+        if PROPOSERS[method].needs_model and not isinstance(given.get("model"), str):
+            raise ValueError(f'--speculative-config: method {method!r} needs "model": the draft\'s path')
+        if not PROPOSERS[method].needs_model and ("model" in given or "quantization" in given):
+            needing = " or ".join(repr(k.method) for k in PROPOSERS.values() if k.needs_model)
+            raise ValueError(f'--speculative-config: "model" and "quantization" go with method {needing}')
         quantization = given.get("quantization")
         if quantization is not None and quantization not in MODES:
             raise ValueError(
@@ -101,15 +102,16 @@ class Speculator:
     draft: the draft model, for method draft_model (the same vocabulary as `model`)."""
 
     def __init__(self, config: SpeculativeConfig, model, draft=None):
-        if (config.method == "draft_model") != (draft is not None):
-            raise ValueError("a draft model goes with method 'draft_model', and that method needs one")
+        self.kind = PROPOSERS[config.method]
+        if self.kind.needs_model != (draft is not None):
+            raise ValueError(f"a draft model goes with method {config.method!r}, and that method needs one")
         if draft is not None and draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(
                 f"--speculative-config: the draft's vocabulary ({draft.config.vocab_size} tokens) must be the "
                 f"served model's ({model.config.vocab_size}): the same tokenizer"
             )
         self.config, self.draft = config, draft
-        self.cost = _measured_row_cost(model, config.num_speculative_tokens, draft)
+        self.cost = _measured_row_cost(model, self.kind, config.num_speculative_tokens, draft)
 
     def drafts(self, sequence, room: int, batch: int) -> list[int]:
         """Up to `room` drafts for `sequence` in a step of `batch` decoding sequences (none for
@@ -118,16 +120,18 @@ class Speculator:
         if request.settings.do_sample or not request.params.speculative or room <= 0:
             return []
         limit = self.config.num_speculative_tokens
-        if sequence.proposer is None:
-            if self.draft is None:
-                sequence.proposer = PromptLookup(
-                    [], self.config.prompt_lookup_max, self.config.prompt_lookup_min
-                )
-            else:  # its own KV cache, room for the whole answer and a round of drafts
-                prompt = torch.tensor([request.prompt_ids])
-                sequence.proposer = DraftModel(
-                    self.draft, prompt, request.settings, None, request.params.max_tokens + limit
-                )
+        if sequence.proposer is None:  # a draft model's KV cache: room for the answer and a round of drafts
+            config, prompt = self.config, torch.tensor([request.prompt_ids])
+            inputs = ProposerInputs(
+                prompt,
+                request.settings,
+                None,
+                request.params.max_tokens + limit,
+                config.prompt_lookup_max,
+                config.prompt_lookup_min,
+                self.draft,
+            )
+            sequence.proposer = self.kind.make(inputs)
             sequence.draft_length = DraftLength(limit, self.cost)
         sequence.draft_match = sequence.proposer.match(sequence.tokens)
         k = min(room, sequence.draft_length.next(batch, sequence.draft_match))
@@ -158,11 +162,23 @@ class Speculator:
                 found[sequence] = guesses
         return found
 
-    def observe(self, sequence, drafted: int, kept: int) -> None:
-        sequence.draft_length.observe(drafted, kept, sequence.draft_match)
+    def verify(self, sequence, guesses: list[int], rows: torch.Tensor, choose) -> int:
+        """rows (1 + k, V): the logits after the sequence's last token and after each of its k
+        drafts (guesses). Each row's token is chosen as a plain step would choose it (choose(sequence,
+        row): the engine's own, which appends and streams it), up to the first that is not the
+        draft there; an accepted draft's keys are in the cache already. How many drafts it kept."""
+        kept = 0
+        for i, row_logits in enumerate(rows):
+            choose(sequence, row_logits)
+            if sequence.finish_reason is not None or i == len(guesses) or sequence.tokens[-1] != guesses[i]:
+                break
+            kept += 1
+            sequence.computed += 1
+        sequence.draft_length.observe(len(guesses), kept, sequence.draft_match)
+        return kept
 
 
-def _measured_row_cost(model, limit: int, draft=None) -> float:
+def _measured_row_cost(model, kind, limit: int, draft=None) -> float:
     """generate.speculative.row_cost on a short prompt of the model (timed once per model; with a
     draft model its step's cost is added)."""
     from flashformer.generate.sampling import settings_from
@@ -172,5 +188,5 @@ def _measured_row_cost(model, limit: int, draft=None) -> float:
     ids = torch.zeros(1, 64, dtype=torch.long, device=next(model.parameters()).device)
     session = DecoderSession(model, ids, None, settings)
     session.prefill()
-    proposer = PromptLookup([], 1) if draft is None else DraftModel(draft, ids, settings, None, limit + 2)
+    proposer = kind.make(ProposerInputs(ids, settings, None, limit + 2, 1, 1, draft))
     return row_cost(session, proposer, limit)

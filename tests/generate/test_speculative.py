@@ -22,6 +22,8 @@ from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.generate import speculative
 from flashformer.generate.chat import Chat
 from flashformer.generate.constraints import Constraint
+from flashformer.generate.draft_model import DraftModel
+from flashformer.generate.prompt_lookup import PromptLookup
 from flashformer.generate.sampling import TokenHistory, settings_from
 from flashformer.generate.session import DecoderSession
 
@@ -42,25 +44,25 @@ def run_counting(model, ids, **kwargs):
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():
-    lookup = speculative.PromptLookup([1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2], max_ngram=2)
+    lookup = PromptLookup([1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2], max_ngram=2)
     assert lookup.propose(3) == [4, 7, 8]  # (1, 2) last seen at 4, followed by 4 7 8
     lookup.extend([5])
     assert lookup.propose(3) == []  # neither (2, 5) nor (5,) occurred before
     lookup.extend([9])
     assert lookup.propose(2) == [1, 2]  # no (5, 9); (9,) at 3, followed by 1 2
-    assert speculative.PromptLookup([4, 4, 4], max_ngram=3).propose(5) == [4]  # (4, 4) at 0
+    assert PromptLookup([4, 4, 4], max_ngram=3).propose(5) == [4]  # (4, 4) at 0
 
 
 def test_a_match_is_the_agreeing_run_before_the_drafts_source():
-    lookup = speculative.PromptLookup([], max_ngram=3)
+    lookup = PromptLookup([], max_ngram=3)
     line = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
     assert lookup.match([5, 6, 20]) == 0  # 20 occurred nowhere before
     assert lookup.match([5, 6, 20, 7, 8, 20]) == 1  # (8, 20) no; (20,) at 2: preceded by 6, not 8
     copied = [1] + line + [2] + line[:9]  # the line again, up to its last token
-    lookup = speculative.PromptLookup([], max_ngram=3)
+    lookup = PromptLookup([], max_ngram=3)
     assert lookup.match(copied) == 8  # counted back to LONGEST_MATCH, past the 3-gram found
     assert lookup.propose(2) == [29, 2]
-    assert speculative.DraftModel.match(None, [1, 2]) == 1
+    assert DraftModel.match(None, [1, 2]) == 1
 
 
 def test_draft_length_counts_each_match_length_apart():

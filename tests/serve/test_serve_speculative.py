@@ -69,6 +69,19 @@ def test_greedy_requests_keep_their_tokens_alone_and_batched(quantized):
     assert small.stats["preemptions"] > 0 and small.pool.in_use == 0
 
 
+def test_every_model_free_proposer_of_the_table_keeps_greedy_tokens(quantized):
+    """The server's proposer is the table's row for the configured method (here the longest-match
+    lookup, "suffix"): the tokens are plain greedy's, batched, with drafts kept."""
+    model, tokenizer = quantized
+    speculative._ROW_COSTS[model]["SuffixLookup"] = 0.2
+    prompts = prompts_of(tokenizer)
+    plain = run(Engine(model, tokenizer, max_batch=8, num_blocks=96), prompts)
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=6)
+    engine = Engine(model, tokenizer, max_batch=8, num_blocks=96, speculative=config)
+    assert run(engine, prompts) == plain
+    assert engine.stats["speculative_accepted_tokens"] > 0
+
+
 def test_a_verify_sends_its_kept_tokens_as_one_delta(quantized):
     """As a plain step sends one: a client (an SSE chunk each) is not told several times a step."""
     model, tokenizer = quantized

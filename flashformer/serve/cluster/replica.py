@@ -22,8 +22,9 @@ from dataclasses import replace
 import torch
 from ray import serve
 
-from flashformer.checkpoints.loading import load
+from flashformer.checkpoints.loading import load, load_draft_model
 from flashformer.generate.constraints import compile_constraint
+from flashformer.generate.proposers import PROPOSERS
 from flashformer.model.models import EncoderModel
 from flashformer.serve.cluster.remote import Job
 from flashformer.serve.engine import Busy, Engine
@@ -61,9 +62,11 @@ class EngineReplica:
                 raise ValueError(f"{model_path} is an encoder; --replicas serves text-generating models")
             options = dict(engine_options)
             speculative = options.get("speculative")
-            if isinstance(speculative, SpeculativeConfig) and speculative.method == "draft_model":
+            if isinstance(speculative, SpeculativeConfig) and PROPOSERS[speculative.method].needs_model:
                 quantize = speculative.quantization or load_options.get("quantize")
-                options["draft_model"], _ = load(speculative.model, **{**load_options, "quantize": quantize})
+                options["draft_model"] = load_draft_model(
+                    speculative.model, quantize, load_options.get("activations", "int8")
+                )
             self.engine = Engine(model, tokenizer, **options)
             self.engine.start_seconds = time.perf_counter() - started
         except BaseException as error:  # told to the constructor, which fails the replica
