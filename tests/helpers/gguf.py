@@ -666,3 +666,46 @@ def transformers_gguf_overrides(model) -> dict:
 def gemma3_path() -> Path:
     """The real Gemma 3 270M Q4_K_M file (the package's finder, which names the pip command)."""
     return package_gemma3_path()
+
+
+# ---- qwen3moe: transformers' Qwen3MoeForCausalLM and its GGUF file ----
+
+
+def tiny_qwen3_moe(seed: int = 0, norm_topk_prob: bool = True, **overrides):
+    """A random transformers Qwen3MoeForCausalLM: 2 layers of 8 experts of 32, 2 per token, its
+    norms away from 1 and its router's weights large enough that each token's choice is clear
+    (at init every expert is about as likely, and a rounding could swap two)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    values = dict(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = Qwen3MoeConfig(**{**values, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # the router
+                parameter.normal_(0.0, 0.5)
+            else:
+                parameter.add_(torch.randn_like(parameter) * 0.02)
+    return model
