@@ -69,7 +69,8 @@ class MixtureOfExperts(nn.Module):
                 continue
             chosen = row_of[start : start + count]  # (count,) rows that chose this expert
             y = self.experts[expert](rows.index_select(0, chosen))  # (count, d_model)
-            out.index_add_(0, chosen, y * weight_of[start : start + count])
+            y = (y * weight_of[start : start + count]).to(out.dtype)  # under autocast y is bf16
+            out.index_add_(0, chosen, y)
             start += count
         return out.view_as(x)
 

@@ -78,3 +78,24 @@ def test_dense_families_refuse_experts_on_save(tmp_path):
     model = flashformer.build("llama-tiny", n_expert=4, n_expert_used=2, ffn_bias=False)
     with pytest.raises(ValueError, match="n_expert=4 cannot be saved as a Hugging Face llama"):
         model.save_pretrained(tmp_path)
+
+
+def test_int8_quantizes_each_expert_and_keeps_the_router_float(tmp_path):
+    """Each expert's projections become int8 layers, the router stays float32 (a rounding could
+    change which experts a token runs); the logits equal those of the float model holding the
+    dequantized weights, within tests/model/test_quantize.py's bound for float32 activations."""
+    from flashformer.kernels.quantized import QuantizedLinear
+
+    tiny_qwen3_moe().save_pretrained(tmp_path)
+    model = flashformer.from_pretrained(tmp_path, quantize="int8", activations="float32")
+    twin = flashformer.from_pretrained(tmp_path)
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert not any(name.endswith("router") for name in quantized)
+    assert sum(".experts." in name for name in quantized) == 2 * 8 * 3
+    with torch.no_grad():
+        for name, module in quantized.items():
+            twin.get_submodule(name).weight.copy_(module.dequantize())
+        twin.embeddings.tokens.weight.copy_(model.embeddings.tokens.dequantize())
+        ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+        got, want = model(ids).logits, twin(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-5
