@@ -127,6 +127,11 @@ WRONG_EXPERTS = np.zeros((4, 32, 64), dtype=np.float32)  # 4 experts, where the 
             {"blk.0.ffn_up_exps.weight": (WRONG_EXPERTS, "F32")},
             r"'blk.0.ffn_up_exps.weight' .* has shape \(4, 32, 64\); the metadata implies \(8, 32, 64\)",
         ),
+        (
+            {},
+            {"blk.0.ffn_gate_up_exps.weight": (np.zeros((8, 64, 64), dtype=np.float32), "F32")},
+            r"gate and up projections are one tensor \(ffn_gate_up_exps",
+        ),
     ],
 )
 def test_what_the_file_cannot_mean_is_refused_by_name(tmp_path, metadata_changes, tensor_changes, message):

@@ -64,6 +64,12 @@ class Qwen3Moe(Qwen3):
         refuse_unread_keys(file, self.name, self.keys)
         hf = llama_shaped_config(file, self.name, experts=True)
         hf["rope_parameters"].update(linear_rope_scaling(file, self.name) or {})
+        if any(name.endswith(".ffn_gate_up_exps.weight") for name in file.tensors):
+            raise GGUFError(
+                f"{file.path}: the experts' gate and up projections are one tensor (ffn_gate_up_exps, "
+                f"convert_hf_to_gguf.py --fuse-gate-up-exps), which flashformer's qwen3moe does not read "
+                f"(supported: ffn_gate_exps and ffn_up_exps apart, the converter's default)"
+            )
         n_expert, used = file.value(key + "expert_count", int), file.value(key + "expert_used_count", int)
         if not 1 <= used <= n_expert:
             raise GGUFError(
