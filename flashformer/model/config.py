@@ -30,7 +30,19 @@ FEATURE_MAPS = ("elu", "favor")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-HF_MODEL_TYPES = ("bert", "gpt2", "t5", "llama", "qwen2", "phi3", "qwen3", "gemma", "gemma2", "gemma3_text")
+HF_MODEL_TYPES = (
+    "bert",
+    "gpt2",
+    "t5",
+    "llama",
+    "qwen2",
+    "phi3",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 TASKS = ("sequence-classification", "token-classification")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -270,6 +282,55 @@ class FeedForwardFields(Section):
 
 
 @dataclass
+class ExpertFields(Section):
+    """A mixture of experts in place of every layer's feed-forward (model/experts.py; Qwen3 MoE).
+
+    n_expert: how many experts a layer holds; 0 = the dense feed-forward above.
+    n_expert_used: how many of them each token runs (top-k of the router's softmax).
+    expert_ffn_hidden: each expert's width (a gated feed-forward, as gated_ffn and activation
+        say, without biases); None = d_ff.
+    expert_weights_norm: the chosen experts' probabilities are divided by their sum
+        (Qwen3 MoE's norm_topk_prob); False = they weigh the experts as the softmax over all
+        experts gave them.
+    """
+
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn_hidden: int | None = None
+    expert_weights_norm: bool = False
+
+    def _check(self) -> None:
+        self._derive("expert_ffn_hidden", self.d_ff)
+        _at_least(self, 0, "n_expert", "n_expert_used")
+        _at_least(self, 1, "expert_ffn_hidden")
+        if not self.n_expert:
+            if self.n_expert_used:
+                raise ValueError(
+                    f"ModelConfig.n_expert_used={self.n_expert_used} needs experts; n_expert is 0"
+                )
+            return
+        if not 1 <= self.n_expert_used <= self.n_expert:
+            raise ValueError(
+                f"ModelConfig.n_expert_used must be in [1, n_expert={self.n_expert}]; got {self.n_expert_used!r}"
+            )
+        clashes = {
+            "arch": self.arch != "decoder",
+            "gated_ffn": not self.gated_ffn,
+            "ffn_bias": self.ffn_bias,
+            "fused_gate_up": self.fused_gate_up,
+            "attention_kind": self.attention_kind != "softmax",
+        }
+        bad = [name for name, clash in clashes.items() if clash]
+        if bad:
+            raise ValueError(
+                f"a mixture of experts (n_expert={self.n_expert}) is implemented for decoders whose experts "
+                f"are gated feed-forwards without biases, apart gate and up, beside softmax attention "
+                f"(arch='decoder', gated_ffn=True, ffn_bias=False, fused_gate_up=False, "
+                f"attention_kind='softmax'); got {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}"
+            )
+
+
+@dataclass
 class NormFields(Section):
     """The norms and where they sit around each sub-layer.
 
@@ -450,6 +511,7 @@ class ModelConfig(
     OutputHeadFields,
     StateSpaceFields,
     NormFields,
+    ExpertFields,
     FeedForwardFields,
     LayerPatternFields,
     AttentionFields,
@@ -460,7 +522,7 @@ class ModelConfig(
     """Everything that decides a model's shape and behaviour, in sections (`sections()`):
 
     the architecture, in the order the data flows: SizeFields, EmbeddingFields, PositionFields,
-    AttentionFields, LayerPatternFields, FeedForwardFields, NormFields, StateSpaceFields,
+    AttentionFields, LayerPatternFields, FeedForwardFields, ExpertFields, NormFields, StateSpaceFields,
     OutputHeadFields, TaskHeadFields; then TokenFields, TrainingFields and RunFields. Each
     section's docstring describes its fields, and its `_check` validates them, in this order,
     when the config is built. The fields are flat: `ModelConfig(n_kv_heads=2).n_kv_heads`.

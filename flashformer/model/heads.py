@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from flashformer.checks import IGNORE_INDEX, check_int_tensor
 from flashformer.kernels.cpu import Linear, linear
 from flashformer.model.config import ModelConfig
-from flashformer.model.layers import ACTIVATIONS, make_norm
+from flashformer.model.feed_forward import ACTIVATIONS
+from flashformer.model.layers import make_norm
 
 # ---- BERT's pooler and masked-LM head ----
 

@@ -1,5 +1,6 @@
-"""The pieces of a Transformer block: projections, norms, feed-forward,
-attention sub-layers, and the encoder and decoder blocks built from them.
+"""The pieces of a Transformer block: projections, norms, attention sub-layers, and the
+encoder and decoder blocks built from them, with the feed-forward each block picks
+(feed_forward.py's dense MLPs, experts.py's mixture of experts).
 
 Variants are chosen at construction (`make_norm`, `make_feed_forward`, the
 residual rule of a block); forward methods only compute. Every attention
@@ -33,6 +34,8 @@ from flashformer.attention.linear import causal_linear_attention, linear_attenti
 from flashformer.generate.cache import RecurrentState
 from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
+from flashformer.model.experts import MixtureOfExperts
+from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, GatedFeedForward
 from flashformer.model.positional import apply_rotary
 
 # ---- norms ----
@@ -100,60 +103,11 @@ def attention_window(config: ModelConfig, index: int, causal: bool) -> tuple[int
 
 # ---- feed-forward ----
 
-ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
-    "relu": nn.ReLU,
-    "gelu": nn.GELU,  # exact, with erf (BERT)
-    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # GPT-2's "gelu_new", T5 v1.1's gated-gelu
-    "silu": nn.SiLU,  # SwiGLU's gate (LLaMA)
-}
-
-
-class FeedForward(nn.Module):
-    """down(act(up(x))): the position-wise MLP of BERT, GPT-2 and T5 v1.0."""
-
-    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, dropout: float = 0.0):
-        super().__init__()
-        self.up = Linear(d_model, d_ff, bias=bias)
-        self.act = ACTIVATIONS[activation]()
-        self.dropout = nn.Dropout(dropout)
-        self.down = Linear(d_ff, d_model, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
-        return self.down(self.dropout(self.act(self.up(x))))
-
-
-class GatedFeedForward(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (LLaMA) with silu, gated-gelu (T5 v1.1) with gelu_tanh."""
-
-    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, dropout: float = 0.0):
-        super().__init__()
-        self.gate = Linear(d_model, d_ff, bias=bias)
-        self.up = Linear(d_model, d_ff, bias=bias)
-        self.act = ACTIVATIONS[activation]()
-        self.dropout = nn.Dropout(dropout)
-        self.down = Linear(d_ff, d_model, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
-        return self.down(self.dropout(self.act(self.gate(x)) * self.up(x)))
-
-
-class FusedGatedFeedForward(nn.Module):
-    """GatedFeedForward with gate and up as one projection, gate rows first (Phi-3's
-    gate_up_proj): one product over x instead of two, and the checkpoint's tensor as it is."""
-
-    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, dropout: float = 0.0):
-        super().__init__()
-        self.gate_up = Linear(d_model, 2 * d_ff, bias=bias)
-        self.act = ACTIVATIONS[activation]()
-        self.dropout = nn.Dropout(dropout)
-        self.down = Linear(d_ff, d_model, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each (B, L, d_ff)
-        return self.down(self.dropout(self.act(gate) * up))
-
 
 def make_feed_forward(config: ModelConfig) -> nn.Module:
+    """The block's feed-forward: a mixture of experts (config.n_expert), or one dense MLP."""
+    if config.n_expert:
+        return MixtureOfExperts(config)
     if config.gated_ffn and config.fused_gate_up:
         kind = FusedGatedFeedForward
     else:

@@ -8,7 +8,8 @@ q/k/v projection (float32, quantized, or a quantized layer's runs of formats), Q
 Gemma 3's q/k head norms, RoPE (one table for the model, one of its own for Gemma 3's sliding
 layers), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
-final-logit softcap. The models of every GGUF architecture flashformer reads have this shape.
+final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
+a mixture of experts (qwen3moe): it has no native form yet, and native_unsupported says so.
 
 A model's decoder is built once and kept beside the model (a weak map: copying or pickling the model
 never meets it), with the identity and memory
@@ -27,15 +28,9 @@ from torch import nn
 from flashformer.kernels import extension
 from flashformer.kernels.native_decoder import NativeDecoder
 from flashformer.kernels.quantized import ConcatenatedLinear, QuantizedEmbedding, QuantizedLinear
-from flashformer.model.layers import (
-    FeedForward,
-    FusedGatedFeedForward,
-    GatedFeedForward,
-    MultiHeadAttention,
-    RMSNorm,
-    Softcap,
-    pre_norm_residual,
-)
+from flashformer.model.experts import MixtureOfExperts
+from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, GatedFeedForward
+from flashformer.model.layers import MultiHeadAttention, RMSNorm, Softcap, pre_norm_residual
 from flashformer.model.positional import LearnedPositions, NoAttentionPositions, RotaryEmbedding
 from flashformer.model.stacks import EmbeddingScale
 
@@ -127,6 +122,11 @@ def _check_shape(model) -> None:
         window = getattr(block.attn, "window", None)
         if type(block.attn) is not MultiHeadAttention or (window is not None and window[1] is not None):
             raise Unsupported(f"layer {index}: {type(block.attn).__name__} (causal self-attention only)")
+        if isinstance(block.ffn, MixtureOfExperts):  # the eager modules run it
+            raise Unsupported(
+                f"layer {index}: a mixture of experts ({block.ffn.n_expert} experts, "
+                f"{block.ffn.n_expert_used} per token): the native decoder has no expert-grouped products yet"
+            )
         for name, module in block.named_modules():
             if isinstance(module, QuantizedLinear) and module._pad_in:  # its x would need zero columns
                 raise Unsupported(

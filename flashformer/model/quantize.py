@@ -25,7 +25,10 @@ head's input. The head's rounding error lands on the logits with nothing after i
 only its last row through the head, and a decode step's head product streams its weights at the
 memory's speed with float inputs as with int8 (docs/benchmarks.md, "Activations").
 
-Norms, biases and learned positions stay float32. With int8 activations (either int8 scheme) the
+Norms, biases, learned positions and a mixture of experts' routers stay float32 (llama.cpp's
+quantizer keeps the routers F32 too: a rounding could change which experts a token runs); each
+expert's projections are quantized as any other layer, a GGUF file's 3-D expert tensors sliced
+per expert, never dequantized. With int8 activations (either int8 scheme) the
 KV cache is float16, as llama.cpp's is by default (`model.kv_cache_dtype`;
 set it to None for the float32 cache that float32 activations keep). The tied LM head reads the
 quantized embedding's bytes (in SmolLM2 the embedding is a fifth of the bytes
@@ -45,6 +48,7 @@ from flashformer.model import hf
 
 MODES = ("int8", "int4", "gguf")
 HEAD = "lm_head"
+ROUTER = ".ffn.router"  # a mixture of experts' router: float32 unless a GGUF file stores it quantized
 
 
 def _head_float32(name: str) -> str:
@@ -120,6 +124,8 @@ class _from_float:
         return QuantizedEmbedding.from_float(embedding, self.mode)
 
     def linear(self, name: str, linear: nn.Linear):
+        if name.endswith(ROUTER):  # a rounding could change which experts a token runs
+            return None
         return QuantizedLinear.from_float(linear, self.mode, activations=self.activations_of(name))
 
 

@@ -124,6 +124,9 @@ def encode_tensor(values: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQ
     if type_name == "F16":
         return values.astype(np.float16), None
     qtype = GGMLQuantizationType[type_name]
+    if type_name.endswith("_K") and values.ndim == 3:  # a mixture of experts' (experts, out, in)
+        experts = [k_quant_blocks(type_name, *matrix.shape, seed=e) for e, matrix in enumerate(values)]
+        return np.stack(experts), qtype
     if type_name.endswith("_K"):
         return k_quant_blocks(type_name, values.shape[0], values.shape[1]), qtype
     return gguf.quants.quantize(values, qtype), qtype
@@ -666,3 +669,89 @@ def transformers_gguf_overrides(model) -> dict:
 def gemma3_path() -> Path:
     """The real Gemma 3 270M Q4_K_M file (the package's finder, which names the pip command)."""
     return package_gemma3_path()
+
+
+# ---- qwen3moe: transformers' Qwen3MoeForCausalLM and its GGUF file ----
+
+
+def tiny_qwen3_moe(seed: int = 0, norm_topk_prob: bool = True, **overrides):
+    """A random transformers Qwen3MoeForCausalLM: 2 layers of 8 experts of 32, 2 per token, its
+    norms away from 1 and its router's weights large enough that each token's choice is clear
+    (at init every expert is about as likely, and a rounding could swap two)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    values = dict(
+        vocab_size=len(tiny_vocabulary()["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = Qwen3MoeConfig(**{**values, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # the router
+                parameter.normal_(0.0, 0.5)
+            else:
+                parameter.add_(torch.randn_like(parameter) * 0.02)
+    return model
+
+
+def qwen3moe_tensors(model, expert_types=("F32", "F32", "F32")) -> dict[str, tuple[np.ndarray, str]]:
+    """The GGUF tensors llama.cpp's converter writes for a Qwen3MoeForCausalLM (its names, checked
+    against a file of the converter itself): qwen3's attention and norms, the router
+    ffn_gate_inp and the experts stacked in 3-D ffn_gate_exps / ffn_up_exps / ffn_down_exps
+    (experts, out, in), stored in expert_types (gate, up, down); everything else F32."""
+    config, state, tensors = decoder_outer_tensors(model)
+    types = {}
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        for gguf_name, hf_name in (
+            ("attn_q", "self_attn.q_proj"),
+            ("attn_k", "self_attn.k_proj"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate_inp", "mlp.gate"),
+        ):
+            tensors[f"blk.{i}.{gguf_name}.weight"] = state[f"{layer}.{hf_name}.weight"]
+        for gguf_name, hf_name in DECODER_NORMS["qwen3"].items():
+            tensors[f"blk.{i}.{gguf_name}.weight"] = state[f"{layer}.{hf_name}.weight"]
+        # transformers holds the experts fused in memory: gate rows then up rows, and down
+        gate, up = np.split(state[f"{layer}.mlp.experts.gate_up_proj"], 2, axis=1)  # (experts, ff, d) each
+        down = state[f"{layer}.mlp.experts.down_proj"]  # (experts, d, ff)
+        for gguf_name, values, type_name in zip(
+            ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), (gate, up, down), expert_types
+        ):
+            tensors[f"blk.{i}.{gguf_name}.weight"] = np.ascontiguousarray(values)
+            types[f"blk.{i}.{gguf_name}.weight"] = type_name
+    return {name: (values, types.get(name, "F32")) for name, values in tensors.items()}
+
+
+def qwen3moe_metadata(model) -> dict:
+    """The metadata llama.cpp's converter writes for a Qwen3MoeForCausalLM (its keys; it writes
+    none for norm_topk_prob, which llama.cpp's qwen3moe always applies)."""
+    config = model.config
+    return {
+        **new_decoder_metadata(model, "qwen3moe"),
+        "qwen3moe.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "qwen3moe.expert_count": config.num_experts,
+        "qwen3moe.expert_used_count": config.num_experts_per_tok,
+        "qwen3moe.expert_feed_forward_length": config.moe_intermediate_size,
+    }

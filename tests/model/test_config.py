@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashformer.model.config import ModelConfig, Section
+from flashformer.model.config import ExpertFields, FeedForwardFields, ModelConfig, Section
 from flashformer.model.presets import preset
 
 
@@ -93,40 +93,81 @@ def test_the_sections_are_the_ones_docs_architecture_names_in_its_order():
 
 
 @dataclass
-class ExpertFields(Section):
-    """A 2026 family's fields as a section of their own: a mixture of experts in place of the
-    dense feed-forward (Qwen3-MoE, gpt-oss). Declared here, not in the package, to show that the
-    section alone is the edit: serialization, replace and the checks read it from the dataclass."""
+class VisionFields(Section):
+    """A part no section holds yet, as a section of its own: a vision tower beside the text
+    model. Declared here, not in the package, to show that the section alone is the edit:
+    serialization, replace and the checks read it from the dataclass."""
 
-    n_expert: int = 0
-    n_expert_used: int = 0
-    expert_ffn_hidden: int | None = None  # None = d_ff
+    image_size: int = 0  # 0 = no vision tower
+    patch_size: int = 16
+    vision_width: int | None = None  # None = d_model
 
     def _check(self) -> None:
-        self._derive("expert_ffn_hidden", self.d_ff)
-        if self.n_expert and not 1 <= self.n_expert_used <= self.n_expert:
+        self._derive("vision_width", self.d_model)
+        if self.image_size % self.patch_size:
             raise ValueError(
-                f"ModelConfig.n_expert_used must be in [1, n_expert={self.n_expert}]; got {self.n_expert_used!r}"
+                f"ModelConfig.image_size must be a multiple of patch_size={self.patch_size}; got {self.image_size!r}"
             )
 
 
 @dataclass
-class ConfigWithExperts(ExpertFields, ModelConfig):
+class ConfigWithVision(VisionFields, ModelConfig):
     pass
 
 
 def test_a_new_section_is_the_only_edit_for_round_trip_replace_and_checks():
     import json
 
-    assert ConfigWithExperts.sections() == (*ModelConfig.sections(), ExpertFields)
-    config = ConfigWithExperts(**preset("llama-tiny").to_dict(), n_expert=8, n_expert_used=2)
-    assert (config.expert_ffn_hidden, config.head_dim) == (96, 16)  # derived, as the sizes are
-    assert ConfigWithExperts.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-    assert config.replace(d_ff=64).expert_ffn_hidden == 64  # derived again
+    assert ConfigWithVision.sections() == (*ModelConfig.sections(), VisionFields)
+    config = ConfigWithVision(**preset("llama-tiny").to_dict(), image_size=224)
+    assert (config.vision_width, config.head_dim) == (64, 16)  # derived, as the sizes are
+    assert ConfigWithVision.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert config.replace(d_model=96).vision_width == 96  # derived again
     old = preset("llama-tiny").to_dict()  # a config.json written before the section: a flat dict
-    assert ConfigWithExperts.from_dict(old).n_expert == 0
-    assert typing.get_type_hints(ConfigWithExperts)["n_expert"] is int  # what --model.FIELD parses with
-    with pytest.raises(ValueError, match=r"ModelConfig.n_expert_used must be in \[1, n_expert=8\]; got 9"):
-        config.replace(n_expert_used=9)
+    assert ConfigWithVision.from_dict(old).image_size == 0
+    assert typing.get_type_hints(ConfigWithVision)["image_size"] is int  # what --model.FIELD parses with
+    with pytest.raises(
+        ValueError, match=r"ModelConfig.image_size must be a multiple of patch_size=16; got 100"
+    ):
+        config.replace(image_size=100)
     with pytest.raises(ValueError, match=r"ModelConfig.d_model must be an int >= 1; got 0"):
         config.replace(d_model=0)  # the other sections still check first
+
+
+# ---- the mixture of experts (ExpertFields) ----
+
+MOE = dict(n_expert=8, n_expert_used=2, ffn_bias=False)
+
+
+def test_expert_fields_follow_the_feed_forward_and_round_trip():
+    import json
+
+    sections = ModelConfig.sections()
+    assert sections[sections.index(FeedForwardFields) + 1] is ExpertFields
+    config = preset("llama-tiny", **MOE, expert_weights_norm=True)
+    assert config.expert_ffn_hidden == config.d_ff == 96  # derived, as the sizes are
+    assert config.replace(d_ff=64).expert_ffn_hidden == 64  # derived again
+    assert preset("llama-tiny", **MOE, expert_ffn_hidden=32).replace(d_ff=64).expert_ffn_hidden == 32
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    old = preset("llama-tiny").to_dict()  # a config.json written before the section
+    for name in ("n_expert", "n_expert_used", "expert_ffn_hidden", "expert_weights_norm"):
+        del old[name]
+    assert ModelConfig.from_dict(old).n_expert == 0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(n_expert_used=9), r"n_expert_used must be in \[1, n_expert=8\]; got 9"),
+        (dict(n_expert_used=0), r"n_expert_used must be in \[1, n_expert=8\]; got 0"),
+        (dict(n_expert=-1), r"n_expert must be an int >= 0; got -1"),
+        (dict(n_expert=0), r"n_expert_used=2 needs experts; n_expert is 0"),
+        (dict(expert_ffn_hidden=0), r"expert_ffn_hidden must be an int >= 1; got 0"),
+        (dict(gated_ffn=False), r"experts are gated feed-forwards .* got gated_ffn=False"),
+        (dict(ffn_bias=True), r"got ffn_bias=True"),
+        (dict(fused_gate_up=True), r"got fused_gate_up=True"),
+    ],
+)
+def test_expert_fields_are_checked_by_name(changes, message):
+    with pytest.raises(ValueError, match=message):
+        preset("llama-tiny", **dict(MOE, **changes))

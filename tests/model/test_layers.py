@@ -10,13 +10,11 @@ import torch.nn.functional as F
 from helpers import TestCache, perturbed
 
 from flashformer.model.config import ModelConfig
+from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, GatedFeedForward
 from flashformer.model.layers import (
     CrossAttention,
     DecoderBlock,
     EncoderBlock,
-    FeedForward,
-    FusedGatedFeedForward,
-    GatedFeedForward,
     MultiHeadAttention,
     RMSNorm,
 )

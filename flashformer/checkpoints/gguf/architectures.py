@@ -18,7 +18,7 @@ from flashformer.checkpoints.gguf.gpt2 import GPT2, GPT2Writer
 from flashformer.checkpoints.gguf.llama import Llama, LlamaWriter
 from flashformer.checkpoints.gguf.phi3 import Phi3
 from flashformer.checkpoints.gguf.qwen2 import Qwen2, Qwen2Writer
-from flashformer.checkpoints.gguf.qwen3 import Qwen3
+from flashformer.checkpoints.gguf.qwen3 import Qwen3, Qwen3Moe
 
 # the file's general.architecture -> what its metadata and tensors mean
 ARCHITECTURES = {
@@ -29,6 +29,7 @@ ARCHITECTURES = {
         Phi3(),
         GPT2(),
         Qwen3(),
+        Qwen3Moe(),
         Gemma("gemma", 1),
         Gemma("gemma2", 2),
         Gemma("gemma3", 3),

@@ -76,10 +76,12 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
     _check_tensor_table(file, specs, architecture.summary(config))
 
     tensors, quantized = {}, {}
-    for spec in tqdm(specs, desc=f"reading {file.path.name}", unit="tensor", disable=not show_progress):
-        if spec.hf is None:  # read into the config, not a weight
-            continue
-        raw = file.tensors[spec.gguf]
+    for spec, hf_name, raw in tqdm(
+        list(_weights(file, specs)),
+        desc=f"reading {file.path.name}",
+        unit="tensor",
+        disable=not show_progress,
+    ):
         rows = rope_row_permutation(raw.shape[0], spec.rope_heads) if spec.rope_heads else None
         if raw.is_quantized and spec.plus_one:
             raise GGUFError(
@@ -92,7 +94,7 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
             else:  # a copy, its rows reordered: numpy's take copies whole rows (0.5 ms for the
                 # 1B-shape file's 2.4 MB q, where torch's indexing took 20-30 ms)
                 blocks = torch.from_numpy(np.take(raw.data, rows.numpy(), axis=0))
-            quantized[spec.hf] = QuantizedTensor(raw.ggml_type, raw.shape, blocks, rows, spec.conv1d)
+            quantized[hf_name] = QuantizedTensor(raw.ggml_type, raw.shape, blocks, rows, spec.conv1d)
             if not dequantize:
                 continue
         values = raw.to_float()
@@ -100,8 +102,22 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
             values = values - 1  # transformers' w (as its GGUF loader subtracts it)
         if rows is not None:
             values = values[rows]
-        tensors[spec.hf] = values.t().contiguous() if spec.conv1d else values  # Conv1D: (in, out)
+        tensors[hf_name] = values.t().contiguous() if spec.conv1d else values  # Conv1D: (in, out)
     return GGUFCheckpoint(file.path, name, config, tensors, quantized, file.metadata, file.mapping)
+
+
+def _weights(file: GGUFFile, specs: list[TensorSpec]):
+    """(spec, transformers' name, the file's tensor) of every weight: an expert tensor gives one
+    per expert, its matrix a view of the file's bytes (its blocks sliced, never dequantized)."""
+    for spec in specs:
+        if spec.hf is None:  # read into the config, not a weight
+            continue
+        raw = file.tensors[spec.gguf]
+        if not spec.experts:
+            yield spec, spec.hf, raw
+            continue
+        for index in range(spec.experts):
+            yield spec, spec.hf.format(expert=index), raw.expert(index)
 
 
 def _check_tensor_table(file: GGUFFile, specs: list[TensorSpec], summary: str) -> None:

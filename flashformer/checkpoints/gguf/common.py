@@ -38,6 +38,9 @@ class TensorSpec:
     conv1d: bool = False  # gpt2: transformers keeps this weight transposed, (in, out)
     optional: bool = False  # may be absent from the file (rope_freqs.weight)
     plus_one: bool = False  # gemma's norms: the file holds 1 + w, transformers w
+    # a mixture of experts' 3-D tensor, shape (experts, out, in): one (out, in) matrix per expert,
+    # transformers' name for each with the expert's index in place of "{expert}"
+    experts: int = 0
 
 
 def rope_row_permutation(rows: int, heads: int) -> Tensor:
@@ -101,10 +104,12 @@ def refuse_unread_keys(file: GGUFFile, arch: str, read: tuple[str, ...]) -> None
             )
 
 
-def llama_shaped_config(file: GGUFFile, arch: str, rope_dims: str = "all") -> dict:
+def llama_shaped_config(file: GGUFFile, arch: str, rope_dims: str = "all", experts: bool = False) -> dict:
     """The config.json keys of a LLaMA-shaped file (RMSNorm, SwiGLU, RoPE, GQA) that the
     llama, qwen2 and phi3 architectures share, with their checks. rope_dims "all": RoPE must
-    turn the whole head; "partial": the rotated channels may be fewer (partial_rotary_factor)."""
+    turn the whole head; "partial": the rotated channels may be fewer (partial_rotary_factor).
+    experts: the architecture reads expert_count and expert_used_count itself (qwen3moe);
+    otherwise a file with experts is refused."""
     key = arch + "."
     d_model = file.value(key + "embedding_length", int)
     n_heads = file.value(key + "attention.head_count", int)
@@ -118,9 +123,10 @@ def llama_shaped_config(file: GGUFFile, arch: str, rope_dims: str = "all") -> di
     rotary = file.value(key + "rope.dimension_count", int, head_dim)
     unsupported = {
         key + "attention.value_length": (file.value(key + "attention.value_length", int, head_dim), head_dim),
-        key + "expert_count": (file.value(key + "expert_count", int, 0), 0),
-        key + "expert_used_count": (file.value(key + "expert_used_count", int, 0), 0),
     }
+    if not experts:
+        unsupported[key + "expert_count"] = (file.value(key + "expert_count", int, 0), 0)
+        unsupported[key + "expert_used_count"] = (file.value(key + "expert_used_count", int, 0), 0)
     if rope_dims == "all" or not (0 < rotary <= head_dim and rotary % 2 == 0):
         unsupported[key + "rope.dimension_count"] = (rotary, head_dim)
     for name, (value, supported) in unsupported.items():

@@ -92,6 +92,13 @@ class RawTensor:
             values = values.copy()  # a tensor of our own, or the model would keep the map alive
         return torch.from_numpy(values.reshape(self.shape))
 
+    def expert(self, index: int) -> RawTensor:
+        """Expert `index`'s matrix of a 3-D expert tensor (experts, out, in): a RawTensor of its
+        own (out, in), whose data is a view of this one's bytes (blocks stay blocks)."""
+        if len(self.shape) != 3 or not 0 <= index < self.shape[0]:
+            raise GGUFError(f"tensor {self.name!r} of shape {self.shape} has no expert {index}")
+        return RawTensor(f"{self.name}[{index}]", self.ggml_type, self.shape[1:], self.data[index])
+
     def to_blocks(self) -> Tensor:
         """The quantized blocks as a view of the mapped file, not a copy: (*shape[:-1], bytes per
         row) uint8, at the file's alignment (32 bytes by default; the kernels load unaligned).

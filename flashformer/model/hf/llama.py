@@ -188,14 +188,20 @@ class Llama(Family):
                 *fused(f"{ours}.attn.qkv", [f"{attention}.{p}_proj" for p in "qkv"], config.attention_bias),
                 *linear(f"{ours}.attn.out", f"{attention}.o_proj", config.attention_out_bias),
                 *norm(f"{ours}.ffn_norm", f"{theirs}.post_attention_layernorm", bias=False),
-                *linear(f"{ours}.ffn.gate", f"{theirs}.mlp.gate_proj", config.ffn_bias),
-                *linear(f"{ours}.ffn.up", f"{theirs}.mlp.up_proj", config.ffn_bias),
-                *linear(f"{ours}.ffn.down", f"{theirs}.mlp.down_proj", config.ffn_bias),
+                *self.feed_forward_rules(config, f"{ours}.ffn", f"{theirs}.mlp"),
             ]
         rules += norm("decoder.final_norm", "norm", bias=False)
         if not config.tie_word_embeddings:
             rules.append(Rule("lm_head.weight", ("lm_head.weight",)))
         return rules
+
+    def feed_forward_rules(self, config: ModelConfig, ours: str, theirs: str) -> list[Rule]:
+        """One layer's feed-forward (ours: decoder.blocks.{i}.ffn, theirs: layers.{i}.mlp)."""
+        return [
+            *linear(f"{ours}.gate", f"{theirs}.gate_proj", config.ffn_bias),
+            *linear(f"{ours}.up", f"{theirs}.up_proj", config.ffn_bias),
+            *linear(f"{ours}.down", f"{theirs}.down_proj", config.ffn_bias),
+        ]
 
     def tied_aliases(self, config):
         return {"lm_head.weight": "embed_tokens.weight"}

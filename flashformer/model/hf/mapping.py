@@ -164,6 +164,7 @@ PLAIN_LAYERS = dict(
     scale_embeddings=False,
     layer_types=None,
     rope_local_theta=None,
+    n_expert=0,
 )
 
 
