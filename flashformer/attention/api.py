@@ -41,6 +41,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     global_tokens: int = 0,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
@@ -73,6 +74,11 @@ def attention(
         queries at those positions see every key, beyond the window (Longformer / BigBird's
         global tokens); causality still holds. The tiled backend visits the window's tiles and
         the global rows and columns only.
+    sinks: (Hq,) float, a learned logit per query head that joins every row's softmax
+        denominator and attends to nothing (gpt-oss's attention sinks): p_j = exp(s_j) /
+        (exp(sink) + sum_k exp(s_k)); the lse includes it, and a row with no allowed key gets
+        output 0 and lse = sink. A trainable tensor gets its gradient (eager, flash). The
+        "torch", "cpu" and "triton" backends have no sinks: named, they refuse; auto avoids them.
     scale: defaults to 1 / sqrt(D).
     dropout_p, dropout_seed: dropout on the attention weights, a pure
         function of (seed, b, h, i, j); without a seed one is drawn from
@@ -84,7 +90,7 @@ def attention(
     A query row with no allowed key gets output 0, lse -inf, gradient 0.
     """
     rules = check_and_describe(
-        q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap, global_tokens
+        q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap, global_tokens, sinks
     )
     scale = check_scale(scale, q.shape[-1])
     check_dropout(dropout_p, dropout_seed)
@@ -140,6 +146,7 @@ def choose_backend(
     - what SDPA needs an (Lq, Lk) mask or bias built for (ALiBi, bias
       functions, windows, causal with padding or with Lq != Lk): torch wins
       while Lq * Lk <= 512^2, flash beyond, as it skips tiles and builds nothing.
+    - attention sinks: flash (SDPA and the C++ kernel have none).
     - bf16/fp16 on a CPU that emulates them reach this function widened to
       float32 (attention() asks kernels.cpu.attention_compute_dtype), so the
       rules above are the float32 ones.
@@ -159,7 +166,7 @@ def choose_backend(
             return "triton"
     if rules.q_len <= cpu_kernel.MAX_Q_LEN and cpu_kernel.unsupported(q, k, v, rules, dropout_p) is None:
         return "cpu"
-    if dropout_p > 0 or return_lse or rules.softcap is not None:
+    if dropout_p > 0 or return_lse or rules.softcap is not None or rules.sinks is not None:
         return "flash"
     if needs_materialized_mask(rules) and rules.q_len * rules.k_len > 512 * 512:
         return "flash"
@@ -170,6 +177,8 @@ def _refuse_unsupported(backend, rules: ScoreRules, dropout_p, return_lse, retur
     if return_probs and backend != "eager":
         raise NotImplementedError(f"return_probs is only available with backend='eager', not {backend!r}")
     if backend == "torch":
+        if rules.sinks is not None:
+            raise NotImplementedError("backend='torch' does not support attention sinks (sinks); use 'flash'")
         if rules.softcap is not None:
             raise NotImplementedError("backend='torch' does not support softcap")
         if dropout_p > 0:

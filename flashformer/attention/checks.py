@@ -35,7 +35,7 @@ def check_kv_dtypes(q_dtype, k_dtype, v_dtype, k_name: str, v_name: str) -> None
 
 
 def check_and_describe(
-    q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap, global_tokens=0
+    q, k, v, causal, key_padding_mask, mask, bias, alibi_slopes, window, softcap, global_tokens=0, sinks=None
 ):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -95,6 +95,8 @@ def check_and_describe(
     softcap = check_softcap(softcap)
     if isinstance(global_tokens, bool) or not isinstance(global_tokens, int) or global_tokens < 0:
         raise ValueError(f"global_tokens must be an int >= 0; got {global_tokens!r}")
+    if sinks is not None:
+        sinks = check_sinks(sinks, q_heads, q.device)
     return ScoreRules(
         batch=batch,
         q_heads=q_heads,
@@ -110,6 +112,7 @@ def check_and_describe(
         alibi_slopes=alibi_slopes,
         softcap=softcap,
         global_tokens=global_tokens,
+        sinks=sinks,
     )
 
 
@@ -157,6 +160,18 @@ def check_alibi(slopes, batch: int, heads: int, device) -> Tensor:
     slopes = slopes.detach()
     slopes = slopes if slopes.dtype == torch.float64 else slopes.float()
     return slopes.reshape(-1, heads, 1, 1)  # (B|1, Hq, 1, 1)
+
+
+def check_sinks(sinks, heads: int, device) -> Tensor:
+    """A float tensor (Hq,), one logit per query head, kept as it is (it may be a trainable
+    parameter, whose gradient the backends give) and viewed as (1, Hq, 1, 1)."""
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor of shape (Hq,) = {(heads,)}; got {_describe(sinks)}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (Hq,) = {(heads,)}; got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on {device}; got {sinks.device}")
+    return sinks.view(1, heads, 1, 1)
 
 
 def check_window(window) -> tuple[int | None, int | None]:

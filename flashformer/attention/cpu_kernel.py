@@ -54,6 +54,8 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules, dropout_p: f
         return "dropout"
     if rules.global_tokens:
         return "global tokens"
+    if rules.sinks is not None:
+        return "attention sinks (its softmax has no sink term)"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return "gradients (it has no backward)"
     if not extension.cpp_kernels():

@@ -70,12 +70,12 @@ def flash_attention(
         block_q = q_len
     settings = FlashSettings(rules, scale, dropout_p, dropout_seed, block_q, block_k)
     bias_leaves = _trainable_leaves(rules, q.device) if torch.is_grad_enabled() else ()
-    return _FlashAttention.apply(q, k, v, rules.bias, settings, *bias_leaves)
+    return _FlashAttention.apply(q, k, v, rules.bias, rules.sinks, settings, *bias_leaves)
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, settings: FlashSettings, *bias_leaves):
+    def forward(ctx, q, k, v, bias, sinks, settings: FlashSettings, *bias_leaves):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         out, lse = _forward(q, k, v, settings)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -88,10 +88,15 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         settings = ctx.settings
         bias_needs_grad = ctx.needs_input_grad[3]
-        dq, dk, dv, dbias, leaf_grads = _backward(
+        dq, dk, dv, dbias, delta, leaf_grads = _backward(
             grad_out, grad_lse, q, k, v, out, lse, settings, bias_needs_grad, ctx.bias_leaves
         )
-        return dq, dk, dv, dbias, None, *leaf_grads
+        dsinks = None
+        if ctx.needs_input_grad[4]:  # d/dsink = -P_sink * delta, P_sink = exp(sink - lse), per row
+            sinks = settings.rules.sinks  # (1, Hq, 1, 1)
+            p_sink = torch.exp(sinks[:, :, 0].to(lse.dtype) - lse)  # (B, Hq, Lq)
+            dsinks = -(p_sink * delta).sum(dim=(0, 2)).view(sinks.shape).to(sinks.dtype)
+        return dq, dk, dv, dbias, dsinks, None, *leaf_grads
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,6 +132,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, s: FlashSettings) -> tuple[Tensor,
         q_tile = _group_rows(q, kv_heads, q0, q1).to(dtype) * s.scale  # (B*Hk, G*bq, D), scaled
         row_max = torch.full((batch, q_heads, rows, 1), float("-inf"), dtype=dtype, device=q.device)
         row_sum = torch.zeros(batch, q_heads, rows, 1, dtype=dtype, device=q.device)
+        if rules.sinks is not None:  # the softmax starts from the sink: max = sink, sum = exp(0)
+            row_max = row_max.copy_(rules.sinks.detach().to(dtype).expand_as(row_max))
+            row_sum = row_sum.fill_(1.0)
         acc = torch.zeros(q_tile.shape[0], q_tile.shape[1], dim_v, dtype=dtype, device=q.device)
         for k0, k1 in _tiles(rules.key_spans(q0, q1), s.block_k):
             scores = torch.bmm(q_tile, k[:, k0:k1].transpose(1, 2))  # (B*Hk, G*bq, bk)
@@ -228,6 +236,7 @@ def _backward(grad_out, grad_lse, q, k, v, out, lse, s: FlashSettings, bias_need
         dk.view(batch, kv_heads, k_len, dim).to(q.dtype),
         dv.view(batch, kv_heads, k_len, dim_v).to(v.dtype),
         None if dbias is None else dbias.to(rules.bias.dtype),
+        delta,
         leaf_grads,
     )
 

@@ -10,6 +10,11 @@ Order of operations on a tile of scaled scores s = scale * q @ k^T:
     s = s + bias + alibi                     (if given)
     s = -inf where the key is not allowed    (causal, window, padding, bool mask)
 
+Attention sinks (gpt-oss) are not a tile's business: a sink is one more logit per query head
+in every row's softmax denominator, with no value, so p_j = exp(s_j) / (exp(sink) + sum_k
+exp(s_k)); the backends start each row's running max and sum from it (the online softmax's
+initial state) and the log-sum-exp they return includes it.
+
 Positions are aligned bottom-right: query i sits at key position
 i + (Lk - Lq), which is what a KV cache needs (Lq new tokens after Lk - Lq
 cached ones). Causal means key j <= i + (Lk - Lq); a window (left, right)
@@ -53,6 +58,7 @@ class ScoreRules:
     alibi_slopes: Tensor | None = None  # (B|1, H, 1, 1) float32
     softcap: float | None = None
     global_tokens: int = 0  # key / query positions 0 .. global_tokens - 1 are global
+    sinks: Tensor | None = None  # (1, H, 1, 1): a logit per query head in every softmax's denominator
 
     # ---- the band (causal and window): pure index arithmetic, no tensors ----
 

@@ -27,7 +27,8 @@ def eager_attention(
     """Returns (out (B, Hq, Lq, Dv), lse (B, Hq, Lq), probs (B, Hq, Lq, Lk)).
 
     probs are the softmax weights before dropout; a fully masked row has
-    probabilities 0, output 0 and lse -inf.
+    probabilities 0, output 0 and lse -inf (with sinks: lse includes the sink, and the
+    probabilities of a row sum to less than 1).
     """
     batch, q_heads, q_len, _ = q.shape
     group = q_heads // k.shape[1]
@@ -41,9 +42,14 @@ def eager_attention(
     # Softmax with an explicit, detached row max so that a row with no allowed
     # key gives probabilities 0 (and gradient 0) rather than NaN.
     row_max = scores.detach().amax(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    sinks = None if rules.sinks is None else rules.sinks.to(score_dtype)  # (1, Hq, 1, 1)
+    if sinks is not None:  # the sink joins the max and the sum, not the keys' probabilities
+        row_max = torch.maximum(row_max, sinks.detach())
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
     exp_scores = torch.exp(scores - row_max)
     row_sum = exp_scores.sum(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    if sinks is not None:
+        row_sum = row_sum + torch.exp(sinks - row_max)
     probs = exp_scores / row_sum.masked_fill(row_sum == 0, 1.0)
     lse = (row_max + torch.log(row_sum)).squeeze(-1)  # (B, Hq, Lq), -inf if no key
 

@@ -50,6 +50,8 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, rules: ScoreRules | None = None
         return f"backend='triton' supports head dims up to {MAX_HEAD_DIM}; got q {tuple(q.shape)}, v {tuple(v.shape)}"
     if rules is not None and rules.global_tokens:
         return "backend='triton' does not support global tokens; use backend='flash'"
+    if rules is not None and rules.sinks is not None:
+        return "backend='triton' does not support attention sinks (sinks); use backend='flash'"
     if rules is not None and rules.bias_fn is not None:
         return (
             "backend='triton' does not support a bias function of positions (the kernel cannot call "
