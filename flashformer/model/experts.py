@@ -1,10 +1,13 @@
-"""A mixture of experts in place of a block's feed-forward (config.n_expert > 0: Qwen3 MoE).
+"""A mixture of experts in place of a block's feed-forward (config.n_expert > 0: Qwen3 MoE,
+gpt-oss).
 
-Each token's row is scored by a router (one linear layer, no bias), the scores become
-probabilities by a softmax over all experts in float32, and the token runs only the
-n_expert_used most probable experts, its output their outputs weighted by those probabilities
-(divided by their sum first with config.expert_weights_norm). Each expert is a gated
-feed-forward (SwiGLU) of its own, `GatedFeedForward` with expert_ffn_hidden channels.
+Each token's row is scored by a router (one linear layer; gpt-oss's has a bias), and the token
+runs only the n_expert_used best-scored experts, its output their outputs weighted. The weights
+follow config.expert_gating: "softmax" (Qwen3 MoE) takes a softmax over all experts in float32,
+then the top k probabilities (divided by their sum with config.expert_weights_norm);
+"topk_softmax" (gpt-oss, in transformers' order) takes the top k logits, then a softmax over
+those k. Each expert is a gated feed-forward of its own with expert_ffn_hidden channels
+(feed_forward.gated_feed_forward: SwiGLU, or gpt-oss's clamped SwiGLU; biases with ffn_bias).
 
 The experts are per-expert modules, so that each of their projections is a layer as any other:
 an nn.Linear in float, a QuantizedLinear where a GGUF file's blocks or model.quantize put one
@@ -22,33 +25,35 @@ from torch import Tensor, nn
 
 from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
-from flashformer.model.feed_forward import GatedFeedForward
+from flashformer.model.feed_forward import gated_feed_forward
 
 
 class MixtureOfExperts(nn.Module):
-    """router -> softmax (float32) -> top-k experts -> their SwiGLU outputs, weighted and summed.
+    """router -> top-k experts (softmax then top k, or top k then softmax) -> their gated
+    feed-forwards' outputs, weighted and summed.
 
-    router: Linear(d_model, n_expert, bias=False); experts: n_expert GatedFeedForward modules of
-    width expert_ffn_hidden, without biases (their projections gate, up, down).
+    router: Linear(d_model, n_expert, bias=expert_router_bias); experts: n_expert gated
+    feed-forwards of width expert_ffn_hidden (their projections gate, up, down, with ffn_bias).
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_expert, self.n_expert_used = config.n_expert, config.n_expert_used
-        self.weights_norm = config.expert_weights_norm
-        self.router = Linear(config.d_model, config.n_expert, bias=False)
+        self.weights_norm, self.gating = config.expert_weights_norm, config.expert_gating
+        self.router = Linear(config.d_model, config.n_expert, bias=config.expert_router_bias)
         self.experts = nn.ModuleList(
-            GatedFeedForward(
-                config.d_model, config.expert_ffn_hidden, config.activation, False, config.activation_dropout
-            )
+            gated_feed_forward(config, config.expert_ffn_hidden, config.ffn_bias)
             for _ in range(config.n_expert)
         )
 
     def route(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """rows (N, d_model) -> (weights (N, k) in rows' dtype, experts (N, k) int64): each row's
         chosen experts, most probable first, and the weights of their outputs."""
-        probs = torch.softmax(self.router(rows).float(), dim=-1)  # (N, n_expert), float32
-        weights, experts = probs.topk(self.n_expert_used, dim=-1)  # (N, k) each
+        logits = self.router(rows).float()  # (N, n_expert), float32
+        if self.gating == "topk_softmax":  # gpt-oss: the k best logits, a softmax over them
+            top, experts = logits.topk(self.n_expert_used, dim=-1)  # (N, k) each
+            return torch.softmax(top, dim=-1).to(rows.dtype), experts
+        weights, experts = torch.softmax(logits, dim=-1).topk(self.n_expert_used, dim=-1)  # (N, k) each
         if self.weights_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(rows.dtype), experts
@@ -76,5 +81,6 @@ class MixtureOfExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"n_expert={self.n_expert}, n_expert_used={self.n_expert_used}, weights_norm={self.weights_norm}"
+            f"n_expert={self.n_expert}, n_expert_used={self.n_expert_used}, gating={self.gating!r}, "
+            f"weights_norm={self.weights_norm}"
         )

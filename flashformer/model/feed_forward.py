@@ -1,15 +1,18 @@
 """The position-wise feed-forward sub-layers of a dense block: down(act(up(x))) (BERT, GPT-2,
 T5 v1.0) and the gated forms, SwiGLU and gated-GELU (LLaMA, T5 v1.1), with gate and up apart or
-as one projection (Phi-3). A mixture of experts (experts.py) is made of the gated one.
-layers.make_feed_forward picks one at construction."""
+as one projection (Phi-3), and gpt-oss's clamped SwiGLU. A mixture of experts (experts.py) is
+made of the gated ones (gated_feed_forward picks which). layers.make_feed_forward picks one at
+construction."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from flashformer.kernels.cpu import Linear
+from flashformer.model.config import ModelConfig
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
@@ -46,6 +49,33 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
         return self.down(self.dropout(self.act(self.gate(x)) * self.up(x)))
+
+
+class ClampedGatedFeedForward(GatedFeedForward):
+    """gpt-oss's clamped SwiGLU: down(g * sigmoid(alpha * g) * (u + 1)) with g = min(gate(x),
+    limit) and u = clamp(up(x), -limit, limit) (transformers' GptOssExperts, llama.cpp's
+    swiglu_oai)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool, limit: float, alpha: float, dropout: float = 0.0):
+        super().__init__(d_model, d_ff, "silu", bias, dropout)
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, L, d_model) -> (B, L, d_model)
+        gate = self.gate(x).clamp(max=self.limit)  # (B, L, d_ff)
+        up = self.up(x).clamp(-self.limit, self.limit)  # (B, L, d_ff)
+        return self.down(self.dropout(gate * torch.sigmoid(gate * self.alpha) * (up + 1)))
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}, alpha={self.alpha}"
+
+
+def gated_feed_forward(config: ModelConfig, d_ff: int, bias: bool) -> GatedFeedForward:
+    """A gated feed-forward of width d_ff as config says: clamped (config.swiglu_limit) or plain."""
+    if config.swiglu_limit is not None:
+        return ClampedGatedFeedForward(
+            config.d_model, d_ff, bias, config.swiglu_limit, config.swiglu_alpha, config.activation_dropout
+        )
+    return GatedFeedForward(config.d_model, d_ff, config.activation, bias, config.activation_dropout)
 
 
 class FusedGatedFeedForward(nn.Module):

@@ -35,7 +35,7 @@ from flashformer.generate.cache import RecurrentState
 from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
 from flashformer.model.experts import MixtureOfExperts
-from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, GatedFeedForward
+from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, gated_feed_forward
 from flashformer.model.positional import apply_rotary
 
 # ---- norms ----
@@ -108,10 +108,9 @@ def make_feed_forward(config: ModelConfig) -> nn.Module:
     """The block's feed-forward: a mixture of experts (config.n_expert), or one dense MLP."""
     if config.n_expert:
         return MixtureOfExperts(config)
-    if config.gated_ffn and config.fused_gate_up:
-        kind = FusedGatedFeedForward
-    else:
-        kind = GatedFeedForward if config.gated_ffn else FeedForward
+    if config.gated_ffn and not config.fused_gate_up:
+        return gated_feed_forward(config, config.d_ff, config.ffn_bias)  # clamped or plain
+    kind = FusedGatedFeedForward if config.gated_ffn else FeedForward
     return kind(config.d_model, config.d_ff, config.activation, config.ffn_bias, config.activation_dropout)
 
 
@@ -162,6 +161,7 @@ def attend(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     global_tokens: int = 0,
+    sinks: Tensor | None = None,
     cross: bool = False,
 ) -> Tensor:
     """flashformer.attention for the layers; returns (B, Hq, Lq, Dv) in q's dtype.
@@ -185,6 +185,7 @@ def attend(
             window=window,
             softcap=softcap,
             global_tokens=global_tokens,
+            sinks=sinks,
             scale=scale,
             dropout_p=dropout_p,
             backend=backend if maps is None else "eager",
@@ -223,6 +224,8 @@ class MultiHeadAttention(nn.Module):
         self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attention_bias)
         self.q_norm, self.k_norm = make_head_norm(config), make_head_norm(config)
         self.out = Linear(q_width, config.d_model, bias=config.attention_out_bias)
+        # gpt-oss's attention sinks: a logit per query head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if config.attention_sinks else None
 
     def forward(
         self,
@@ -242,9 +245,10 @@ class MultiHeadAttention(nn.Module):
         batch, length, _ = x.shape
         q, k, v = self.project(x, rotary)
         if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
-            if self.global_tokens:
+            if self.global_tokens or self.sinks is not None:
                 raise NotImplementedError(
-                    "a paged KV cache does not serve global tokens (config.global_tokens)"
+                    "a paged KV cache does not serve global tokens (config.global_tokens) "
+                    "or attention sinks (config.attention_sinks)"
                 )
             out = kv_cache.attend(
                 q, k, v, scale=self.scale, window=self.window, softcap=self.softcap
@@ -263,6 +267,7 @@ class MultiHeadAttention(nn.Module):
             window=self.window,
             softcap=self.softcap,
             global_tokens=self.global_tokens,
+            sinks=self.sinks,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,

@@ -148,6 +148,12 @@ class RopeScaling:
     original_max_seq_len / high_freq_factor are kept, those longer than
     original_max_seq_len / low_freq_factor are divided by `factor`, and the
     band in between is interpolated smoothly between the two.
+    kind="yarn": YaRN (Peng et al. 2023; gpt-oss), as transformers computes it. Channel pairs
+    that turn fewer than beta_slow times over original_max_seq_len are divided by `factor`,
+    those that turn more than beta_fast times are kept, with a linear ramp over the pairs in
+    between (its ends rounded outwards with `truncate`, as llama.cpp always does; gpt-oss says
+    truncate=False). cos and sin are multiplied by attention_factor (None = 0.1 ln(factor) + 1),
+    which scales every score by its square.
     """
 
     kind: str
@@ -155,10 +161,23 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
     def __post_init__(self):
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3'; got {self.kind!r}")
+        if self.kind not in ("linear", "llama3", "yarn"):
+            raise ValueError(f"RopeScaling.kind must be 'linear', 'llama3' or 'yarn'; got {self.kind!r}")
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be > 0; got {self.factor}")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -179,6 +198,8 @@ def rope_inverse_frequencies(
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(inv_freq, rotary_dim, theta, scaling)
     wavelength = 2 * math.pi / inv_freq
     long_limit = scaling.original_max_seq_len / scaling.low_freq_factor  # longer waves: divided by factor
     short_limit = scaling.original_max_seq_len / scaling.high_freq_factor  # shorter waves: kept
@@ -190,6 +211,24 @@ def rope_inverse_frequencies(
     scaled = torch.where(wavelength > long_limit, inv_freq / scaling.factor, inv_freq)
     in_between = (wavelength >= short_limit) & (wavelength <= long_limit)
     return torch.where(in_between, blended, scaled)
+
+
+def _yarn_frequencies(inv_freq: Tensor, rotary_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """YaRN's blend of the kept (extrapolated) and the divided (interpolated) frequencies."""
+
+    def pair_turning(rotations: float) -> float:  # the channel pair turning `rotations` times
+        turns = scaling.original_max_seq_len / (rotations * 2 * math.pi)
+        return rotary_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # (rotary_dim / 2,): 1 for the fast pairs, 0 for the slow ones
+    return inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
 
 
 class RotaryEmbedding(nn.Module):
@@ -214,6 +253,7 @@ class RotaryEmbedding(nn.Module):
                 f"number of channels > 0"
             )
         self.theta, self.scaling = theta, scaling
+        self.cos_sin_factor = 1.0 if scaling is None else scaling.cos_sin_factor
         self.reset_buffers()
 
     def reset_buffers(self, device=None) -> None:
@@ -236,6 +276,8 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (*P, rot): pair i and i + rot/2 share an angle
         if positions.dim() == 2:
             angles = angles[:, None]  # (B, 1, L, rot): broadcast over heads
+        if self.cos_sin_factor != 1.0:  # YaRN's attention factor
+            return angles.cos() * self.cos_sin_factor, angles.sin() * self.cos_sin_factor
         return angles.cos(), angles.sin()
 
     def attention_args(self, positions: Tensor, cache_position: int) -> dict:

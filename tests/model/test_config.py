@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flashformer.model.config import ExpertFields, FeedForwardFields, ModelConfig, Section
+from flashformer.model.config import ModelConfig
 from flashformer.model.presets import preset
+from flashformer.model.sections import ExpertFields, FeedForwardFields, Section
 
 
 def test_derived_sizes_are_resolved_at_construction():
@@ -163,11 +164,35 @@ def test_expert_fields_follow_the_feed_forward_and_round_trip():
         (dict(n_expert=-1), r"n_expert must be an int >= 0; got -1"),
         (dict(n_expert=0), r"n_expert_used=2 needs experts; n_expert is 0"),
         (dict(expert_ffn_hidden=0), r"expert_ffn_hidden must be an int >= 1; got 0"),
-        (dict(gated_ffn=False), r"experts are gated feed-forwards .* got gated_ffn=False"),
-        (dict(ffn_bias=True), r"got ffn_bias=True"),
+        (dict(gated_ffn=False), r"experts are gated feed-forwards, .* got gated_ffn=False"),
         (dict(fused_gate_up=True), r"got fused_gate_up=True"),
+        (dict(expert_gating="sigmoid"), r"expert_gating must be one of \('softmax', 'topk_softmax'\)"),
+        (dict(swiglu_limit=0.0), r"swiglu_limit must be None or > 0; got 0.0"),
+        (dict(swiglu_alpha=1.7), r"swiglu_alpha=1.7 belongs to the clamped SwiGLU; swiglu_limit is None"),
+        (dict(swiglu_limit=7.0, activation="gelu"), r"swiglu_limit=7.0 .* needs .* got .* activation='gelu'"),
     ],
 )
 def test_expert_fields_are_checked_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
         preset("llama-tiny", **dict(MOE, **changes))
+
+
+def test_gpt_oss_fields_sit_in_the_sections_of_the_parts_they_shape():
+    """gpt-oss's experts carry biases (ffn_bias) and a router bias; its clamped SwiGLU is the
+    feed-forward's; its sinks are attention's; none is allowed beside linear attention."""
+    from flashformer.model.sections import AttentionFields
+
+    owner = {f.name: s for s in ModelConfig.sections() for f in dataclasses.fields(s)}
+    assert owner["attention_sinks"] is AttentionFields
+    assert owner["swiglu_limit"] is owner["swiglu_alpha"] is FeedForwardFields
+    assert owner["expert_gating"] is owner["expert_router_bias"] is ExpertFields
+    config = preset(
+        "llama-tiny",
+        **dict(MOE, ffn_bias=True),
+        expert_router_bias=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+    )
+    assert config.ffn_bias and config.expert_router_bias
+    with pytest.raises(ValueError, match="attention_kind='linear' .* got attention_sinks=True"):
+        preset("llama-tiny", attention_kind="linear", attention_sinks=True)

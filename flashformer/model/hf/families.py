@@ -8,6 +8,7 @@ from flashformer.formatting import markdown_table
 from flashformer.model.hf.bert import Bert
 from flashformer.model.hf.gemma import Gemma
 from flashformer.model.hf.gpt2 import GPT2
+from flashformer.model.hf.gpt_oss import GptOss
 from flashformer.model.hf.llama import Llama
 from flashformer.model.hf.mapping import Family
 from flashformer.model.hf.phi3 import Phi3
@@ -28,6 +29,7 @@ FAMILIES: dict[str, Family] = {
         Phi3(),
         Qwen3(),
         Qwen3Moe(),
+        GptOss(),
         Gemma("gemma", 1),
         Gemma("gemma2", 2),
         Gemma("gemma3_text", 3),
@@ -61,6 +63,21 @@ def names_table() -> str:
         "qwen3_moe": preset(
             "llama-tiny", n_layers=1, qk_norm=True, n_expert=2, n_expert_used=1, hf_model_type="qwen3_moe"
         ),
+        "gpt_oss": preset(
+            "llama-tiny",
+            n_layers=1,
+            hf_model_type="gpt_oss",
+            attention_bias=True,
+            attention_sinks=True,
+            layer_types=("sliding_attention",),
+            sliding_window=4,
+            swiglu_limit=7.0,
+            swiglu_alpha=1.702,
+            n_expert=2,
+            n_expert_used=1,
+            expert_gating="topk_softmax",
+            expert_router_bias=True,
+        ),
     }
     gemma = dict(
         n_layers=1,
@@ -77,9 +94,7 @@ def names_table() -> str:
         layout = FAMILIES[family]
         rules = layout.rules(config)
         # the names as a checkpoint file holds them, with the family's prefixes
-        in_file = {
-            name: next(iter(layout.add_prefix({name: None}, config))) for r in rules for name in r.theirs
-        }
+        in_file = {name: layout.file_name(name, config) for r in rules for name in r.theirs}
         rows = [[f"`{rule.ours}`", ", ".join(f"`{in_file[name]}`" for name in rule.theirs)] for rule in rules]
         sections.append(f"**{family}**\n\n" + markdown_table(["flashformer", "transformers"], rows))
     return "\n\n".join(sections)

@@ -1,4 +1,4 @@
-"""LLaMA: grouped KV heads, rope_theta, rope_scaling (linear, llama3)."""
+"""LLaMA: grouped KV heads, rope_theta, rope_scaling (linear, llama3, yarn)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,24 @@ def rope_from_hf(hf: dict, max_seq_len: int) -> tuple[float, RopeScaling | None]
             float(rope["high_freq_factor"]),
             int(rope.get("original_max_position_embeddings", max_seq_len)),
         )
+    if rope_type == "yarn":
+        for key in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
+            if rope.get(key):
+                raise ValueError(
+                    f"config.json: YaRN's {key}={rope[key]!r} is not supported (supported: absent)"
+                )
+        attention_factor = rope.get("attention_factor")
+        return theta, RopeScaling(
+            "yarn",
+            float(rope["factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            truncate=bool(rope.get("truncate", True)),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+        )
     raise ValueError(
-        f"config.json: rope type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3')"
+        f"config.json: rope type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', 'yarn')"
     )
 
 
@@ -54,6 +70,17 @@ def rope_to_hf(config: ModelConfig) -> dict:
     scaling = config.rope_scaling
     if scaling is not None and scaling.kind == "linear":
         rope.update(rope_type="linear", factor=scaling.factor)
+    elif scaling is not None and scaling.kind == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_seq_len,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            truncate=scaling.truncate,
+        )
+        if scaling.attention_factor is not None:
+            rope["attention_factor"] = scaling.attention_factor
     elif scaling is not None:
         rope.update(
             rope_type="llama3",

@@ -119,6 +119,11 @@ class Family:
         """Add the prefix of the class we save as."""
         return weights
 
+    def file_name(self, name: str, config: ModelConfig) -> str:
+        """Where one of their tensors (a rule's name) lives in a checkpoint file, for the docs'
+        names table: its name with the prefix, or a slice of a tensor the file holds fused."""
+        return next(iter(self.add_prefix({name: None}, config)))
+
 
 def strip(weights: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     if not any(name.startswith(prefix) for name in weights):
@@ -165,6 +170,10 @@ PLAIN_LAYERS = dict(
     layer_types=None,
     rope_local_theta=None,
     n_expert=0,
+    attention_sinks=False,
+    swiglu_limit=None,
+    expert_gating="softmax",
+    expert_router_bias=False,
 )
 
 

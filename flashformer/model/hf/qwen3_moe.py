@@ -15,7 +15,7 @@ experts (num_experts 0), and Qwen3's sliding window.
 
 from __future__ import annotations
 
-from flashformer.model.hf.mapping import linear, plain_layers, refuse
+from flashformer.model.hf.mapping import linear, plain_layers, refuse, require
 from flashformer.model.hf.qwen3 import Qwen3
 
 
@@ -46,9 +46,10 @@ class Qwen3Moe(Qwen3):
                 "ModelConfig.n_expert=0 cannot be saved as a Hugging Face qwen3_moe model (it needs experts)"
             )
         plain_layers(config, "qwen3_moe", qk_norm=True, n_expert=config.n_expert)
+        require(config, "qwen3_moe", ffn_bias=False)  # its experts have no biases
         dense = config.replace(n_expert=0, n_expert_used=0, hf_model_type="qwen3")
         hf = super().config_to_hf(dense)
-        del hf["mlp_bias"]  # the experts have no biases (ExpertFields checks it)
+        del hf["mlp_bias"]  # the experts have no biases (required above)
         return {
             **hf,
             "architectures": ["Qwen3MoeForCausalLM"],
