@@ -345,8 +345,8 @@ def _write(tmp_path, model, **config_changes):
         ),
         (
             lambda: LlamaForCausalLM(llama()),
-            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
-            r"'yarn'",
+            {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}},
+            r"'longrope'",
         ),
         (lambda: LlamaForCausalLM(llama()), {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
         (

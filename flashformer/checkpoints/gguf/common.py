@@ -38,8 +38,9 @@ class TensorSpec:
     conv1d: bool = False  # gpt2: transformers keeps this weight transposed, (in, out)
     optional: bool = False  # may be absent from the file (rope_freqs.weight)
     plus_one: bool = False  # gemma's norms: the file holds 1 + w, transformers w
-    # a mixture of experts' 3-D tensor, shape (experts, out, in): one (out, in) matrix per expert,
-    # transformers' name for each with the expert's index in place of "{expert}"
+    # a mixture of experts' 3-D tensor, shape (experts, out, in): one (out, in) matrix per expert
+    # (or a 2-D one of biases, (experts, out): gpt-oss), transformers' name for each with the
+    # expert's index in place of "{expert}"
     experts: int = 0
 
 

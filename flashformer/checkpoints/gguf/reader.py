@@ -93,9 +93,10 @@ class RawTensor:
         return torch.from_numpy(values.reshape(self.shape))
 
     def expert(self, index: int) -> RawTensor:
-        """Expert `index`'s matrix of a 3-D expert tensor (experts, out, in): a RawTensor of its
-        own (out, in), whose data is a view of this one's bytes (blocks stay blocks)."""
-        if len(self.shape) != 3 or not 0 <= index < self.shape[0]:
+        """Expert `index`'s matrix of a 3-D expert tensor (experts, out, in), or its bias of a 2-D
+        one (experts, out) (gpt-oss): a RawTensor of its own, (out, in) or (out,), whose data is a
+        view of this one's bytes (blocks stay blocks)."""
+        if len(self.shape) not in (2, 3) or not 0 <= index < self.shape[0]:
             raise GGUFError(f"tensor {self.name!r} of shape {self.shape} has no expert {index}")
         return RawTensor(f"{self.name}[{index}]", self.ggml_type, self.shape[1:], self.data[index])
 
