@@ -85,6 +85,28 @@ def _hf_llama_rotary(head_dim, theta, rope_parameters, positions):
             },
             RopeScaling("llama3", 8.0, 1.0, 4.0, 64),
         ),
+        (  # gpt-oss's YaRN: transformers' ramp unrounded, cos and sin x (0.1 ln 32 + 1)
+            150000.0,
+            {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+            RopeScaling("yarn", 32.0, original_max_seq_len=4096, truncate=False),
+        ),
+        (  # the ramp's ends rounded (transformers' default, llama.cpp's only way), a given factor
+            10000.0,
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "attention_factor": 1.2,
+            },
+            RopeScaling("yarn", 4.0, original_max_seq_len=64, attention_factor=1.2),
+        ),
     ],
 )
 def test_rope_cos_sin_and_rotation_equal_transformers_llama(theta, rope_parameters, scaling):
