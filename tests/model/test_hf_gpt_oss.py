@@ -113,3 +113,6 @@ def test_dense_families_refuse_gpt_oss_parts_on_save(tmp_path):
     model = flashformer.build("llama-tiny", attention_sinks=True)
     with pytest.raises(ValueError, match="attention_sinks=True cannot be saved as a Hugging Face llama"):
         model.save_pretrained(tmp_path)
+    plain = flashformer.build("llama-tiny", n_expert=4, n_expert_used=2, hf_model_type="gpt_oss")
+    with pytest.raises(ValueError, match="swiglu_limit=None cannot be saved as a Hugging Face gpt_oss"):
+        plain.save_pretrained(tmp_path)

@@ -157,6 +157,11 @@ class GptOss(Llama):
         )
 
     def config_to_hf(self, config):
+        if not config.n_expert or config.swiglu_limit is None:
+            raise ValueError(
+                f"ModelConfig.n_expert={config.n_expert}, swiglu_limit={config.swiglu_limit!r} cannot be saved as a "
+                f"Hugging Face gpt_oss model (it needs experts of the clamped SwiGLU)"
+            )
         plain_layers(
             config,
             "gpt_oss",
@@ -170,8 +175,6 @@ class GptOss(Llama):
         require(
             config,
             "gpt_oss",
-            n_expert=config.n_expert or 1,  # experts, at least one
-            swiglu_limit=config.swiglu_limit or 7.0,  # the clamped SwiGLU
             ffn_bias=True,
             expert_ffn_hidden=config.d_ff,
             expert_weights_norm=False,
