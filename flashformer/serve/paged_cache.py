@@ -352,6 +352,13 @@ def make_paged_caches(
         raise ValueError(f"a paged cache serves decoder models; got arch {config.arch!r}")
     if config.position in ("alibi", "relative"):
         raise ValueError(f"paged attention does not take {config.position} position biases")
+    if config.attention_sinks or config.global_tokens:
+        # refused here, when the server starts, not at the first request's step
+        raise ValueError(
+            "paged attention has no sink term and no global tokens: this model has "
+            f"attention_sinks={config.attention_sinks} (gpt-oss), global_tokens={config.global_tokens}; "
+            "it runs with generate() and chat, not served yet"
+        )
     device = next(model.parameters()).device
     k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
     windows = layer_windows(model) if window_pool is not None else [None] * config.n_layers

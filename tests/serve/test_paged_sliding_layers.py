@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from helpers.sliding import sliding_model
 
@@ -52,3 +53,11 @@ def test_separate_and_packed_steps_equal_full_forwards():
                     got = [logits[first] for _, first, _ in ready]
                 else:
                     got = list(runner.decode(seqs))
+
+
+def test_a_model_with_attention_sinks_is_refused_when_its_caches_are_made():
+    """gpt-oss's sinks are a term paged attention lacks: the server refuses such a model when it
+    starts (its caches are made), naming the field, instead of failing at the first step."""
+    model = sliding_model(attention_sinks=True)
+    with pytest.raises(ValueError, match=r"no sink term .* attention_sinks=True \(gpt-oss\)"):
+        ModelRunner(model, BlockPool(num_blocks=16, block_size=BLOCK), max_batch=4, context=24)
