@@ -33,10 +33,15 @@ NAME = "flashformer_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
 
 
-def _local_includes(path: Path) -> list[Path]:
-    """The files of csrc/ that `path` includes (#include "name")."""
-    names = re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.MULTILINE)
-    return [_CSRC / name for name in names]
+# every source file of csrc/ and its bytes, read once: the build's source list is derived from
+# them at import, and load() hashes them to decide a rebuild
+_FILES = {
+    path: path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".cpp", ".h", ".inc")
+}
+_INCLUDED = {
+    path: [_CSRC / name.decode() for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)]
+    for path, text in _FILES.items()
+}  # the files of csrc/ each file includes (#include "name")
 
 
 def _unit_files(path: Path, seen: set[Path] | None = None) -> set[Path]:
@@ -44,7 +49,7 @@ def _unit_files(path: Path, seen: set[Path] | None = None) -> set[Path]:
     seen = set() if seen is None else seen
     if path not in seen:
         seen.add(path)
-        for included in _local_includes(path):
+        for included in _INCLUDED[path]:
             _unit_files(included, seen)
     return seen
 
@@ -54,21 +59,18 @@ def _translation_units() -> list[Path]:
     includes (bindings_cpu.cpp includes operators_cpu.cpp and decoder_cpu.cpp, so that one unit
     holds every use of ATen's headers, ~9 s to compile each time a unit includes them). The largest
     unit, counted with what it includes, first: ninja starts them in this order."""
-    files = sorted(_CSRC.iterdir())
-    included = {path for file in files for path in _local_includes(file)}
-    units = [path for path in files if path.suffix == ".cpp" and path not in included]
+    included = {path for paths in _INCLUDED.values() for path in paths}
+    units = [path for path in _FILES if path.suffix == ".cpp" and path not in included]
 
     def size(unit: Path) -> int:
-        return sum(path.stat().st_size for path in _unit_files(unit))
+        return sum(len(_FILES[path]) for path in _unit_files(unit))
 
     return sorted(units, key=lambda unit: (-size(unit), unit.name))
 
 
 SOURCES = _translation_units()
 # torch hashes only SOURCES to decide a rebuild: the rest of the folder goes into a flag
-INCLUDES = [
-    path for path in sorted(_CSRC.iterdir()) if path not in SOURCES and path.suffix in (".cpp", ".h", ".inc")
-]
+INCLUDES = [path for path in _FILES if path not in SOURCES]
 
 _loaded_as: str | None = None  # load()'s answer, once it has run
 
@@ -226,9 +228,9 @@ def _fall_back() -> str:
 
 def _build_stamp(flags: list[str]) -> str:
     """What a build of the extension depends on: the sources, the flags and torch's version."""
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(_FILES[path] for path in SOURCES)
     return hashlib.sha256(sources + repr((flags, torch.__version__)).encode()).hexdigest()
 
 
 def _includes_hash() -> str:
-    return hashlib.sha256(b"".join(path.read_bytes() for path in INCLUDES)).hexdigest()[:16]
+    return hashlib.sha256(b"".join(_FILES[path] for path in INCLUDES)).hexdigest()[:16]

@@ -6,7 +6,7 @@
 // is a Packing, a row here and its kernels.
 //
 // Python reads the table (the packings operator: native_decoder.packings()) rather than copying
-// its numbers, and tests/kernels/test_kernels_packings.py holds each row to kernels/layouts.py's
+// its numbers, and tests/kernels/test_kernels_tables.py holds each row to kernels/layouts.py's
 // layout and block_types.py's GGUF type of the same name.
 
 #pragma once
