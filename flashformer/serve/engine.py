@@ -319,7 +319,7 @@ class Engine(ModelLoop):
         rows whose choice is the plain argmax (RowChooser.plain) find it in one choose_tokens call
         for all of them (the same token as each alone: an argmax reads its own row only); the
         others go through their own choosers one by one (_sample)."""
-        plain = [(s, row) for s, row, _ in ready if s.chooser.plain(len(s.generated))]
+        plain = [(s, row) for s, row, _ in ready if s.chooser.plain(len(s.tokens) - s.prompt_len)]
         rows = [row for _, row in plain]
         if rows == list(range(logits.shape[0])):
             scores = logits  # every row: no copy
@@ -339,7 +339,7 @@ class Engine(ModelLoop):
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> None:
         """Choose the next token from one row's logits (V,) (the sequence's RowChooser), then take it."""
         logits = logits.float()
-        token = sequence.chooser.choose(logits, sequence.tokens, len(sequence.generated))
+        token = sequence.chooser.choose(logits, sequence.tokens, len(sequence.tokens) - sequence.prompt_len)
         self._take(sequence, token, logits)
 
     def _take(self, sequence: Sequence, token: int, logits: torch.Tensor | None) -> None:
