@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.gguf import write_gguf
+from helpers.gguf import add_metadata, write_gguf
 from helpers.gpt_oss import gpt_oss_metadata, gpt_oss_tensors, tiny_gpt_oss
 
 import flashformer
@@ -122,17 +122,7 @@ def test_mxfp4_experts_are_refused_by_name(tmp_path):
     tensors = gpt_oss_tensors(tiny_gpt_oss())
 
     writer = gguf.GGUFWriter(str(tmp_path / "mxfp4.gguf"), "gpt-oss")
-    for key, value in gpt_oss_metadata(tiny_gpt_oss()).items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_metadata(writer, gpt_oss_metadata(tiny_gpt_oss()))
     for name, (values, _) in tensors.items():
         if name == "blk.0.ffn_down_exps.weight":
             writer.add_tensor(name, mxfp4, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
