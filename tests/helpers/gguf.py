@@ -132,6 +132,11 @@ def encode_tensor(values: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQ
     return gguf.quants.quantize(values, qtype), qtype
 
 
+def ids_for(model, seed: int = 1) -> torch.Tensor:
+    """Two random rows of 24 ids over the transformers `model`'s vocabulary."""
+    return torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
 def add_metadata(writer, metadata: dict) -> None:
     """Each key to a gguf.GGUFWriter by its value's type: ints as uint32, as llama.cpp writes them."""
     for key, value in metadata.items():
