@@ -15,17 +15,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.gguf import write_gguf
+from helpers import relative_error
+from helpers.gguf import add_metadata, ids_for, write_gguf
 from helpers.gpt_oss import gpt_oss_metadata, gpt_oss_tensors, tiny_gpt_oss
 
 import flashformer
 from flashformer.checkpoints.gguf import GGUFError, read_gguf
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.model.experts import MixtureOfExperts
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
 def write_tiny(
@@ -36,10 +33,6 @@ def write_tiny(
     metadata = {**gpt_oss_metadata(model), **(metadata_changes or {})}
     tensors = {**gpt_oss_tensors(model, expert_types), **(tensor_changes or {})}
     return model, write_gguf(tmp_path / "gpt-oss.gguf", "gpt-oss", metadata, tensors)
-
-
-def ids_for(model, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("float_type", ["F32", "F16", "BF16"])
@@ -122,17 +115,7 @@ def test_mxfp4_experts_are_refused_by_name(tmp_path):
     tensors = gpt_oss_tensors(tiny_gpt_oss())
 
     writer = gguf.GGUFWriter(str(tmp_path / "mxfp4.gguf"), "gpt-oss")
-    for key, value in gpt_oss_metadata(tiny_gpt_oss()).items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_metadata(writer, gpt_oss_metadata(tiny_gpt_oss()))
     for name, (values, _) in tensors.items():
         if name == "blk.0.ffn_down_exps.weight":
             writer.add_tensor(name, mxfp4, raw_dtype=gguf.GGMLQuantizationType.MXFP4)

@@ -14,16 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.gguf import qwen3moe_metadata, qwen3moe_tensors, tiny_qwen3_moe, write_gguf
+from helpers import relative_error
+from helpers.gguf import ids_for, qwen3moe_metadata, qwen3moe_tensors, tiny_qwen3_moe, write_gguf
 
 import flashformer
 from flashformer.checkpoints.gguf import GGUFError, read_gguf
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.model.experts import MixtureOfExperts
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
 def write_tiny(
@@ -34,10 +31,6 @@ def write_tiny(
     metadata = {**qwen3moe_metadata(model), **(metadata_changes or {})}
     tensors = {**qwen3moe_tensors(model, expert_types), **(tensor_changes or {})}
     return model, write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", metadata, tensors)
-
-
-def ids_for(model, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
 def test_float_logits_equal_transformers(tmp_path):

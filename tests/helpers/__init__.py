@@ -90,6 +90,11 @@ def perturbed(module: torch.nn.Module, scale: float = 0.2, seed: int = 1) -> tor
     return module.eval()
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference over the largest expected magnitude."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
 class TestCache:
     """The smallest KV cache that meets the layers' protocol (flashformer.generate.cache.KVCache
     is the real one): update() writes at cache_position into preallocated

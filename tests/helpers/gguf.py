@@ -132,11 +132,13 @@ def encode_tensor(values: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQ
     return gguf.quants.quantize(values, qtype), qtype
 
 
-def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
-    """A GGUF file: metadata (ints as uint32, as llama.cpp writes them) and tensors given as
-    float32 values with the type to store them in."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("synthetic")
+def ids_for(model, seed: int = 1) -> torch.Tensor:
+    """Two random rows of 24 ids over the transformers `model`'s vocabulary."""
+    return torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def add_metadata(writer, metadata: dict) -> None:
+    """Each key to a gguf.GGUFWriter by its value's type: ints as uint32, as llama.cpp writes them."""
     for key, value in metadata.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -148,6 +150,14 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, tuple[n
             writer.add_string(key, value)
         else:
             writer.add_array(key, value)
+
+
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
+    """A GGUF file: metadata (ints as uint32, as llama.cpp writes them) and tensors given as
+    float32 values with the type to store them in."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("synthetic")
+    add_metadata(writer, metadata)
     for name, (values, type_name) in tensors.items():
         data, raw_dtype = encode_tensor(values, type_name)
         writer.add_tensor(name, data, raw_dtype=raw_dtype)

@@ -10,14 +10,10 @@ import json
 
 import pytest
 import torch
+from helpers import relative_error
 from helpers.gpt_oss import YARN, tiny_gpt_oss
 
 import flashformer
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got - expected).abs().max() / expected.abs().max()).item()
-
 
 IDS = torch.randint(3, 275, (2, 24), generator=torch.Generator().manual_seed(0))
 

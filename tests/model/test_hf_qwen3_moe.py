@@ -10,13 +10,10 @@ import re
 
 import pytest
 import torch
+from helpers import relative_error
 from helpers.gguf import tiny_qwen3_moe
 
 import flashformer
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
