@@ -42,7 +42,7 @@ from flashformer.kernels.huge_pages import use_huge_pages
 from flashformer.model import hf
 from flashformer.model.config import ModelConfig
 from flashformer.model.models import PreTrainedModel, build, build_with_weights
-from flashformer.model.quantize import MODES, quantize
+from flashformer.model.quantize import DEFAULT_ACTIVATIONS, MODES, quantize
 from flashformer.startup import paused_gc
 from flashformer.text.bpe import read_saved_tokenizer
 
@@ -100,7 +100,7 @@ def from_pretrained(
     path: str | Path,
     dtype: torch.dtype | None = None,
     quantize: str | None = AUTO,
-    activations: str = "int8",
+    activations: str = DEFAULT_ACTIVATIONS,
 ) -> PreTrainedModel:
     """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
 
@@ -110,8 +110,9 @@ def from_pretrained(
     "gguf" (a GGUF file's own blocks with no float32 copy of them: K-quants used in place from the
     file's memory map, Q4/Q5/Q8 blocks repacked once from it; the model holds about the file's
     size); see flashformer.model.quantize. activations: what a quantized layer does
-    with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
-    with respect to the quantized weights, slower). A Hugging Face folder's problems
+    with its input, a scheme of model.quantize.ACTIVATION_SCHEMES: "int8-int8x2-head" (the default:
+    int8 blocks of 32 as llama.cpp's, the output head's input ~15 bits), "int8", "float32" (exact
+    with respect to the quantized weights, slower) or "int8-float32-head". A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
     CheckpointError naming the file.
     """
@@ -139,7 +140,7 @@ def load(
     path: str | Path,
     dtype: torch.dtype | None = None,
     quantize: str | None = AUTO,
-    activations: str = "int8",
+    activations: str = DEFAULT_ACTIVATIONS,
 ):
     """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
     folder; dtype, quantize and activations as in from_pretrained.
@@ -161,7 +162,7 @@ def load(
 
 
 @functools.cache
-def load_draft_model(path: str | Path, quantize: str | None = AUTO, activations: str = "int8"):
+def load_draft_model(path: str | Path, quantize: str | None = AUTO, activations: str = DEFAULT_ACTIVATIONS):
     """A draft model for speculative decoding (generate's assistant_model, --speculative-config's
     "model"), loaded once per path and options: the one loader of `generate --draft`, `chat` (which
     asks for its settings every turn), `serve`, its replicas and the speculative benchmark."""

@@ -13,7 +13,7 @@ from flashformer.generate.chat import Chat
 from flashformer.generate.proposers import PROPOSERS
 from flashformer.generate.sampling_options import CLI_OPTIONS
 from flashformer.kernels import kv_blocks
-from flashformer.model.quantize import ACTIVATION_SCHEMES
+from flashformer.model.quantize import ACTIVATION_SCHEMES, DEFAULT_ACTIVATIONS
 from flashformer.startup import paused_gc
 from flashformer.text.bpe import EOS
 
@@ -41,10 +41,11 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--activations",
         choices=tuple(ACTIVATION_SCHEMES),
-        default="int8",
-        help="what a quantized layer does with its input: int8 (default): quantized per block of 32, as "
-        "llama.cpp does; float32: kept as is (exact with respect to the quantized weights, about half the "
-        "speed); int8-float32-head: int8 but the output head's input",
+        default=DEFAULT_ACTIVATIONS,
+        help="what a quantized layer does with its input: int8: quantized per block of 32, as llama.cpp "
+        "does; float32: kept as is (exact with respect to the quantized weights, about half the speed); "
+        "int8-float32-head: int8 but the output head's input; int8-int8x2-head (default): int8 but the "
+        "head's input as int8 plus its rounding error in int8 (~15 bits, at int8's speed)",
     )
 
 

@@ -27,7 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from flashformer.kernels import extension
-from flashformer.kernels.quantized import ConcatenatedLinear, QuantizedEmbedding, QuantizedLinear
+from flashformer.kernels.quantized import (
+    ACTIVATION_CODES,
+    ConcatenatedLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 
 
 @dataclass(frozen=True)
@@ -164,14 +169,17 @@ class NativeDecoder:
             k = linear.in_features + linear._pad_in  # whole blocks (int8 rows are padded with zeros)
             self._decoder.add_part(
                 layer, which, packing, data, scales, linear.bias, linear.out_features, k, groups, blocks,
-                linear.int8_activations,
+                ACTIVATION_CODES[linear.activations],
             )  # fmt: skip
             return
         weight, bias = (linear.weight, linear.bias) if isinstance(linear, nn.Linear) else (linear, None)
         weight = _float32("weight", weight)
         n, k = weight.shape
         bias = None if bias is None else _float32("bias", bias)
-        self._decoder.add_part(layer, which, packing_index("float32"), weight, None, bias, n, k, n, k, True)
+        float_activations = ACTIVATION_CODES["float32"]
+        self._decoder.add_part(
+            layer, which, packing_index("float32"), weight, None, bias, n, k, n, k, float_activations
+        )
 
     def set_attention(
         self, layer: int, *, rope: int, scale: float, softcap: float | None, window_left: int | None

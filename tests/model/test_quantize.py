@@ -102,15 +102,20 @@ def rule_logits(folder, quantized, head_rounded: bool) -> torch.Tensor:
         return twin(IDS).logits
 
 
-def test_int8_float32_head_rounds_every_input_but_the_heads(folder):
-    """activations="int8-float32-head": the blocks' projections read int8 blocks of their input,
-    the head its float32 input. Against float64 math of that rule, the logits agree to float32
-    rounding (a rounding moved by an ulp upstream allowed for), 20x closer than to the same math
-    with the head's input rounded too, which is what activations="int8" computes."""
-    model = flashformer.from_pretrained(folder, quantize="int4", activations="int8-float32-head")
+HEAD_SCHEMES = {"int8-float32-head": "float32", "int8-int8x2-head": "int8x2"}
+
+
+@pytest.mark.parametrize("scheme", HEAD_SCHEMES)
+def test_a_head_scheme_rounds_every_input_but_the_heads(folder, scheme):
+    """activations="int8-float32-head" / "int8-int8x2-head": the blocks' projections read int8
+    blocks of their input, the head its float32 input (int8x2: its int8 blocks plus theirs of the
+    rounding error, ~15 bits). Against float64 math of that rule with the head's input exact, the
+    logits agree to float32 rounding (a rounding moved by an ulp upstream allowed for), 20x closer
+    than to the same math with the head's input rounded too, which is what "int8" computes."""
+    model = flashformer.from_pretrained(folder, quantize="int4", activations=scheme)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert not layers.pop("lm_head").int8_activations
-    assert layers and all(m.int8_activations for m in layers.values())
+    assert layers.pop("lm_head").activations == HEAD_SCHEMES[scheme]
+    assert layers and all(m.activations == "int8" for m in layers.values())
     assert model.kv_cache_dtype == torch.float16
     with torch.no_grad():
         got = model(IDS).logits.double()
@@ -123,11 +128,12 @@ def test_int8_float32_head_rounds_every_input_but_the_heads(folder):
     assert (int8_got - head_rounded).abs().max() < gap / 4  # the int8 scheme is the other rule
 
 
-def test_the_native_decoder_runs_the_head_as_the_scheme_says(folder):
+@pytest.mark.parametrize("scheme", HEAD_SCHEMES)
+def test_the_native_decoder_runs_the_head_as_the_scheme_says(folder, scheme):
     """The native decoder (what generate runs) reads each layer's own choice: over a float32
-    cache its logits are the modules' (whose head is float, above) to float32 rounding; had it
-    rounded the head's input, they would differ by the head's int8 error."""
-    model = flashformer.from_pretrained(folder, quantize="int4", activations="int8-float32-head")
+    cache its logits are the modules' (whose head's input is float or int8x2, above) to float32
+    rounding; had it rounded the head's input to int8, they would differ by the head's int8 error."""
+    model = flashformer.from_pretrained(folder, quantize="int4", activations=scheme)
     assert native_unsupported(model) is None
     with torch.no_grad():
         eager = model(IDS[:1]).logits[0, -12:]
@@ -206,14 +212,15 @@ def test_gguf_mode_multiplies_the_files_own_blocks():
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_a_gguf_files_tied_head_reads_float32_inputs_with_int8_float32_head():
+@pytest.mark.parametrize("scheme", HEAD_SCHEMES)
+def test_a_gguf_files_tied_head_reads_its_inputs_as_the_scheme_says(scheme):
     """SmolLM2's head is its Q8_0 embedding's bytes (from_embedding): the scheme reaches it there
     too, and every block projection keeps int8 inputs."""
-    model = flashformer.from_pretrained(smollm2_path(), quantize="gguf", activations="int8-float32-head")
+    model = flashformer.from_pretrained(smollm2_path(), quantize="gguf", activations=scheme)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     head = layers.pop("lm_head")
-    assert head.qweight is model.embeddings.tokens.qweight and not head.int8_activations
-    assert len(layers) == 30 * 5 and all(m.int8_activations for m in layers.values())
+    assert head.qweight is model.embeddings.tokens.qweight and head.activations == HEAD_SCHEMES[scheme]
+    assert len(layers) == 30 * 5 and all(m.activations == "int8" for m in layers.values())
 
 
 PROMPT = "def "

@@ -117,11 +117,20 @@ class NativeDecoder : public torch::CustomClassHolder {
   // ones added before it.
   void add_part(int64_t layer, const std::string& which, int64_t packing, const at::Tensor& data,
                 const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& bias, int64_t n, int64_t k,
-                int64_t groups, int64_t nb, bool int8_activations) {
+                int64_t groups, int64_t nb, int64_t activations) {
     Projection* projection = projection_slot(layer, which);
     TORCH_CHECK(projection->parts.size() < kMaxParts, "add_part: ", which, " of layer ", layer, " has ",
                 kMaxParts, " parts already, the most a projection holds");
+    TORCH_CHECK(activations >= kFloatActivations && activations <= kInt8x2Activations,
+                "add_part: activations 0 (float32), 1 (int8) or 2 (int8x2), got ", activations);
     const PackedMatrix w = packed(data, scales, packing, n, k, groups, nb);
+    const bool twice = activations == kInt8x2Activations, first = projection->parts.empty();
+    const int64_t block = form_block(traits(w.packing).int8_x);
+    TORCH_CHECK(!twice || (which == "head" && traits(w.packing).int8_x != kXFloat), "add_part: int8x2 activations ",
+                "are the head's, on a quantized packing; got ", which, " of layer ", layer, " (", traits(w.packing).name, ")");
+    TORCH_CHECK(first || (projection->twice == twice && (!twice || projection->residual_block == block)), "add_part: ",
+                which, ": int8x2 activations on every part or none, each reading x in blocks of one size");
+    projection->twice = twice, projection->residual_block = block;
     TORCH_CHECK(projection->parts.empty() || projection->in == k, "add_part: ", which, " of layer ", layer,
                 " reads ", projection->in, " inputs; this part reads ", k);
     const float* b = nullptr;
@@ -129,7 +138,7 @@ class NativeDecoder : public torch::CustomClassHolder {
       check_floats(*bias, "bias", n, -1);
       b = hold(*bias).data_ptr<float>();
     }
-    projection->parts.push_back({w, b, projection->out, int8_activations});
+    projection->parts.push_back({w, b, projection->out, activations != kFloatActivations});
     projection->in = k;
     projection->out += n;
   }
@@ -256,11 +265,14 @@ class NativeDecoder : public torch::CustomClassHolder {
     Arena& a = arena_;
     grow(a.x, T * d_model_), grow(a.h, T * d_model_), grow(a.qkv, T * qkv_width), grow(a.attn, T * q_width);
     grow(a.o, T * d_model_), grow(a.ff, T * max_width_), grow(a.act, T * max_width_), grow(a.lse, T * n_heads_);
-    grow(a.head_in, std::max<int64_t>(1, R) * d_model_), grow(a.rope, 2 * T * 2 * std::max<int64_t>(1, rotary_half_));
-    grow(a.q32, T * padded), grow(a.d32, T * padded / kBlock), grow(a.s32, T * padded / kBlock);
-    grow(a.offset32, T * padded / kBlock), grow(a.sums32, T * padded / kBlock);
-    grow(a.q256, T * padded), grow(a.d256, T * padded / kSuper), grow(a.sums256, T * padded / 16);
-    grow(a.amx, (std::max(T, R) + 15) / 16 * (padded / kSuper));
+    const int64_t head_rows = std::max<int64_t>(1, R) * (head_.twice ? 2 : 1);
+    grow(a.head_in, head_rows * d_model_), grow(a.rope, 2 * T * 2 * std::max<int64_t>(1, rotary_half_));
+    if (head_.twice) grow(a.head_out, head_rows * vocab_);
+    const int64_t X = std::max(T, head_rows);  // x rows a product reads
+    grow(a.q32, X * padded), grow(a.d32, X * padded / kBlock), grow(a.s32, X * padded / kBlock);
+    grow(a.offset32, X * padded / kBlock), grow(a.sums32, X * padded / kBlock);
+    grow(a.q256, X * padded), grow(a.d256, X * padded / kSuper), grow(a.sums256, X * padded / 16);
+    grow(a.amx, (X + 15) / 16 * (padded / kSuper));
 
     const int threads = std::max(1, at::get_num_threads());
     const size_t steps = 8 + layers_.size() * 12;  // (11 a layer)
@@ -303,18 +315,33 @@ class NativeDecoder : public torch::CustomClassHolder {
       }
     });
     for (size_t i = 0; i < layers_.size(); ++i) layer(w, c, layers_[i], caches_[i], isa, scratch);
-    // the rows whose logits are asked: the final norm, the head, the softcap
-    const int64_t R = static_cast<int64_t>(c.logit_rows.size());
-    ProductX head_x = product_x(a.head_in.data(), R, d);
-    const unsigned head_forms = head_.forms(R, isa);
+    // the rows whose logits are asked: the final norm, the head, the softcap. With int8x2
+    // activations the head's x rows are the R normed rows, then their R residuals (int8_residual).
+    const int64_t R = static_cast<int64_t>(c.logit_rows.size()), V = vocab_;
+    const bool twice = head_.twice;
+    ProductX head_x = product_x(a.head_in.data(), twice ? 2 * R : R, d);
+    const unsigned head_forms = head_.forms(head_x.rows, isa);
     w.each(kNorm, R, [&](int64_t r) {
-      final_norm_.apply(a.x.data() + c.logit_rows[r] * d, a.head_in.data() + r * d);
+      float* row = a.head_in.data() + r * d;
+      final_norm_.apply(a.x.data() + c.logit_rows[r] * d, row);
       prepare_row(head_forms, head_x, r);
+      if (!twice) return;
+      int8_residual(row, 1, d, head_.residual_block, row + R * d);
+      prepare_row(head_forms, head_x, R + r);
     });
-    project(w, kHead, head_, head_x, c.logits, vocab_, isa);
-    if (logit_softcap_ > 0.f) {
-      w.each(kHead, R, [&](int64_t r) { rows::softcap(c.logits + r * vocab_, logit_softcap_, vocab_); });
-    }
+    project(w, kHead, head_, head_x, twice ? a.head_out.data() : c.logits, V, isa);
+    if (!twice && logit_softcap_ <= 0.f) return;
+    w.each(kHead, R, [&](int64_t r) {
+      float* logits = c.logits + r * V;
+      if (twice) {  // x's part + the residual's, then the biases
+        const float *x_part = a.head_out.data() + r * V, *residual_part = x_part + R * V;
+        for (int64_t i = 0; i < V; ++i) logits[i] = x_part[i] + residual_part[i];
+        for (const Part& p : head_.parts) {
+          if (p.bias) rows::add(logits + p.column, p.bias, p.w.n);
+        }
+      }
+      if (logit_softcap_ > 0.f) rows::softcap(logits, logit_softcap_, V);
+    });
   }
 
   void layer(Worker& w, const Call& c, const Layer& l, const CacheView& cache, int isa, Scratch& scratch) {
@@ -445,7 +472,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         const int64_t lo = std::max(first, offsets[i]), hi = std::min(last, end);
         if (lo >= hi) continue;
         const Part& p = projection.parts[i];
-        const OutputMatrix result{out + p.column, p.w.n, p.bias, ld};
+        const OutputMatrix result{out + p.column, p.w.n, projection.twice ? nullptr : p.bias, ld};
         product_run(p.w, x, result, p.int8_activations, isa, lo - offsets[i], hi - offsets[i]);
       }
     });

@@ -35,7 +35,7 @@ constexpr size_t kMaxParts = 8;  // weights a projection stacks (a Q4_K_M file's
 // One weight of a projection, writing output columns column .. column + w.n - 1.
 struct Part {
   PackedMatrix w;
-  const float* bias;
+  const float* bias;  // added by the kernels; a projection run twice adds its parts' after the sum
   int64_t column;
   bool int8_activations;
 };
@@ -45,6 +45,10 @@ struct Part {
 struct Projection {
   std::vector<Part> parts;
   int64_t in = 0, out = 0;
+  // int8x2 activations (products.h's int8_residual): x and its rounding error under int8 blocks
+  // of residual_block values run as two x rows, their outputs added (the head only)
+  bool twice = false;
+  int64_t residual_block = 0;
 
   // The forms of x its parts read for `rows` x rows on `isa`: bit f set for XForm f.
   unsigned forms(int64_t rows, int isa) const {
@@ -84,7 +88,7 @@ struct CacheView {
 
 // The call's buffers, grown as the largest call asks (never shrunk).
 struct Arena {
-  std::vector<float> x, h, qkv, attn, o, ff, act, lse, head_in, rope;
+  std::vector<float> x, h, qkv, attn, o, ff, act, lse, head_in, head_out, rope;
   std::vector<int8_t> q32, q256;
   std::vector<float> d32, s32, d256, sums32;
   std::vector<int32_t> offset32;

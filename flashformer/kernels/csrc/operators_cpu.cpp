@@ -125,6 +125,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return run_operator(w, x, bias, int8_activations);
 }
 
+// x (M, K) float32 -> (M, K): its rounding error under int8 blocks of `block` values (products.h).
+at::Tensor int8_residual_op(const at::Tensor& x_in, int64_t block) {
+  TORCH_CHECK(block == kBlock || block == kSuper, "block: expected 32 or 256 (an int8 form's block), got ", block);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && x_in.size(1) % block == 0,
+              "x: expected a 2-D float32 CPU tensor of whole blocks of ", block, " columns, got ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t k = x.size(1);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t first, int64_t last) {
+    int8_residual(x.data_ptr<float>() + first * k, last - first, k, block, out.data_ptr<float>() + first * k);
+  });
+  return out;
+}
+
 int64_t quantized_kernel_isa(int64_t request) {
   if (request >= 0) use_isa().store(std::min<int>(static_cast<int>(request), best_isa()));
   return use_isa().load();
@@ -328,6 +343,7 @@ TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("q4_k_linear", &kquant_linear<kQ4K>);
   m.impl("q5_k_linear", &kquant_linear<kQ5K>);
   m.impl("q6_k_linear", &kquant_linear<kQ6K>);
+  m.impl("int8_residual", &int8_residual_op);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("attention_cpu", &attention_cpu);
 }

@@ -114,6 +114,17 @@ void sum_blocks32(const float* x, int64_t first, int64_t last, float* sums);
 
 inline int64_t form_block(XForm form) { return form == kXBlocks256 || form == kXAmx256 ? kSuper : kBlock; }
 
+// What a layer's x is multiplied as (kernels/quantized.py's ACTIVATIONS, the decoder's add_part):
+// float32 as it is, int8 blocks, or int8x2 (below). The kernels see float or int8 only.
+enum Activations : int { kFloatActivations = 0, kInt8Activations = 1, kInt8x2Activations = 2 };
+
+// x's rounding error under the int8 blocks of `block` (32: Int8Rows, 256: SuperRows) values, rows
+// (rows, k): out = x - d q. The int8x2 activations (kernels/quantized.py) are x ~ d q + d' q': a
+// product runs x and this residual as two x rows, each quantized to int8 as any x row, and adds
+// the two outputs: ~15 bits of x where int8 keeps 8, for the cost of a second x row, which the
+// kernels' tiles multiply by the same weight bytes (a decode step's memory-bound head: no slower).
+void int8_residual(const float* x, int64_t rows, int64_t k, int64_t block, float* out);
+
 // Every x block of `form` in one call (x.rows * x.k / block of them).
 inline void prepare_x(XForm form, ProductX& x, int64_t first, int64_t last) {
   if (form == kXBlocks32) quantize_blocks32(x.x, first, last, x.blocks32);

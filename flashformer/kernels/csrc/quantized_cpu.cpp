@@ -50,6 +50,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "packings.h"
 #include "quantized_blocks.h"
@@ -471,6 +472,25 @@ void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& ou
     quantize_block_scalar(x + i * kBlock, out.q + i * kBlock, &out.d[i], &out.s[i], &out.offset[i]);
   }
   (void)isa;
+}
+
+void int8_residual(const float* x, int64_t rows, int64_t k, int64_t block, float* out) {
+  const int64_t nb = k / block;
+  std::vector<int8_t> q(k);
+  std::vector<float> d(nb), s(nb);
+  std::vector<int32_t> offset(nb);
+  std::vector<int16_t> sums(nb * 16);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = x + m * k;
+    if (block == kSuper) {
+      SuperRows blocks{nb, q.data(), d.data(), sums.data()};
+      quantize_blocks256(row, 0, nb, blocks);
+    } else {
+      Int8Rows blocks{nb, q.data(), d.data(), s.data(), offset.data()};
+      quantize_blocks32(row, 0, nb, blocks);
+    }
+    for (int64_t i = 0; i < k; ++i) out[m * k + i] = row[i] - d[i / block] * static_cast<float>(q[i]);
+  }
 }
 
 // The float sum of each block of x, added in index order (the same on every ISA).

@@ -26,6 +26,7 @@ from flashformer.checkpoints.loading import load, load_draft_model
 from flashformer.generate.constraints import compile_constraint
 from flashformer.generate.proposers import PROPOSERS
 from flashformer.model.models import EncoderModel
+from flashformer.model.quantize import DEFAULT_ACTIVATIONS
 from flashformer.serve.cluster.remote import Job
 from flashformer.serve.engine import Busy, Engine
 from flashformer.serve.request import Event, Request
@@ -65,7 +66,7 @@ class EngineReplica:
             if isinstance(speculative, SpeculativeConfig) and PROPOSERS[speculative.method].needs_model:
                 quantize = speculative.quantization or load_options.get("quantize")
                 options["draft_model"] = load_draft_model(
-                    speculative.model, quantize, load_options.get("activations", "int8")
+                    speculative.model, quantize, load_options.get("activations", DEFAULT_ACTIVATIONS)
                 )
             self.engine = Engine(model, tokenizer, **options)
             self.engine.start_seconds = time.perf_counter() - started
