@@ -50,6 +50,8 @@ inline constexpr PackingTraits kPackings[] = {
      kquant_dequantize_row<kQ5K>},
     {kQ6K, "q6_k", "q6_k", 1, kSuper, 210, false, kXFloat, kXBlocks256, kXAmx256, kquant_units, kquant_run<kQ6K>,
      kquant_dequantize_row<kQ6K>},
+    {kMxfp4, "mxfp4", "mxfp4", 1, kBlock, 17, false, kXFloat, kXBlocks32, kXBlocks32, mxfp4_units, mxfp4_run,
+     mxfp4_dequantize_row},
 };
 inline constexpr int64_t kPackingCount = static_cast<int64_t>(std::size(kPackings));
 
