@@ -13,15 +13,20 @@ gpt-oss ships in) as Q8_0's and the K-quants'. Types no kernel reads are refused
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 from helpers import relative_error
 from helpers.gguf import add_metadata, ids_for, write_gguf
 from helpers.gpt_oss import gpt_oss_metadata, gpt_oss_tensors, tiny_gpt_oss
+from helpers.llama_cpp_tools import llama_cpp_tool, printed_mean_kld, run_llama_perplexity
 
 import flashformer
 from flashformer.checkpoints.gguf import GGUFError, read_gguf
+from flashformer.cli import commands as cli
 from flashformer.kernels.block_types import TYPES
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.model.experts import MixtureOfExperts
@@ -99,6 +104,44 @@ def test_quantized_experts_multiply_the_files_own_blocks(tmp_path, kind):
     with torch.no_grad():
         got, want = quantized(ids).logits, float_model(ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-5
+
+
+@pytest.mark.skipif(
+    llama_cpp_tool("llama-quantize") is None or llama_cpp_tool("llama-perplexity") is None,
+    reason="no llama.cpp build with llama-quantize and llama-perplexity",
+)
+def test_llama_cpps_mxfp4_mix_within_twice_its_own_error(tmp_path):
+    """llama-quantize's MXFP4_MOE mix of a tiny F32 file (experts MXFP4, the rest Q8_0), as
+    gpt-oss is downloaded: the experts are the file's MXFP4 blocks, and our KL-divergence to the
+    F32 file's logits is within 2x llama-perplexity's own on the same tokens (seen 0.306 and
+    0.327, the head's logits widened so that the quantization shows)."""
+    model = tiny_gpt_oss()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    metadata = {**gpt_oss_metadata(model), "tokenizer.ggml.pre": "gpt-2"}  # llama.cpp's name of GPT-2's
+    f32 = write_gguf(tmp_path / "f32.gguf", "gpt-oss", metadata, gpt_oss_tensors(model))
+    mxfp4 = tmp_path / "mxfp4.gguf"
+    done = subprocess.run([str(llama_cpp_tool("llama-quantize")), str(f32), str(mxfp4), "MXFP4_MOE"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    experts = flashformer.from_pretrained(mxfp4).decoder.block(0).ffn.experts
+    assert {getattr(expert, p).fmt for expert in experts for p in ("gate", "up", "down")} == {"mxfp4"}
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog; Paris is the capital of France.\n" * 4)
+    perplexity, theirs, ours = (
+        llama_cpp_tool("llama-perplexity"),
+        tmp_path / "theirs.kld",
+        tmp_path / "ours.kld",
+    )
+    run_llama_perplexity(perplexity, f32, "-f", str(text), "--kl-divergence-base", str(theirs))
+    their_kld = printed_mean_kld(
+        run_llama_perplexity(perplexity, mxfp4, "--kl-divergence-base", str(theirs), "--kl-divergence")
+    )
+    cli.main(["eval", "kld", str(f32), "--save-base", str(ours), "--tokens-of", str(theirs), "--no-progress"])
+    out = tmp_path / "kld.json"
+    cli.main(["eval", "kld", str(mxfp4), "--base", str(ours), "--out", str(out), "--no-progress"])
+    our_kld = json.loads(out.read_text())["kld"]["mean"]
+    assert 0 < our_kld <= 2 * their_kld, (our_kld, their_kld)
 
 
 def test_the_native_decoder_declines_the_file(tmp_path):
