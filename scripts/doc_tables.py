@@ -451,3 +451,29 @@ def activations_table(docs: Path) -> str:
         "512-token prompt tokens/s (over int8's)",
     ]
     return markdown_table(header, rows)
+
+
+QUANTIZED_KLD_FILES = (("MXFP4_MOE", "experts MXFP4, the rest Q8_0"), ("Q8_0", "every matrix Q8_0"))
+
+
+def quantized_kld_table(docs: Path, folder: str = "mxfp4") -> str:
+    """Each quantized file's KL divergence from its F32 file's logits, each side against its own:
+    llama.cpp's (its logits of both files: FOLDER/kld-TYPE-llama.cpp.json) and ours with int8 and
+    float32 activations (FOLDER/kld-TYPE-int8.json, -float32.json), over the same tokens."""
+    rows = []
+    for name, mix in QUANTIZED_KLD_FILES:
+        theirs = stored(docs, f"{folder}/kld-{name}-llama.cpp.json")["kld"]["mean"]
+        for scheme in ("llama.cpp", "int8", "float32"):
+            found = stored(docs, f"{folder}/kld-{name}-{scheme}.json")
+            kld = found["kld"]
+            rows.append(
+                [
+                    f"{name} ({mix})",
+                    "llama.cpp" if scheme == "llama.cpp" else f"ours, {scheme} activations",
+                    f"{kld['mean']:.6f} ± {kld['error']:.6f}",
+                    "1" if scheme == "llama.cpp" else f"**{kld['mean'] / theirs:.2f}**",
+                    f"{100 * found['same_top']['mean']:.1f} %",
+                ]
+            )
+    header = ["file", "run by", "mean KLD against the F32 file", "over llama.cpp's", "same top token"]
+    return markdown_table(header, rows)

@@ -367,6 +367,7 @@ def tables(docs: Path) -> dict[tuple[Path, str], str]:
     found[benchmarks, "kv-cache-kld"] = kv_cache.kld_table(stored(docs, "kv-cache/smollm2-kld.json"))
     found[benchmarks, "load-time"] = doc_tables.load_time_table(docs)
     found[benchmarks, "activations"] = doc_tables.activations_table(docs)
+    found[benchmarks, "mxfp4-kld"] = doc_tables.quantized_kld_table(docs)
     found[benchmarks, "cold-start"] = doc_tables.cold_start_table(stored(docs, "cold-start/smollm2.json"))
     found[benchmarks, "kquant-rows"] = doc_tables.row_cost_table(stored(docs, "row_cost/kquant-rows.json"))
     for marker, name in (("kquant-serve-before", "before"), ("kquant-serve-after", "after")):

@@ -9,7 +9,7 @@ reader and writer, the KV cache's q8_0 / q4_0 blocks.
     weight = row.to_float(raw, (out_features, in_features))   # the float32 values the blocks mean
 
 Rows without a layout are read as float32 at load (the float types, and Q2_K / Q3_K, which no
-kernel here serves). The types gguf knows beyond these (IQ*, TQ*, MXFP4, integers) are not read.
+kernel here serves). The types gguf knows beyond these (IQ*, TQ*, NVFP4, integers) are not read.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ TYPES = {
         BlockType("Q4_K", 12, SUPER_BLOCK, 144, "q4_k"),
         BlockType("Q5_K", 13, SUPER_BLOCK, 176, "q5_k"),
         BlockType("Q6_K", 14, SUPER_BLOCK, 210, "q6_k"),
+        BlockType("MXFP4", 39, BLOCK, 1 + BLOCK // 2, "mxfp4"),
     )
 }
 GGUF_TYPES = tuple(name for name, row in TYPES.items() if row.layout)  # what the quantized layers take
@@ -101,7 +102,7 @@ def parse_gguf_blocks(type_name: str, raw, shape: tuple[int, int]) -> tuple[str,
     raw: the tensor's bytes (uint8, any shape: gguf.GGUFReader's tensor.data is (N, bytes per row);
     a numpy array is copied, GGUFReader's are read-only views of the mapped file; a torch tensor
     is used as it is). Q4_0 becomes Q4_1 with m = -8 d and Q5_0 Q5_1 with m = -16 d, exact in
-    float16 (multiplications by powers of two). K-quants keep their bytes (scales None)."""
+    float16 (multiplications by powers of two). K-quants and MXFP4 keep their bytes (scales None)."""
     if type_name not in GGUF_TYPES:
         raise ValueError(f"type_name: expected one of {GGUF_TYPES}, got {type_name!r}")
     row = TYPES[type_name]

@@ -124,6 +124,7 @@ KERNEL_FAMILIES = (
     "row operations",
     "attention",
     "widening KV rows",
+    "MXFP4 products",
 )
 
 

@@ -1,6 +1,6 @@
-"""GGUF's 5-bit (Q5_0, Q5_1) and K-quant (Q4_K, Q5_K, Q6_K) blocks for the quantized layers
-(layouts.py's "int5", "q4_k", "q5_k", "q6_k"): their fields and their dequantization (gguf's
-float32 arithmetic, bit for bit).
+"""GGUF's 5-bit (Q5_0, Q5_1), K-quant (Q4_K, Q5_K, Q6_K) and MXFP4 blocks for the quantized
+layers (layouts.py's "int5", "q4_k", "q5_k", "q6_k", "mxfp4"): their fields and their
+dequantization (gguf's float32 arithmetic, bit for bit).
 
 - "int5" (Q5_1, and Q5_0 as Q5_1 with m = -16 d, exact in float16): int4's packing (groups of 8
   rows, GGUF's nibble order, d and m float16) plus each row's 32 fifth bits in one uint32,
@@ -11,6 +11,10 @@ float32 arithmetic, bit for bit).
 - "q4_k", "q5_k", "q6_k": the file's blocks as they are, row after row: uint8 (N, K / 256,
   144 / 176 / 210). Nothing is repacked (the C++ kernels read ggml's block structs), so the tensor
   may be the file's own bytes.
+- "mxfp4" (gpt-oss's experts): the file's blocks of 32 as they are, uint8 (N, K / 32, 17): byte 0
+  an e8m0 exponent e (the block's scale 2^(e - 127)), then 16 bytes of e2m1 codes (byte j: value
+  j in the low nibble, value j + 16 in the high). A code's value doubled is an integer
+  (E2M1_DOUBLED), so w = E2M1_DOUBLED[code] * 2^(e - 128), exact in float32.
 """
 
 from __future__ import annotations
@@ -143,3 +147,26 @@ def dequantize_kquant(fmt: str, blocks: Tensor) -> Tensor:
     d = _halves(blocks, 0)[..., None] * sc.float()  # (R, nb, 8)
     dm = _halves(blocks, 2)[..., None] * mins.float()
     return (d[..., None] * q.float() - dm[..., None]).reshape(rows, nb * SUPER_BLOCK)
+
+
+# ---- MXFP4 ----
+
+# e2m1's values doubled, by code (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(e: Tensor) -> Tensor:
+    """e8m0 exponents (uint8) -> 2^(e - 128) float32, as ggml's e8m0 "half" (subnormal for e = 0,
+    1: its bit patterns 2^21 << e; otherwise the exponent field e - 1)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(blocks: Tensor) -> Tensor:
+    """MXFP4 blocks (R, nb, 17) -> float32 (R, nb * 32): doubled value times 2^(e - 128), gguf's values."""
+    rows, nb = blocks.shape[:2]
+    codes = blocks[..., 1:]  # (R, nb, 16)
+    nibbles = torch.cat((codes & 15, codes >> 4), dim=-1).long()  # (R, nb, 32), values in order
+    doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[nibbles]
+    return (doubled * e8m0_half(blocks[..., :1])).reshape(rows, nb * 32)

@@ -6,6 +6,7 @@ reference every kernel and fallback is held to) and the operator that multiplies
     "int8"  weight = s * q, q in int8; s float16 per block of 32 (GGUF's Q8_0) or float32 per row
     "int5"  Q5_1 (Q5_0 as Q5_1 with m = -16 d): int4 with a fifth bit (gguf_blocks.py)
     "q4_k", "q5_k", "q6_k"  the K-quants' blocks of 256 as the file stores them (gguf_blocks.py)
+    "mxfp4"  GGUF's MXFP4 blocks of 32 (e2m1 values, an e8m0 scale) as the file stores them
 
 Layout of int4 and int8 (the kernels read it; the dequantizers undo it): output rows in groups
 of 8 (int4) or 4 (int8), padded with zero rows; for each group and block of 32 inputs the
@@ -18,8 +19,8 @@ group's quants are adjacent, so that a group is read as one sequential stream:
 Why those group sizes: 8 rows for int4, whose one-row kernel reads 8 rows per block (the x
 block's loads and scale shared by 8 rows) as one sequential stream, which the hardware
 prefetches best (docs/benchmarks.md, "Packed layouts"); 4 for int8, whose 4 rows x 32 bytes are
-already a 128-byte sequential block. int5 as int4; the K-quants are not interleaved: a row's
-blocks are one sequential stream already, and they stay the file's bytes, mapped, not a copy.
+already a 128-byte sequential block. int5 as int4; the K-quants and MXFP4 are not interleaved: a
+row's blocks are one sequential stream already, and they stay the file's bytes, mapped, not a copy.
 """
 
 from __future__ import annotations
@@ -170,5 +171,6 @@ LAYOUTS = {
         _kquant("q4_k"),
         _kquant("q5_k"),
         _kquant("q6_k"),
+        Layout("mxfp4", 1, BLOCK, True, lambda blocks, scales: gguf_blocks.dequantize_mxfp4(blocks)),
     )
 }

@@ -364,7 +364,7 @@ class QuantizedEmbedding(nn.Module):
             raise ValueError(f"ids: expected an integer tensor, got {ids.dtype} (shape {tuple(ids.shape)})")
         flat = ids.reshape(-1).long()  # (L,)
         if self.fmt in IN_PLACE_FORMATS:
-            rows = gguf_blocks.dequantize_kquant(self.fmt, self.qweight[flat])  # (L, dim)
+            rows = LAYOUTS[self.fmt].dequantize(self.qweight[flat], None)  # (L, dim)
             return rows.reshape(*ids.shape, -1)[..., : self.embedding_dim]
         if self.fmt == "int5":
             return gguf_blocks.int5_rows(self.qweight, self.scales, flat).reshape(*ids.shape, -1)[

@@ -129,12 +129,13 @@ def test_smollm2_end_to_end_logits_and_greedy_answer():
 # ---- synthetic files, checked against transformers reading them ----
 
 CASES = {
-    # GQA (4 query heads on 2 KV heads), separate output head, the float and legacy block types
+    # GQA (4 query heads on 2 KV heads), separate output head, the float and legacy block types,
+    # and MXFP4 (gpt-oss's experts' type, read the same way in any 2-D tensor)
     "llama": (
         tiny_llama,
         llama_metadata,
         llama_tensors,
-        ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+        ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"),
     ),
     # K-quants need 256 inputs per block: a wider model, tied head
     "llama_k": (

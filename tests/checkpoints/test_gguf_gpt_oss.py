@@ -8,9 +8,13 @@ itself, convert_hf_to_gguf.py of the vendored llama.cpp, was checked by hand to 
 same logits). Float: logits equal the transformers model's within 1e-4 of the largest logit over
 24 tokens (the window is 8). Quantized experts (quantize="gguf"): each expert's projection is the
 file's blocks, which dequantized are the float load's weights bit for bit, and the logits equal
-the float load's within the quantized layers' float32-activation bound. MXFP4 is refused."""
+the float load's within the quantized layers' float32-activation bound; MXFP4 experts (the type
+gpt-oss ships in) as Q8_0's and the K-quants'. Types no kernel reads are refused by name."""
 
 from __future__ import annotations
+
+import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -18,9 +22,12 @@ import torch
 from helpers import relative_error
 from helpers.gguf import add_metadata, ids_for, write_gguf
 from helpers.gpt_oss import gpt_oss_metadata, gpt_oss_tensors, tiny_gpt_oss
+from helpers.llama_cpp_tools import llama_cpp_tool, printed_mean_kld, run_llama_perplexity
 
 import flashformer
 from flashformer.checkpoints.gguf import GGUFError, read_gguf
+from flashformer.cli import commands as cli
+from flashformer.kernels.block_types import TYPES
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.model.experts import MixtureOfExperts
 
@@ -73,6 +80,7 @@ def test_greedy_tokens_equal_transformers(tmp_path):
 QUANTIZED = {
     "Q8_0": (("Q8_0", "Q8_0", "Q8_0"), {}),
     "K": (("Q4_K", "Q5_K", "Q6_K"), dict(hidden_size=256, intermediate_size=256, head_dim=64)),
+    "MXFP4": (("MXFP4", "MXFP4", "MXFP4"), {}),  # gpt-oss's own type, from gguf's quantizer
 }
 
 
@@ -86,15 +94,54 @@ def test_quantized_experts_multiply_the_files_own_blocks(tmp_path, kind):
     assert not isinstance(moe.router, QuantizedLinear)  # F32 in the file, as llama.cpp keeps it
     for e, expert in enumerate(moe.experts):
         float_expert = float_model.decoder.block(1).ffn.experts[e]
-        for projection in ("gate", "up", "down"):
+        for projection, type_name in zip(("gate", "up", "down"), types):
             layer = getattr(expert, projection)
             assert isinstance(layer, QuantizedLinear), (e, projection)
+            assert layer.fmt == TYPES[type_name].layout, (e, projection)  # the file's type, not repacked
             assert torch.equal(layer.dequantize(), getattr(float_expert, projection).weight), (e, projection)
             assert torch.equal(layer.bias, getattr(float_expert, projection).bias), (e, projection)
     ids = ids_for(model)
     with torch.no_grad():
         got, want = quantized(ids).logits, float_model(ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-5
+
+
+@pytest.mark.skipif(
+    llama_cpp_tool("llama-quantize") is None or llama_cpp_tool("llama-perplexity") is None,
+    reason="no llama.cpp build with llama-quantize and llama-perplexity",
+)
+def test_llama_cpps_mxfp4_mix_within_twice_its_own_error(tmp_path):
+    """llama-quantize's MXFP4_MOE mix of a tiny F32 file (experts MXFP4, the rest Q8_0), as
+    gpt-oss is downloaded: the experts are the file's MXFP4 blocks, and our KL-divergence to the
+    F32 file's logits is within 2x llama-perplexity's own on the same tokens (seen 0.306 and
+    0.327, the head's logits widened so that the quantization shows)."""
+    model = tiny_gpt_oss()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    metadata = {**gpt_oss_metadata(model), "tokenizer.ggml.pre": "gpt-2"}  # llama.cpp's name of GPT-2's
+    f32 = write_gguf(tmp_path / "f32.gguf", "gpt-oss", metadata, gpt_oss_tensors(model))
+    mxfp4 = tmp_path / "mxfp4.gguf"
+    done = subprocess.run([str(llama_cpp_tool("llama-quantize")), str(f32), str(mxfp4), "MXFP4_MOE"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    experts = flashformer.from_pretrained(mxfp4).decoder.block(0).ffn.experts
+    assert {getattr(expert, p).fmt for expert in experts for p in ("gate", "up", "down")} == {"mxfp4"}
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog; Paris is the capital of France.\n" * 4)
+    perplexity, theirs, ours = (
+        llama_cpp_tool("llama-perplexity"),
+        tmp_path / "theirs.kld",
+        tmp_path / "ours.kld",
+    )
+    run_llama_perplexity(perplexity, f32, "-f", str(text), "--kl-divergence-base", str(theirs))
+    their_kld = printed_mean_kld(
+        run_llama_perplexity(perplexity, mxfp4, "--kl-divergence-base", str(theirs), "--kl-divergence")
+    )
+    cli.main(["eval", "kld", str(f32), "--save-base", str(ours), "--tokens-of", str(theirs), "--no-progress"])
+    out = tmp_path / "kld.json"
+    cli.main(["eval", "kld", str(mxfp4), "--base", str(ours), "--out", str(out), "--no-progress"])
+    our_kld = json.loads(out.read_text())["kld"]["mean"]
+    assert 0 < our_kld <= 2 * their_kld, (our_kld, their_kld)
 
 
 def test_the_native_decoder_declines_the_file(tmp_path):
@@ -106,19 +153,19 @@ def test_the_native_decoder_declines_the_file(tmp_path):
     assert "attention sinks (gpt-oss)" in native_unsupported(model)
 
 
-def test_mxfp4_experts_are_refused_by_name(tmp_path):
-    """gpt-oss ships its experts in MXFP4 (32 e2m1 values and an e8m0 scale, 17 bytes a block):
-    not read, and the message names the tensor and the type."""
-    mxfp4 = np.zeros((8, 32, 64 // 32 * 17), dtype=np.uint8)  # (experts, rows, bytes of a row)
+def test_other_block_types_are_refused_by_name(tmp_path):
+    """A type gguf knows and no kernel here reads (IQ4_NL: 32 values in 18 bytes) is refused,
+    and the message names the tensor and the type."""
+    iq4_nl = np.zeros((8, 32, 64 // 32 * 18), dtype=np.uint8)  # (experts, rows, bytes of a row)
     import gguf
 
     tensors = gpt_oss_tensors(tiny_gpt_oss())
 
-    writer = gguf.GGUFWriter(str(tmp_path / "mxfp4.gguf"), "gpt-oss")
+    writer = gguf.GGUFWriter(str(tmp_path / "iq4_nl.gguf"), "gpt-oss")
     add_metadata(writer, gpt_oss_metadata(tiny_gpt_oss()))
     for name, (values, _) in tensors.items():
         if name == "blk.0.ffn_down_exps.weight":
-            writer.add_tensor(name, mxfp4, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(name, iq4_nl, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         else:
             writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
     writer.write_header_to_file()
@@ -126,9 +173,9 @@ def test_mxfp4_experts_are_refused_by_name(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        GGUFError, match=r"'blk.0.ffn_down_exps.weight' has type MXFP4, which flashformer does not read"
+        GGUFError, match=r"'blk.0.ffn_down_exps.weight' has type IQ4_NL, which flashformer does not read"
     ):
-        read_gguf(tmp_path / "mxfp4.gguf", show_progress=False)
+        read_gguf(tmp_path / "iq4_nl.gguf", show_progress=False)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from flashformer.generate.session import make_session
 from flashformer.kernels.quantized import QuantizedLinear
 
 # bytes per block and the offsets of its float16 scales (gguf's block layouts)
-_BLOCKS = {"Q5_0": (22, 32, (0,)), "Q4_K": (144, 256, (0, 2))}
+_BLOCKS = {"Q5_0": (22, 32, (0,)), "Q4_K": (144, 256, (0, 2)), "MXFP4": (17, 32, ())}
 
 
 def _gguf_linear(type_name: str, n: int, k: int, activations: str) -> QuantizedLinear:
@@ -24,6 +24,8 @@ def _gguf_linear(type_name: str, n: int, k: int, activations: str) -> QuantizedL
     raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
     for at in halves:
         raw[..., at : at + 2] = np.float16(0.01 if values == 256 else 0.05).reshape(1).view(np.uint8)
+    if type_name == "MXFP4":
+        raw[..., 0] = 122  # the e8m0 scale byte: 2^-5
     return QuantizedLinear.from_gguf_blocks(type_name, raw.reshape(n, -1), (n, k), activations=activations)
 
 

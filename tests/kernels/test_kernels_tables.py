@@ -125,5 +125,5 @@ def test_an_unknown_packing_is_refused_by_name():
         with pytest.raises(ValueError, match="has no row 'float32'"):
             packing_index("float32")
         return
-    with pytest.raises(ValueError, match=r"packing: the C\+\+ table .* has no row 'mxfp4'"):
-        packing_index("mxfp4")
+    with pytest.raises(ValueError, match=r"packing: the C\+\+ table .* has no row 'iq4_xs'"):
+        packing_index("iq4_xs")

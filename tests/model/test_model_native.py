@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import hf_config, perturbed
-from helpers.gguf import tiny_new_decoder
+from helpers.gguf import cycle_types, llama_metadata, llama_tensors, tiny_llama, tiny_new_decoder, write_gguf
 from helpers.kernel_paths import kernel_paths, on_path
 
 import flashformer
@@ -178,6 +178,31 @@ def test_every_kernel_path_gives_the_same_bits(gemma3_folder, mode, activations)
     try:
         for isa in ("scalar", "avx2", "avx512-vnni", "amx-int8"):
             results[kernel_isa(isa)] = native_logits(model, [ids], [[8, 1, 1, 1, 1]])[0]
+    finally:
+        kernel_isa("best")
+    first = next(iter(results.values()))
+    assert "scalar" in results and all(torch.equal(first, r) for r in results.values())
+
+
+def test_mxfp4_parts_give_the_modules_logits(tmp_path):
+    """MXFP4 blocks (gpt-oss's experts' type), here every other 2-D tensor of a tiny LLaMA file,
+    the embedding included: its row of the packings table runs in the decoder. Float activations
+    give the modules' logits to float32 rounding; int8 ones the same bits on every kernel path."""
+    reference = tiny_llama()
+    tensors = llama_tensors(reference, cycle_types("MXFP4", "F32"))
+    path = write_gguf(tmp_path / "mxfp4.gguf", "llama", llama_metadata(reference), tensors)
+    model = flashformer.from_pretrained(path, activations="float32")
+    assert {getattr(module, "fmt", None) for module in model.modules()} >= {"mxfp4"}
+    ids = random_ids(model.config.vocab_size, 17, 5)
+    got = native_logits(model, [ids], [[9] + [1] * 8])[0]
+    with torch.no_grad():
+        eager = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, eager, atol=2e-5, rtol=1e-5)
+    model = flashformer.from_pretrained(path)
+    results = {}
+    try:
+        for isa in ("scalar", "avx2", "avx512-vnni", "amx-int8"):
+            results[kernel_isa(isa)] = native_logits(model, [ids], [[9] + [1] * 8])[0]
     finally:
         kernel_isa("best")
     first = next(iter(results.values()))

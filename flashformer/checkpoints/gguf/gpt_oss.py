@@ -14,7 +14,8 @@ What the file does not say, and is read as gpt-oss's released config says it: th
 SwiGLU's limit 7.0 and alpha 1.702 (llama.cpp's graph hard-codes the same), and YaRN's
 truncate=False (transformers' ramp; llama.cpp always rounds the ramp's ends outwards, so its own
 logits differ slightly from transformers' at long positions). MXFP4 experts (the type gpt-oss
-ships in) are refused by the reader, by name.
+ships in) are read as any other block type: each expert's blocks sliced from the 3-D tensor, run
+by the MXFP4 kernels (kernels/csrc/mxfp4_cpu.cpp) with quantize="gguf", dequantized without.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from flashformer.checkpoints.gguf.header import (
 )
 from flashformer.kernels.block_types import TYPES
 
-# Tensor types read here: kernels/block_types.py's rows, plain floats, the legacy block types and
-# the K-quants. The others that gguf knows (IQ*, TQ*, MXFP4, integers) are refused by name rather
-# than half-supported.
+# Tensor types read here: kernels/block_types.py's rows, plain floats, the legacy block types, the
+# K-quants and MXFP4. The others that gguf knows (IQ*, TQ*, NVFP4, integers) are refused by name
+# rather than half-supported.
 FLOAT_TYPES = tuple(name for name, row in TYPES.items() if not row.quantized)
 BLOCK_TYPES = tuple(name for name, row in TYPES.items() if row.quantized)
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES

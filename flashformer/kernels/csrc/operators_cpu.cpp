@@ -1,6 +1,7 @@
 // flashformer's C++ operators, whose schemas operators.py defines: the glue between ATen's tensors
 // and the kernels, and their registrations. The linears on packed weights (int4_linear, int5_linear,
-// int8_linear: quantized_cpu.cpp's kernels; q4_k_linear, q5_k_linear, q6_k_linear: kquants_cpu.cpp's),
+// int8_linear: quantized_cpu.cpp's kernels; q4_k_linear, q5_k_linear, q6_k_linear: kquants_cpu.cpp's;
+// mxfp4_linear: mxfp4_cpu.cpp's),
 // the attention over cached keys (paged_attention_cpu, attention_cpu: paged_attention_cpu.cpp's
 // tasks), and the ISA switch (quantized_kernel_isa) with its record (kernels_ran). Each checks its
 // arguments, prepares x and hands the units of work to at::parallel_for.
@@ -168,16 +169,17 @@ constexpr char kInt4Linear[] = "flashformer::int4_linear";
 constexpr char kInt5Linear[] = "flashformer::int5_linear";
 constexpr char kInt8Linear[] = "flashformer::int8_linear";
 
-// The K-quants' linears: their blocks hold their own scales.
+// The linears on the file's blocks (the K-quants, MXFP4): their blocks hold their own scales.
 template <Packing kPacking>
 at::Tensor kquant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool int8_activations) {
   constexpr int64_t kBlockBytes = kPackings[kPacking].group_block_bytes;
+  constexpr int64_t kValues = kPackings[kPacking].block_values;
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlockBytes && blocks.scalar_type() == at::kByte &&
                   blocks.is_contiguous(),
-              "blocks: expected contiguous uint8 (out_features, in_features / 256, ", kBlockBytes,
+              "blocks: expected contiguous uint8 (out_features, in_features / ", kValues, ", ", kBlockBytes,
               "), got ", blocks.sizes(), " ", blocks.scalar_type());
-  const int64_t nb = blocks.size(1), k = nb * kSuper;
+  const int64_t nb = blocks.size(1), k = nb * kValues;
   TORCH_CHECK(blocks.size(0) == out_features, "out_features: ", out_features, " does not match blocks of ",
               blocks.size(0), " rows");
   check_common(x_in, blocks, bias, out_features, k, 1);
@@ -205,6 +207,7 @@ at::Tensor kquant_autograd(const at::Tensor& x, const at::Tensor& blocks, const 
 constexpr char kQ4KName[] = "flashformer::q4_k_linear";
 constexpr char kQ5KName[] = "flashformer::q5_k_linear";
 constexpr char kQ6KName[] = "flashformer::q6_k_linear";
+constexpr char kMxfp4Name[] = "flashformer::mxfp4_linear";
 
 // The values' Dv: a float pool's last dim, a block pool's D (its rows hold D values' blocks).
 int64_t value_dim(const at::Tensor& v_pool, int64_t dim) {
@@ -344,6 +347,7 @@ TORCH_LIBRARY_IMPL(flashformer, CPU, m) {
   m.impl("q5_k_linear", &kquant_linear<kQ5K>);
   m.impl("q6_k_linear", &kquant_linear<kQ6K>);
   m.impl("int8_residual", &int8_residual_op);
+  m.impl("mxfp4_linear", &kquant_linear<kMxfp4>);
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("attention_cpu", &attention_cpu);
 }
@@ -355,6 +359,7 @@ TORCH_LIBRARY_IMPL(flashformer, Autograd, m) {
   m.impl("q4_k_linear", &kquant_autograd<kQ4KName>);
   m.impl("q5_k_linear", &kquant_autograd<kQ5KName>);
   m.impl("q6_k_linear", &kquant_autograd<kQ6KName>);
+  m.impl("mxfp4_linear", &kquant_autograd<kMxfp4Name>);
 }
 
 // An operator without tensor arguments dispatches to CompositeExplicitAutograd's kernel.

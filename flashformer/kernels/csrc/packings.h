@@ -2,8 +2,8 @@
 // ggml's type_traits_cpu is one table of block types. Everything that depends on the packing reads
 // its row: the size of its data (the decoder checks what Python hands it), the form of x its
 // kernels read, its units of work, its product and its rows' dequantization. Nothing switches on a
-// packing, so no packing can fall through to another's kernels; a new block type (MXFP4, IQ4_XS)
-// is a Packing, a row here and its kernels.
+// packing, so no packing can fall through to another's kernels; a new block type (IQ4_XS, as
+// MXFP4 did) is a Packing, a row here and its kernels.
 //
 // Python reads the table (the packings operator: native_decoder.packings()) rather than copying
 // its numbers, and tests/kernels/test_kernels_tables.py holds each row to kernels/layouts.py's
@@ -50,6 +50,8 @@ inline constexpr PackingTraits kPackings[] = {
      kquant_dequantize_row<kQ5K>},
     {kQ6K, "q6_k", "q6_k", 1, kSuper, 210, false, kXFloat, kXBlocks256, kXAmx256, kquant_units, kquant_run<kQ6K>,
      kquant_dequantize_row<kQ6K>},
+    {kMxfp4, "mxfp4", "mxfp4", 1, kBlock, 17, false, kXFloat, kXBlocks32, kXBlocks32, mxfp4_units, mxfp4_run,
+     mxfp4_dequantize_row},
 };
 inline constexpr int64_t kPackingCount = static_cast<int64_t>(std::size(kPackings));
 

@@ -7,7 +7,7 @@
 // decoder give the same bits, and a row's result is the same alone or among others.
 //
 // Each packing reads x in one form, prepared before its units run (prepare_x, in ranges too):
-//   int4, int5, int8 with int8 activations   x quantized per block of 32 (Int8Rows)
+//   int4, int5, int8, MXFP4 with int8 activations   x quantized per block of 32 (Int8Rows)
 //   Q4_K, Q5_K, Q6_K with int8 activations   x quantized per block of 256 (SuperRows, llama.cpp's Q8_K);
 //                                            many rows on AMX: the same, laid out for its tiles (AmxRows)
 //   int4, int5 with float activations        x and each block of 32's float sum
@@ -76,6 +76,7 @@ enum Packing : int {
   kQ4K = 5,          // data uint8 (n, nb, 144): the file's blocks; no scales
   kQ5K = 6,          // (n, nb, 176)
   kQ6K = 7,          // (n, nb, 210)
+  kMxfp4 = 8,        // data uint8 (n, nb, 17): the file's blocks of 32; no scales
 };
 
 // The packings' shapes the operators check (the kernels' block structs: quantized_cpu.cpp and
@@ -137,7 +138,7 @@ inline void prepare_x(XForm form, ProductX& x, int64_t first, int64_t last) {
 // product, one range of them (rows: x's rows; isa: use_isa()), and row `row` of the weight as float32
 // (k values, as the Python dequantizers compute it: an embedding table's rows). quantized_cpu.cpp
 // defines them for int4, int5 and int8 (instantiated for each of their packings), kquants_cpu.cpp
-// for the K-quants, float_cpu.cpp for float32.
+// for the K-quants, mxfp4_cpu.cpp for MXFP4, float_cpu.cpp for float32.
 using UnitsKernel = int64_t (*)(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
 using RunKernel = void (*)(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations,
                            int isa, int64_t first, int64_t last);
@@ -161,6 +162,10 @@ void kquant_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& ou
                 int64_t first, int64_t last);
 template <Packing kPacking>
 void kquant_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
+int64_t mxfp4_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
+void mxfp4_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
+               int64_t first, int64_t last);
+void mxfp4_dequantize_row(const PackedMatrix& w, int64_t row, float* out);
 int64_t float_units(const PackedMatrix& w, int64_t rows, bool int8_activations, int isa);
 void float_run(const PackedMatrix& w, const ProductX& x, const OutputMatrix& out, bool int8_activations, int isa,
                int64_t first, int64_t last);

@@ -108,6 +108,7 @@ enum Family : int {
   kRowOperations,       // norms, RoPE, activations, adds (row_ops.h)
   kAttention,           // a task of attention over cached keys (paged_attention_cpu.cpp)
   kWideningKv,          // float16 / q8_0 / q4_0 cache rows widened to float32 (paged_attention_cpu.cpp)
+  kMxfp4Products,       // MXFP4 (mxfp4_cpu.cpp)
   kFamilies
 };
 
