@@ -6,7 +6,7 @@ read once from the built modules, and the reason when some part of a model has n
 What it reads, per layer: the pre-norms (RMSNorm or LayerNorm) and Gemma's sandwich norms, the
 q/k/v projection (float32, quantized, or a quantized layer's runs of formats), Qwen3's and
 Gemma 3's q/k head norms, RoPE (one table for the model, one of its own for Gemma 3's sliding
-layers), the attention's scale, softcap and window, the output projection, and the plain or gated
+layers, none in SmolLM3's NoPE layers), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
 final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
 a mixture of experts (qwen3moe, gpt-oss) and gpt-oss's attention sinks, YaRN factor and clamped
@@ -196,7 +196,8 @@ def _build(model) -> NativeDecoder:
     for index in range(config.n_layers):
         block = stack.block(index)
         sliding = stack.layer_types[index] == "sliding_attention" and stack.sliding_positions is not None
-        _layer(decoder, index, block, rope=(1 if sliding else 0) if rope else -1)
+        roped = rope and index not in stack.nope_layers  # SmolLM3's NoPE layers: no table
+        _layer(decoder, index, block, rope=(1 if sliding else 0) if roped else -1)
     _norm(decoder, -1, "final", stack.final_norm)
     head = model.lm_head if model.lm_head is not None else tokens.weight
     decoder.add_linear(-1, "head", head)
