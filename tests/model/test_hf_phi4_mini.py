@@ -129,3 +129,26 @@ def test_the_older_name_su_reads_as_longrope(folder, tmp_path):
     with torch.no_grad():
         ids = _ids(3 * ORIGINAL_CONTEXT)
         assert _relative(flashformer.from_pretrained(tmp_path)(ids).logits, reference(ids).logits) < 1e-5
+
+
+def test_the_native_decoder_gives_transformers_cached_logits_across_the_switch(folder):
+    """A prompt of 20, then one token a call to 40 (the switch at 32) through the native decoder
+    (C++): transformers' logits of the same calls with its cache, the keys before the switch
+    keeping their short rotation."""
+    from test_model_native import native_logits
+
+    from flashformer.model.native import native_unsupported
+
+    path, reference = folder
+    ours = flashformer.from_pretrained(path).eval()
+    assert native_unsupported(ours) is None
+    ids = _ids(40, seed=4)[:1]
+    got = native_logits(ours, [ids[0].tolist()], [[20] + [1] * 20])[0]
+    with torch.no_grad():
+        out = reference(ids[:, :20], use_cache=True)
+        expected, cache = [out.logits[0]], out.past_key_values
+        for t in range(20, 40):
+            out = reference(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            expected.append(out.logits[0])
+            cache = out.past_key_values
+    assert _relative(got, torch.cat(expected)) < 1e-4
