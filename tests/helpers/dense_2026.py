@@ -114,3 +114,60 @@ def phi4_mini_metadata(model) -> dict:
     scale = config.max_position_embeddings / config.original_max_position_embeddings
     factor = math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings))
     return {**phi3_metadata(model, sliding_window=0), "phi3.rope.scaling.attn_factor": factor}
+
+
+# ---- SmolLM3's chat ----
+
+# A template of SmolLM3's shape, written here after it (not copied): its reasoning mode from
+# enable_thinking or a /think, /no_think flag in the system message (taken out of the
+# instructions), an empty <think></think> closing the reasoning in /no_think mode, tools in
+# <tools> with calls asked for in <tool_call> tags, tool results as user turns, and
+# {% generation %} around the assistant's turns.
+SMOLLM3_SHAPED = """
+{%- if enable_thinking is not defined -%}{%- set enable_thinking = true -%}{%- endif -%}
+{%- set mode = "/think" if enable_thinking else "/no_think" -%}
+{%- set instructions = "" -%}
+{%- if messages[0].role == "system" -%}
+  {%- set text = messages[0].content -%}
+  {%- if "/no_think" in text -%}{%- set mode = "/no_think" -%}
+  {%- elif "/think" in text -%}{%- set mode = "/think" -%}{%- endif -%}
+  {%- set instructions = text.replace("/no_think", "").replace("/think", "").rstrip() -%}
+{%- endif -%}
+{{- "<|im_start|>system\\n## Mode\\n\\n" + mode + "\\n\\n## Instructions\\n\\n" -}}
+{{- (instructions or "Be useful.") + "\\n\\n" -}}
+{%- if tools -%}
+  {%- set ns = namespace(listing="<tools>\\n") -%}
+  {%- for tool in tools -%}{%- set ns.listing = ns.listing ~ (tool | tojson) ~ "\\n" -%}{%- endfor -%}
+  {{- "## Tools\\n\\n" + ns.listing + "</tools>\\nCall one with <tool_call>{\\"name\\": ..., \\"arguments\\": ...}</tool_call>.\\n\\n" -}}
+{%- endif -%}
+{{- "<|im_end|>\\n" -}}
+{%- for message in messages -%}
+  {%- set content = message.content if message.content is string else "" -%}
+  {%- if message.role == "user" or message.role == "tool" -%}
+    {{ "<|im_start|>user\\n" + content + "<|im_end|>\\n" }}
+  {%- elif message.role == "assistant" -%}
+    {% generation %}
+    {{- "<|im_start|>assistant\\n" + ("" if mode == "/think" else "<think>\\n\\n</think>\\n") -}}
+    {{- content.lstrip("\\n") + "<|im_end|>\\n" -}}
+    {% endgeneration %}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{ "<|im_start|>assistant\\n" + ("" if mode == "/think" else "<think>\\n\\n</think>\\n") }}
+{%- endif -%}
+"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]

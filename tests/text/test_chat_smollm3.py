@@ -5,13 +5,14 @@ instructions, an empty <think></think> closing the reasoning in /no_think mode, 
 around the assistant's turns) renders as transformers renders it; the server's helpers read it as
 SmolLM3 needs (it knows tools, teaches the hermes format, and its /no_think prompt starts the
 answer); and an answer's reasoning and <tool_call> blocks come apart into reasoning, content and
-tool_calls. The template is written here after SmolLM3's, not copied."""
+tool_calls. The template (helpers/dense_2026.py) is written after SmolLM3's, not copied."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from helpers.dense_2026 import SMOLLM3_SHAPED, TOOLS
 from helpers.gguf import transformers_smollm2_tokenizer
 
 from flashformer.text.chat_template import render_chat_template
@@ -19,54 +20,6 @@ from flashformer.text.reasoning import reasoning_start, split_reasoning
 from flashformer.text.tool_calls import format_of_template, parse_tool_calls
 from flashformer.text.tool_prompt import template_knows_tools, with_call_arguments_as_objects
 
-SMOLLM3_SHAPED = """
-{%- if enable_thinking is not defined -%}{%- set enable_thinking = true -%}{%- endif -%}
-{%- set mode = "/think" if enable_thinking else "/no_think" -%}
-{%- set instructions = "" -%}
-{%- if messages[0].role == "system" -%}
-  {%- set text = messages[0].content -%}
-  {%- if "/no_think" in text -%}{%- set mode = "/no_think" -%}
-  {%- elif "/think" in text -%}{%- set mode = "/think" -%}{%- endif -%}
-  {%- set instructions = text.replace("/no_think", "").replace("/think", "").rstrip() -%}
-{%- endif -%}
-{{- "<|im_start|>system\\n## Mode\\n\\n" + mode + "\\n\\n## Instructions\\n\\n" -}}
-{{- (instructions or "Be useful.") + "\\n\\n" -}}
-{%- if tools -%}
-  {%- set ns = namespace(listing="<tools>\\n") -%}
-  {%- for tool in tools -%}{%- set ns.listing = ns.listing ~ (tool | tojson) ~ "\\n" -%}{%- endfor -%}
-  {{- "## Tools\\n\\n" + ns.listing + "</tools>\\nCall one with <tool_call>{\\"name\\": ..., \\"arguments\\": ...}</tool_call>.\\n\\n" -}}
-{%- endif -%}
-{{- "<|im_end|>\\n" -}}
-{%- for message in messages -%}
-  {%- set content = message.content if message.content is string else "" -%}
-  {%- if message.role == "user" or message.role == "tool" -%}
-    {{ "<|im_start|>user\\n" + content + "<|im_end|>\\n" }}
-  {%- elif message.role == "assistant" -%}
-    {% generation %}
-    {{- "<|im_start|>assistant\\n" + ("" if mode == "/think" else "<think>\\n\\n</think>\\n") -}}
-    {{- content.lstrip("\\n") + "<|im_end|>\\n" -}}
-    {% endgeneration %}
-  {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{ "<|im_start|>assistant\\n" + ("" if mode == "/think" else "<think>\\n\\n</think>\\n") }}
-{%- endif -%}
-"""
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "Weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 CHAT = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "Let me look."},
