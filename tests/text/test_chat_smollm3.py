@@ -13,7 +13,6 @@ import json
 
 import pytest
 from helpers.dense_2026 import SMOLLM3_SHAPED, TOOLS
-from helpers.gguf import transformers_smollm2_tokenizer
 
 from flashformer.text.chat_template import render_chat_template
 from flashformer.text.reasoning import reasoning_start, split_reasoning
@@ -30,9 +29,12 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def theirs():
-    tokenizer = transformers_smollm2_tokenizer()
-    tokenizer.chat_template = SMOLLM3_SHAPED
-    return tokenizer
+    """transformers' renderer: a tokenizer's apply_chat_template (its vocabulary plays no part)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=SMOLLM3_SHAPED)
 
 
 @pytest.mark.parametrize(
