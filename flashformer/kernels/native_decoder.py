@@ -144,6 +144,19 @@ class NativeDecoder:
         """RoPE table `index` (0: the layers' own, 1: the sliding-window layers'): (rotary_dim/2,)."""
         self._decoder.set_rotary(index, _float32("inv_freq", inv_freq))
 
+    def set_rotary_scaling(self, cos_sin_factor: float, long_inv_freq: Tensor | None, original: int) -> None:
+        """Table 0's cos and sin times cos_sin_factor (YaRN's or LongRoPE's attention factor), and
+        LongRoPE's long table (rotary_dim/2,), read by a sequence whose last new position + 1 passes
+        `original` (positional.RotaryEmbedding's rule); None: no long table."""
+        table = torch.zeros(0) if long_inv_freq is None else long_inv_freq
+        if long_inv_freq is None:
+            original = 0
+        elif original < 1:
+            raise ValueError(f"original: LongRoPE's original context must be >= 1, got {original}")
+        self._decoder.set_rotary_scaling(
+            _float32("long_inv_freq", table), int(original), float(cos_sin_factor)
+        )
+
     def set_norm(
         self, layer: int, which: str, kind: str, weight: Tensor, bias: Tensor | None, eps: float
     ) -> None:

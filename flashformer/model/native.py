@@ -6,10 +6,11 @@ read once from the built modules, and the reason when some part of a model has n
 What it reads, per layer: the pre-norms (RMSNorm or LayerNorm) and Gemma's sandwich norms, the
 q/k/v projection (float32, quantized, or a quantized layer's runs of formats), Qwen3's and
 Gemma 3's q/k head norms, RoPE (one table for the model, one of its own for Gemma 3's sliding
-layers), the attention's scale, softcap and window, the output projection, and the plain or gated
+layers, none in SmolLM3's NoPE layers; YaRN's and LongRoPE's factor on cos and sin, and
+LongRoPE's long table, chosen per sequence as the modules choose it), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
 final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
-a mixture of experts (qwen3moe, gpt-oss) and gpt-oss's attention sinks, YaRN factor and clamped
+a mixture of experts (qwen3moe, gpt-oss) and gpt-oss's attention sinks and clamped
 SwiGLU: they have no native form yet, and native_unsupported says so.
 
 A model's decoder is built once and kept beside the model (a weak map: copying or pickling the model
@@ -116,11 +117,6 @@ def _check_shape(model) -> None:
         raise Unsupported("linear attention or global tokens")
     if config.attention_sinks:
         raise Unsupported("attention sinks (gpt-oss): the native decoder's attention has no sink term")
-    if isinstance(decoder.positions, RotaryEmbedding) and decoder.positions.cos_sin_factor != 1.0:
-        raise Unsupported(
-            f"YaRN's attention factor ({decoder.positions.cos_sin_factor:.4f} on RoPE's cos and sin): "
-            f"the native decoder's RoPE has none"
-        )
     if config.swiglu_limit is not None:
         raise Unsupported(
             "the clamped SwiGLU (swiglu_limit, gpt-oss): the native decoder has no such activation"
@@ -190,13 +186,18 @@ def _build(model) -> NativeDecoder:
         decoder.set_positions(embeddings.positions.weight)
     rope = isinstance(stack.positions, RotaryEmbedding)
     if rope:
-        decoder.set_rotary(0, stack.positions.inv_freq)
+        positions = stack.positions
+        decoder.set_rotary(0, positions.inv_freq)
+        if positions.cos_sin_factor != 1.0 or positions.long_inv_freq is not None:  # YaRN, LongRoPE
+            original = 0 if positions.long_inv_freq is None else positions.scaling.original_max_seq_len
+            decoder.set_rotary_scaling(positions.cos_sin_factor, positions.long_inv_freq, original)
         if stack.sliding_positions is not None:
             decoder.set_rotary(1, stack.sliding_positions.inv_freq)
     for index in range(config.n_layers):
         block = stack.block(index)
         sliding = stack.layer_types[index] == "sliding_attention" and stack.sliding_positions is not None
-        _layer(decoder, index, block, rope=(1 if sliding else 0) if rope else -1)
+        roped = rope and index not in stack.nope_layers  # SmolLM3's NoPE layers: no table
+        _layer(decoder, index, block, rope=(1 if sliding else 0) if roped else -1)
     _norm(decoder, -1, "final", stack.final_norm)
     head = model.lm_head if model.lm_head is not None else tokens.weight
     decoder.add_linear(-1, "head", head)

@@ -154,6 +154,11 @@ class RopeScaling:
     between (its ends rounded outwards with `truncate`, as llama.cpp always does; gpt-oss says
     truncate=False). cos and sin are multiplied by attention_factor (None = 0.1 ln(factor) + 1),
     which scales every score by its square.
+    kind="longrope": LongRoPE (Phi-3's 128k context, Phi-3.5, Phi-4-mini). Channel pair i turns
+    1 / short_factor[i] times as fast while a sequence is at most original_max_seq_len long,
+    1 / long_factor[i] times once it is longer (RotaryEmbedding decides per forward pass, as
+    transformers does); cos and sin are multiplied by attention_factor (None = sqrt(1 + ln(factor)
+    / ln(original_max_seq_len)), factor being context / original context) at every length.
     """
 
     kind: str
@@ -165,21 +170,38 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     @property
     def cos_sin_factor(self) -> float:
-        """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
-        if self.kind != "yarn":
+        """What RoPE's cos and sin are multiplied by: YaRN's or LongRoPE's attention factor, else 1."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.factor <= 1:
+            return 1.0
+        if self.kind == "longrope":
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_seq_len))
+        return 0.1 * math.log(self.factor) + 1.0
 
     def __post_init__(self):
-        if self.kind not in ("linear", "llama3", "yarn"):
-            raise ValueError(f"RopeScaling.kind must be 'linear', 'llama3' or 'yarn'; got {self.kind!r}")
+        if self.kind not in ("linear", "llama3", "yarn", "longrope"):
+            raise ValueError(
+                f"RopeScaling.kind must be 'linear', 'llama3', 'yarn' or 'longrope'; got {self.kind!r}"
+            )
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be > 0; got {self.factor}")
+        for name in ("short_factor", "long_factor"):  # lists, as read back from config.json
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.kind == "longrope" and not (
+            self.short_factor and len(self.short_factor) == len(self.long_factor)
+        ):
+            raise ValueError(
+                f"RopeScaling(kind='longrope') needs short_factor and long_factor of one length > 0; got "
+                f"{len(self.short_factor)} and {len(self.long_factor)} factors"
+            )
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling needs high_freq_factor > low_freq_factor; got {self.high_freq_factor} "
@@ -200,6 +222,8 @@ def rope_inverse_frequencies(
         return inv_freq / scaling.factor
     if scaling.kind == "yarn":
         return _yarn_frequencies(inv_freq, rotary_dim, theta, scaling)
+    if scaling.kind == "longrope":  # the short factors: a sequence within the original context
+        return longrope_frequencies(rotary_dim, theta, scaling.short_factor)
     wavelength = 2 * math.pi / inv_freq
     long_limit = scaling.original_max_seq_len / scaling.low_freq_factor  # longer waves: divided by factor
     short_limit = scaling.original_max_seq_len / scaling.high_freq_factor  # shorter waves: kept
@@ -211,6 +235,18 @@ def rope_inverse_frequencies(
     scaled = torch.where(wavelength > long_limit, inv_freq / scaling.factor, inv_freq)
     in_between = (wavelength >= short_limit) & (wavelength <= long_limit)
     return torch.where(in_between, blended, scaled)
+
+
+def longrope_frequencies(rotary_dim: int, theta: float, factors: tuple[float, ...]) -> Tensor:
+    """(rotary_dim / 2,) float32: LongRoPE's frequencies, pair i's divided by factors[i] (in
+    transformers' order of operations: 1 / (factor * theta^(2i/rotary_dim)), bit for bit)."""
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(
+            f"LongRoPE needs one factor per rotated channel pair: rotary_dim / 2 = {rotary_dim // 2}; got "
+            f"{len(factors)}"
+        )
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
 
 
 def _yarn_frequencies(inv_freq: Tensor, rotary_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
@@ -240,6 +276,14 @@ class RotaryEmbedding(nn.Module):
     (partial rotary, as in GPT-NeoX). Rotating q and k by their absolute
     positions makes q.k depend only on their distance; with a KV cache the new
     tokens' positions simply start at the cache length.
+
+    LongRoPE (scaling.kind "longrope") holds two tables, the short factors' (inv_freq) and the
+    long ones' (long_inv_freq), and a forward pass reads the long one when its last position
+    passes the original context (positions.max() + 1 > original_max_seq_len), per row for (B, L)
+    positions: transformers' rule (it takes the max over the whole batch), so with a cache the keys
+    written before the switch keep their short rotation, as they do in transformers. llama.cpp
+    decides once from the context size instead (n_ctx > original: long for every position): the two
+    agree wherever the context is within the original one.
     """
 
     def __init__(
@@ -263,6 +307,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq = rope_inverse_frequencies(self.rotary_dim, self.theta, self.scaling)
         device = torch.get_default_device() if device is None else device
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # (rotary_dim/2,)
+        long = None  # LongRoPE's frequencies past the original context (rotary_dim/2,), else None
+        if self.scaling is not None and self.scaling.kind == "longrope":
+            with torch.device("cpu"):
+                long = longrope_frequencies(self.rotary_dim, self.theta, self.scaling.long_factor).to(device)
+        self.register_buffer("long_inv_freq", long, persistent=False)
 
     def _apply(self, fn, recurse=True):
         """model.to(device) moves the frequencies; model.to(bfloat16) must not round them."""
@@ -272,13 +321,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin for positions (L,) -> (L, rotary_dim), or (B, L) -> (B, 1, L, rotary_dim)."""
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)  # (*P, rot/2)
+        angles = positions.to(torch.float32)[..., None] * self.frequencies(positions)  # (*P, rot/2)
         angles = torch.cat((angles, angles), dim=-1)  # (*P, rot): pair i and i + rot/2 share an angle
         if positions.dim() == 2:
             angles = angles[:, None]  # (B, 1, L, rot): broadcast over heads
-        if self.cos_sin_factor != 1.0:  # YaRN's attention factor
+        if self.cos_sin_factor != 1.0:  # YaRN's or LongRoPE's attention factor
             return angles.cos() * self.cos_sin_factor, angles.sin() * self.cos_sin_factor
         return angles.cos(), angles.sin()
+
+    def frequencies(self, positions: Tensor) -> Tensor:
+        """The table positions (L,) or (B, L) turn by: (rot/2,), or (B, 1, rot/2) where LongRoPE's
+        rows choose apart (see the class docstring)."""
+        inv_freq = self.inv_freq.to(positions.device)
+        if self.long_inv_freq is None or positions.numel() == 0:
+            return inv_freq
+        long = positions.amax(dim=-1, keepdim=True) + 1 > self.scaling.original_max_seq_len  # (*B, 1)
+        return torch.where(long[..., None], self.long_inv_freq.to(positions.device), inv_freq)
 
     def attention_args(self, positions: Tensor, cache_position: int) -> dict:
         return {"rotary": self(positions)}

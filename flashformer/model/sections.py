@@ -35,6 +35,7 @@ HF_MODEL_TYPES = (
     "gemma",
     "gemma2",
     "gemma3_text",
+    "smollm3",
 )
 EXPERT_GATINGS = ("softmax", "topk_softmax")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -138,6 +139,8 @@ class PositionFields(Section):
     rope_theta, rotary_fraction (partial rotary), rope_scaling.
     rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's local 10,000 beside a
         global 1e6), which take no rope_scaling; None = the same RoPE as every other layer.
+    nope_layers: the indices of the layers whose queries and keys are not rotated at all (NoPE:
+        SmolLM3's every fourth layer); () = RoPE in every layer.
     relative_buckets, relative_max_distance: T5's bucketing.
     """
 
@@ -146,6 +149,7 @@ class PositionFields(Section):
     rotary_fraction: float = 1.0
     rope_scaling: RopeScaling | None = None
     rope_local_theta: float | None = None
+    nope_layers: tuple[int, ...] = ()
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
@@ -157,6 +161,14 @@ class PositionFields(Section):
             raise ValueError(
                 f"RoPE rotates channel pairs: head_dim * rotary_fraction = {self.head_dim} * "
                 f"{self.rotary_fraction} must be even"
+            )
+        self.nope_layers = tuple(self.nope_layers)  # a list, as read back from config.json
+        if self.nope_layers and (
+            self.position != "rope" or any(not 0 <= i < self.n_layers for i in self.nope_layers)
+        ):
+            raise ValueError(
+                f"ModelConfig.nope_layers must name layers in [0, n_layers={self.n_layers}) of a RoPE model "
+                f"(position='rope'); got {self.nope_layers!r} with position={self.position!r}"
             )
         if self.position == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(f"sinusoidal positions need an even d_model; got {self.d_model}")

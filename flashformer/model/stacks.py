@@ -110,7 +110,8 @@ class Stack(nn.Module):
     positional module (RoPE frequencies, T5's bias table, ALiBi slopes) is
     the stack's, as T5 keeps its relative bias in the first block only and
     every layer reuses it. Sliding-window layers may have RoPE of their own
-    (sliding_positions, Gemma 3); each layer reads the arguments of its type.
+    (sliding_positions, Gemma 3); each layer reads the arguments of its type, and the NoPE
+    layers (nope_layers, SmolLM3) none.
     make_block(index) builds layer `index`.
     """
 
@@ -121,6 +122,7 @@ class Stack(nn.Module):
         self.positions = _attention_positions(config, bidirectional)
         self.sliding_positions = _sliding_positions(config)
         self.layer_types = [config.layer_type(i) for i in range(n_layers)]
+        self.nope_layers = frozenset(config.nope_layers)  # no RoPE there (SmolLM3)
         self.final_norm = make_norm(config) if config.prenorm else nn.Identity()
         self.final_dropout = nn.Dropout(config.dropout if config.dropout_after_final_norm else 0.0)
         self.activation_checkpointing = config.activation_checkpointing
@@ -144,7 +146,7 @@ class Stack(nn.Module):
             else self.sliding_positions.attention_args(positions, cache_position)
         )
         by_type = {"full_attention": full, "sliding_attention": sliding}
-        return [by_type[kind] for kind in self.layer_types]
+        return [{} if i in self.nope_layers else by_type[kind] for i, kind in enumerate(self.layer_types)]
 
     def finish(self, x: Tensor) -> Tensor:
         return self.final_dropout(self.final_norm(x))

@@ -30,6 +30,7 @@ from flashformer.attention.paged import kv_slots
 from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 from flashformer.kernels.quantized import QuantizedLinear
 from flashformer.model.native import native_decoder
+from flashformer.model.positional import RotaryEmbedding
 from flashformer.serve.paged_cache import NO_BLOCK, BlockPool, make_paged_caches
 
 
@@ -186,6 +187,15 @@ class ModelRunner:
         end) for the sequences whose newest token was fed (the others are in a prompt or a
         replay), their rows of logits (R, V) being first .. end - 1: the last fed token's alone,
         or for those in every_row (a token and its drafts: speculation.py) every fed token's."""
+        groups = self._rope_groups(work)
+        if len(groups) > 1:  # the modules choose LongRoPE's table per forward: a forward per side
+            ready, logits = [], []
+            for group in groups:
+                part_ready, part_logits = self.packed(group, every_row)
+                offset = sum(len(part) for part in logits)
+                ready += [(sequence, first + offset, end + offset) for sequence, first, end in part_ready]
+                logits.append(part_logits)
+            return ready, torch.cat(logits)
         tokens, positions, starts = [], [], [0]
         for sequence, start, end in work:
             tokens += sequence.tokens[start:end]
@@ -204,6 +214,17 @@ class ModelRunner:
         else:
             logits = self._eager_packed(work, tokens, positions, starts, rows)
         return ready, logits
+
+    def _rope_groups(self, work) -> list[list]:
+        """`work` split by the side of LongRoPE's switch its sequences are on (the native decoder
+        chooses per sequence itself; the modules' RotaryEmbedding, per row of a forward, would
+        give every packed sequence the long table once one passes the original context)."""
+        rope = getattr(getattr(self.model, "decoder", None), "positions", None)
+        if self.native is not None or not isinstance(rope, RotaryEmbedding) or rope.long_inv_freq is None:
+            return [work]
+        original = rope.scaling.original_max_seq_len
+        sides = [[item for item in work if (item[2] > original) == long] for long in (False, True)]
+        return [side for side in sides if side]
 
     def _native_packed(self, work, tokens, positions, starts, rows) -> torch.Tensor:
         """packed's forward as one native call: its index tensors are made from Python lists

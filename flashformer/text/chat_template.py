@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -62,8 +63,18 @@ def render_chat_template(
         raise ValueError(f"the chat template failed on these messages: {error.message or error}") from None
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+def template_variables(template: str) -> set[str] | None:
+    """The names a template reads without setting them (`tools`, `enable_thinking`, ...), parsed
+    as it is rendered (its {% generation %} blocks included: SmolLM3's template has them); None
+    for a template that is not valid Jinja (rendering reports it)."""
+    try:
+        return jinja2.meta.find_undeclared_variables(_environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
@@ -74,8 +85,13 @@ def _compile(template: str) -> jinja2.Template:
         dict=_TemplateDict(),
         namespace=_TemplateNamespace,
     )
+    return environment
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
     try:
-        return environment.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as error:
         raise ValueError(
             f"the chat template is not valid Jinja (line {error.lineno}): {error.message}"

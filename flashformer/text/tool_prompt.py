@@ -21,8 +21,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-import jinja2
-import jinja2.meta
+from flashformer.text.chat_template import template_variables
 
 GENERIC_INSTRUCTIONS = (
     "You can call these functions. Each is described by a JSON object with its name, what it "
@@ -37,11 +36,8 @@ GENERIC_INSTRUCTIONS = (
 @lru_cache(maxsize=16)
 def template_knows_tools(template: str) -> bool:
     """Whether a chat template reads the `tools` variable (and so renders tools itself)."""
-    try:
-        names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateSyntaxError:
-        return False  # rendering will report the template's error
-    return "tools" in names
+    names = template_variables(template)  # None: not valid Jinja, which rendering will report
+    return names is not None and "tools" in names
 
 
 def function_of(tool: dict) -> dict:

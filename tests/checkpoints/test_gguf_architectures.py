@@ -195,18 +195,22 @@ def test_qwen2_without_its_q_bias_is_refused(parts, tmp_path):
         _read(tmp_path, "qwen2", metadata, tensors)
 
 
-def test_phi3_longrope_is_refused(parts, tmp_path):
+def test_phi3_longrope_that_cannot_be_read_is_refused(parts, tmp_path):
+    """LongRoPE itself is read (tests/checkpoints/test_gguf_phi4_mini.py): half of it is not."""
     metadata, tensors = parts["phi3"]
-    factors = {
-        name: (np.ones(8, np.float32), "F32")
+    long = {"rope_factors_long.weight": (np.ones(8, np.float32), "F32")}
+    with pytest.raises(GGUFError, match=r"bad\.gguf: tensor 'rope_factors_long\.weight' without its pair"):
+        _read(tmp_path, "phi3", metadata, dict(tensors, **long))
+    with pytest.raises(
+        GGUFError, match=r"phi3\.rope\.scaling\.attn_factor without the LongRoPE factor tensors"
+    ):
+        _read(tmp_path, "phi3", dict(metadata, **{"phi3.rope.scaling.attn_factor": 1.19}), tensors)
+    odd = {
+        name: (np.ones(7, np.float32), "F32")
         for name in ("rope_factors_long.weight", "rope_factors_short.weight")
     }
-    with pytest.raises(
-        GGUFError, match=r"bad\.gguf: 'rope_factors_long\.weight', .*LongRoPE .* is not supported"
-    ):
-        _read(tmp_path, "phi3", metadata, dict(tensors, **factors))
-    with pytest.raises(GGUFError, match=r"'phi3\.rope\.scaling\.attn_factor': LongRoPE"):
-        _read(tmp_path, "phi3", dict(metadata, **{"phi3.rope.scaling.attn_factor": 1.19}), tensors)
+    with pytest.raises(GGUFError, match=r"'rope_factors_short\.weight' has shape \(7,\); .* implies \(8,\)"):
+        _read(tmp_path, "phi3", metadata, dict(tensors, **odd))
 
 
 def test_phi3_odd_rotary_dimension_is_refused(parts, tmp_path):

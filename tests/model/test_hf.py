@@ -346,7 +346,7 @@ def _write(tmp_path, model, **config_changes):
         (
             lambda: LlamaForCausalLM(llama()),
             {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}},
-            r"'longrope'",
+            r"LongRoPE needs rope_parameters\.short_factor, a list; got None",
         ),
         (lambda: LlamaForCausalLM(llama()), {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
         (
@@ -356,14 +356,8 @@ def _write(tmp_path, model, **config_changes):
         ),
         (
             lambda: Phi3ForCausalLM(hf_config("phi3")),
-            {
-                "rope_parameters": {
-                    "rope_type": "longrope",
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
-                }
-            },
-            r"rope type 'longrope' is not supported for phi3",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+            r"rope type 'yarn' is not supported for phi3",
         ),
         (lambda: Phi3ForCausalLM(hf_config("phi3")), {"sliding_window": 16}, r"sliding_window=16 is shorter"),
         (

@@ -20,6 +20,7 @@ from flashformer.checkpoints.gguf.llama import Llama, LlamaWriter
 from flashformer.checkpoints.gguf.phi3 import Phi3
 from flashformer.checkpoints.gguf.qwen2 import Qwen2, Qwen2Writer
 from flashformer.checkpoints.gguf.qwen3 import Qwen3, Qwen3Moe
+from flashformer.checkpoints.gguf.smollm3 import SmolLM3, SmolLM3Writer
 
 # the file's general.architecture -> what its metadata and tensors mean
 ARCHITECTURES = {
@@ -35,8 +36,11 @@ ARCHITECTURES = {
         Gemma("gemma", 1),
         Gemma("gemma2", 2),
         Gemma("gemma3", 3),
+        SmolLM3(),
     )
 }
 
 # config.json's model_type -> how it is written (writer.architecture names its ARCHITECTURES row)
-WRITERS = {writer.model_type: writer for writer in (LlamaWriter(), Qwen2Writer(), GPT2Writer())}
+WRITERS = {
+    writer.model_type: writer for writer in (LlamaWriter(), Qwen2Writer(), GPT2Writer(), SmolLM3Writer())
+}

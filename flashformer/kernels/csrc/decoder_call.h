@@ -28,6 +28,7 @@ struct Call {
   at::Tensor padding_tensor;
   std::vector<Task> tasks;
   float* logits = nullptr;
+  std::vector<uint8_t> long_rope;  // per token: its sequence turns by LongRoPE's long table (mark_long_rope)
 };
 
 // What a call's checks read of the decoder: its vocabulary, KV heads, the first layer's cache (every
@@ -128,6 +129,18 @@ inline void check_window(Call& c, const CacheView& cache, const at::Tensor& wind
     TORCH_CHECK(c.window_slots[t] >= 0 && c.window_slots[t] < cache.blocks * cache.block_size, "window_slots: ",
                 c.window_slots[t], " is outside the sliding-window layers' ", cache.blocks * cache.block_size,
                 " slots");
+  }
+}
+
+// LongRoPE's rule, per sequence as transformers applies it per forward pass: a sequence whose last
+// position in this call passes the original context (max position + 1 > original) turns every one
+// of its new tokens by the long table; the others by the short one. original 0: no long table.
+inline void mark_long_rope(Call& c, int64_t original) {
+  c.long_rope.assign(c.T, 0);
+  for (int64_t s = 0; s < c.S && original > 0; ++s) {
+    int64_t last = -1;
+    for (int64_t t = c.starts[s]; t < c.starts[s + 1]; ++t) last = std::max(last, c.positions[t]);
+    for (int64_t t = c.starts[s]; t < c.starts[s + 1]; ++t) c.long_rope[t] = last + 1 > original;
   }
 }
 

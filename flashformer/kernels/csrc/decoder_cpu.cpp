@@ -97,6 +97,16 @@ class NativeDecoder : public torch::CustomClassHolder {
     inv_freq_[index].assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + rotary_half_);
   }
 
+  // Table 0's scaling: the factor on its cos and sin (YaRN's or LongRoPE's attention factor) and
+  // LongRoPE's long frequencies past `original` positions (mark_long_rope; original 0: none).
+  void set_rotary_scaling(const at::Tensor& long_inv_freq, int64_t original, double cos_sin_factor) {
+    TORCH_CHECK(rotary_half_ > 0 && original >= 0, "set_rotary_scaling: set table 0 first; original >= 0, got ",
+                original);
+    check_floats(long_inv_freq, "long_inv_freq", rotary_half_, -1);
+    long_inv_freq_.assign(long_inv_freq.data_ptr<float>(), long_inv_freq.data_ptr<float>() + rotary_half_);
+    long_after_ = original, cos_sin_factor_ = static_cast<float>(cos_sin_factor);
+  }
+
   // which: "attn", "attn_out", "ffn", "ffn_out", "q", "k" of a layer, or "final" (layer -1).
   void set_norm(int64_t layer, const std::string& which, int64_t kind, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, double eps) {
@@ -237,6 +247,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     Call call =
         check_call(limits, tokens, positions, q_starts, seq_lens, block_tables, slots, key_padding, logit_rows);
     if (window_tables) check_window(call, caches_[windowed], *window_tables, *window_slots);
+    mark_long_rope(call, long_after_);
     at::Tensor logits = at::empty({static_cast<int64_t>(call.logit_rows.size()), vocab_}, at::kFloat);
     call.logits = logits.data_ptr<float>();
     run(call);
@@ -307,10 +318,13 @@ class NativeDecoder : public torch::CustomClassHolder {
       for (int table = 0; table < 2; ++table) {
         if (inv_freq_[table].empty()) continue;
         float* cs = rope_row(table, t, T);
+        const bool long_rope = table == 0 && c.long_rope[t];
+        const float* freq = long_rope ? long_inv_freq_.data() : inv_freq_[table].data();
+        const float factor = table == 0 ? cos_sin_factor_ : 1.f;
         for (int64_t i = 0; i < rotary_half_; ++i) {
-          const float angle = static_cast<float>(c.positions[t]) * inv_freq_[table][i];
-          cs[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-          cs[rotary_half_ + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+          const float angle = static_cast<float>(c.positions[t]) * freq[i];
+          cs[i] = static_cast<float>(std::cos(static_cast<double>(angle))) * factor;
+          cs[rotary_half_ + i] = static_cast<float>(std::sin(static_cast<double>(angle))) * factor;
         }
       }
     });
@@ -561,7 +575,9 @@ class NativeDecoder : public torch::CustomClassHolder {
   Norm final_norm_;
   Projection head_;
   float logit_softcap_ = 0.f;
-  std::vector<float> inv_freq_[2];
+  std::vector<float> inv_freq_[2], long_inv_freq_;
+  int64_t long_after_ = 0;  // LongRoPE's original context (0: no long table)
+  float cos_sin_factor_ = 1.f;
   int64_t rotary_half_ = 0;
   int64_t max_width_ = 0;
   bool ready_ = false, cache_bound_ = false;
@@ -586,6 +602,7 @@ TORCH_LIBRARY_FRAGMENT(flashformer, m) {
       .def("set_embedding", &NativeDecoder::set_embedding)
       .def("set_positions", &NativeDecoder::set_positions)
       .def("set_rotary", &NativeDecoder::set_rotary)
+      .def("set_rotary_scaling", &NativeDecoder::set_rotary_scaling)
       .def("set_norm", &NativeDecoder::set_norm)
       .def("add_part", &NativeDecoder::add_part)
       .def("set_attention", &NativeDecoder::set_attention)

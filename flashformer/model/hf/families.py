@@ -15,6 +15,7 @@ from flashformer.model.hf.phi3 import Phi3
 from flashformer.model.hf.qwen2 import Qwen2
 from flashformer.model.hf.qwen3 import Qwen3
 from flashformer.model.hf.qwen3_moe import Qwen3Moe
+from flashformer.model.hf.smollm3 import SmolLM3
 from flashformer.model.hf.t5 import T5
 from flashformer.model.presets import preset
 
@@ -33,6 +34,7 @@ FAMILIES: dict[str, Family] = {
         Gemma("gemma", 1),
         Gemma("gemma2", 2),
         Gemma("gemma3_text", 3),
+        SmolLM3(),
     )
 }
 
@@ -60,6 +62,7 @@ def names_table() -> str:
         ),
         "phi3": preset("llama-tiny", n_layers=1, hf_model_type="phi3", fused_gate_up=True),
         "qwen3": preset("llama-tiny", n_layers=1, qk_norm=True, hf_model_type="qwen3"),
+        "smollm3": preset("llama-tiny", n_layers=1, nope_layers=(0,), hf_model_type="smollm3"),
         "qwen3_moe": preset(
             "llama-tiny", n_layers=1, qk_norm=True, n_expert=2, n_expert_used=1, hf_model_type="qwen3_moe"
         ),

@@ -1,4 +1,4 @@
-"""LLaMA: grouped KV heads, rope_theta, rope_scaling (linear, llama3, yarn)."""
+"""LLaMA: grouped KV heads, rope_theta, rope_scaling (linear, llama3, yarn, longrope)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,37 @@ def rope_from_hf(hf: dict, max_seq_len: int) -> tuple[float, RopeScaling | None]
             truncate=bool(rope.get("truncate", True)),
             attention_factor=None if attention_factor is None else float(attention_factor),
         )
+    if rope_type == "longrope":
+        return theta, longrope_from_hf(hf, rope, max_seq_len)
     raise ValueError(
-        f"config.json: rope type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', 'yarn')"
+        f"config.json: rope type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', "
+        f"'yarn', 'longrope')"
+    )
+
+
+def longrope_from_hf(hf: dict, rope: dict, max_seq_len: int) -> RopeScaling:
+    """LongRoPE's factors, original context (Phi-3 keeps it at the top of config.json, and
+    transformers prefers that one) and factor (absent: context / original context, as
+    transformers derives it)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(rope.get(key), list):
+            raise ValueError(
+                f"config.json: LongRoPE needs rope_parameters.{key}, a list; got {rope.get(key)!r}"
+            )
+    original = hf.get("original_max_position_embeddings", rope.get("original_max_position_embeddings"))
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(
+            f"config.json: LongRoPE needs original_max_position_embeddings >= 1; got {original!r}"
+        )
+    factor = rope.get("factor")
+    attention_factor = rope.get("attention_factor")
+    return RopeScaling(
+        "longrope",
+        float(max_seq_len / original if factor is None else factor),
+        original_max_seq_len=original,
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        short_factor=tuple(rope["short_factor"]),
+        long_factor=tuple(rope["long_factor"]),
     )
 
 
@@ -78,6 +107,16 @@ def rope_to_hf(config: ModelConfig) -> dict:
             beta_fast=scaling.beta_fast,
             beta_slow=scaling.beta_slow,
             truncate=scaling.truncate,
+        )
+        if scaling.attention_factor is not None:
+            rope["attention_factor"] = scaling.attention_factor
+    elif scaling is not None and scaling.kind == "longrope":
+        rope.update(
+            rope_type="longrope",
+            factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_seq_len,
+            short_factor=list(scaling.short_factor),
+            long_factor=list(scaling.long_factor),
         )
         if scaling.attention_factor is not None:
             rope["attention_factor"] = scaling.attention_factor

@@ -169,6 +169,7 @@ PLAIN_LAYERS = dict(
     scale_embeddings=False,
     layer_types=None,
     rope_local_theta=None,
+    nope_layers=(),
     n_expert=0,
     attention_sinks=False,
     swiglu_limit=None,

@@ -2,9 +2,12 @@
 gate and up in one (gate_up_proj, gate rows first), no biases, and partial rotary
 (partial_rotary_factor: Phi-4-mini rotates 96 of a head's 128 channels, rotate-half layout).
 
-Not implemented, refused by name: LongRoPE (rope type "longrope", the 128k-context Phi-3,
-Phi-3.5 and Phi-4-mini) and a sliding window shorter than the context (Phi-3-mini-4k's 2047;
-transformers applies it, llama.cpp switches it off).
+LongRoPE (rope type "longrope", or the older "su"; the 128k-context Phi-3, Phi-3.5 and
+Phi-4-mini): short and long factors per channel pair, chosen by the sequence's length, and an
+attention factor on cos and sin (positional.RopeScaling). Not implemented, refused by name: a
+sliding window shorter than the context (Phi-3-mini-4k's 2047; transformers applies it, llama.cpp
+switches it off), and rope type "yarn" (transformers reads it as LongRoPE, llama.cpp's converter
+as YaRN's attention factor: the two disagree).
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ class Phi3(Llama):
     model_type = "phi3"
 
     def config_from_hf(self, hf, weights):
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in ("default", "longrope", "su"):
             raise ValueError(
                 f"config.json: rope type {rope_type!r} is not supported for phi3 models (supported: "
-                f"'default'; LongRoPE, as in the 128k-context Phi-3, Phi-3.5 and Phi-4-mini, is not implemented)"
+                f"'default', 'longrope' and its older name 'su')"
             )
+        if rope_type == "su":  # as transformers' Phi3Config renames it
+            rope.update(rope_type="longrope")
+            hf = {**hf, "rope_parameters": rope}
         window, context = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
         if window is not None and window < context:
             raise ValueError(
@@ -62,7 +68,11 @@ class Phi3(Llama):
             "architectures": ["Phi3ForCausalLM"],
             "model_type": "phi3",
             **hf,
-            "original_max_position_embeddings": config.max_seq_len,
+            "original_max_position_embeddings": (
+                config.max_seq_len
+                if config.rope_scaling is None
+                else config.rope_scaling.original_max_seq_len
+            ),
             "sliding_window": None,
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
