@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from flashformer.adapters.peft import load_adapters
 from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.checkpoints.gguf import GGUFCheckpoint, QuantizedTensor, read_gguf
@@ -101,6 +102,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     quantize: str | None = AUTO,
     activations: str = "int8",
+    adapters=None,
 ) -> PreTrainedModel:
     """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
 
@@ -111,7 +113,9 @@ def from_pretrained(
     file's memory map, Q4/Q5/Q8 blocks repacked once from it; the model holds about the file's
     size); see flashformer.model.quantize. activations: what a quantized layer does
     with its input, "int8" (quantized per block of 32, as llama.cpp does) or "float32" (exact
-    with respect to the quantized weights, slower). A Hugging Face folder's problems
+    with respect to the quantized weights, slower). adapters: LoRA adapters added beside the
+    (possibly quantized) projections, all active: a PEFT folder, a list of them (each named by its
+    folder) or {name: folder} (flashformer.adapters). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
     CheckpointError naming the file.
     """
@@ -119,12 +123,20 @@ def from_pretrained(
     kind, where = locate(path)
     quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":
-        return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False)[0]
+        return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False, adapters=adapters)[0]
     if kind == "hf":
         model = build_with_weights(*hf.read_pretrained(where))
     else:
         model = _load_checkpoint(where)
-    return _finish(model, dtype, quantize, activations, None)
+    return _with_adapters(_finish(model, dtype, quantize, activations, None), adapters)
+
+
+def _with_adapters(model: PreTrainedModel, adapters) -> PreTrainedModel:
+    """The adapters beside the finished model's projections: after quantizing, so that a quantized
+    base keeps its blocks and the low-rank product runs beside them."""
+    if adapters is not None:
+        load_adapters(model, adapters)
+    return model
 
 
 def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, activations: str, checkpoint):
@@ -140,9 +152,10 @@ def load(
     dtype: torch.dtype | None = None,
     quantize: str | None = AUTO,
     activations: str = "int8",
+    adapters=None,
 ):
     """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
-    folder; dtype, quantize and activations as in from_pretrained.
+    folder; dtype, quantize, activations and adapters as in from_pretrained.
 
     Raises CheckpointError naming the folder and what is missing or damaged.
     """
@@ -150,9 +163,9 @@ def load(
     kind, folder = locate(path)
     quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":  # one read of the file serves the model and the tokenizer
-        return _load_gguf(folder, dtype, quantize, activations, with_tokenizer=True)
+        return _load_gguf(folder, dtype, quantize, activations, with_tokenizer=True, adapters=adapters)
     try:
-        model = from_pretrained(folder, dtype, quantize, activations)
+        model = from_pretrained(folder, dtype, quantize, activations, adapters)
     except (ValueError, OSError, SafetensorError) as error:
         if kind != "hf":
             raise
@@ -244,7 +257,9 @@ def _starts_like_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, with_tokenizer: bool):
+def _load_gguf(
+    path: Path, dtype, quantize_mode: str | None, activations: str, with_tokenizer: bool, adapters=None
+):
     """(model, tokenizer or None) from one read of a GGUF file."""
     with paused_gc():  # the metadata's, the tokenizer's and the modules' objects all live on
         checkpoint = read_gguf(path, dequantize=quantize_mode != "gguf", show_progress=False)
@@ -259,7 +274,7 @@ def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, w
     checkpoint.mapping.drop_resident_pages()
     del checkpoint  # the blocks' copies, before the heap is trimmed
     _return_freed_memory()
-    return model, tokenizer
+    return _with_adapters(model, adapters), tokenizer
 
 
 def _return_freed_memory() -> None:
