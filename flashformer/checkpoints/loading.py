@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from flashformer.adapters.peft import load_adapters
 from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.checkpoints.gguf import GGUFCheckpoint, QuantizedTensor, read_gguf
@@ -135,6 +134,8 @@ def _with_adapters(model: PreTrainedModel, adapters) -> PreTrainedModel:
     """The adapters beside the finished model's projections: after quantizing, so that a quantized
     base keeps its blocks and the low-rank product runs beside them."""
     if adapters is not None:
+        from flashformer.adapters.peft import load_adapters  # imported only when asked for
+
         load_adapters(model, adapters)
     return model
 
@@ -191,14 +192,24 @@ def load_tokenizer(path: str | Path):
     return _load_tokenizer(where)
 
 
-def export_hf(path: str | Path, folder: str | Path) -> Path:
+def _merged(path, adapters):
+    """(float model, tokenizer) of `path` with `adapters` (load's argument) merged into its weights."""
+    from flashformer.adapters.lora import merge_adapters  # imported only when asked for
+
+    # float weights (a GGUF file's dequantized): a quantized block cannot take a merge
+    model, tokenizer = load(path, quantize=None, adapters=adapters)
+    return merge_adapters(model), tokenizer
+
+
+def export_hf(path: str | Path, folder: str | Path, adapters=None) -> Path:
     """Write the model of a run or checkpoint as a Hugging Face folder
-    (config.json, model.safetensors, tokenizer.json) that transformers loads.
+    (config.json, model.safetensors, tokenizer.json) that transformers loads; `adapters` (LoRA,
+    as load takes them) merged into its float weights first.
 
     The folder is written beside its final place and renamed into it, as a
     checkpoint is: an interrupted export leaves the previous one (or none).
     """
-    model, tokenizer = load(path, quantize=None)  # float weights: a GGUF file's dequantized
+    model, tokenizer = _merged(path, adapters)
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
@@ -214,10 +225,16 @@ def export_hf(path: str | Path, folder: str | Path) -> Path:
 
 
 def export_gguf(
-    path: str | Path, out: str | Path, file_type: str = "f16", force: bool = False, show_progress: bool = True
+    path: str | Path,
+    out: str | Path,
+    file_type: str = "f16",
+    force: bool = False,
+    show_progress: bool = True,
+    adapters=None,
 ) -> dict[str, str]:
     """Write the model of a run, checkpoint or Hugging Face folder (llama or gpt2 family) and
-    its tokenizer as one GGUF file; file_type "f16", "q8_0" or "q4_k_m" (llama.cpp's mix).
+    its tokenizer as one GGUF file; file_type "f16", "q8_0" or "q4_k_m" (llama.cpp's mix);
+    `adapters` (LoRA, as load takes them) merged into its float weights first.
     Returns {tensor: ggml type}.
 
     The file appears whole or not at all. An existing `out` is kept unless force=True (a
@@ -234,7 +251,7 @@ def export_gguf(
         raise ValueError(
             f"{path} is a GGUF file already; export takes a run, checkpoint or Hugging Face folder"
         )
-    model, tokenizer = load(where, quantize=None)
+    model, tokenizer = _merged(where, adapters)
     try:
         hf_config, weights = hf.to_hf(model)
     except ValueError as error:
