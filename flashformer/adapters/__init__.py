@@ -16,11 +16,12 @@ from flashformer.adapters.lora import (
     merge_adapters,
     set_active,
 )
-from flashformer.adapters.peft import AdapterError, load_adapters, load_peft, save_peft
+from flashformer.adapters.peft import AdapterError, add_lora, load_adapters, load_peft, save_peft
 
 __all__ = [
     "AdapterError",
     "AdapterSettings",
+    "add_lora",
     "LoRALinear",
     "adapter_per_row",
     "load_adapters",

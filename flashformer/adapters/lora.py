@@ -215,10 +215,11 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 
 
 def adapter_parameters(model: nn.Module, name: str) -> dict[str, Tensor]:
-    """One adapter's tensors under their module names (what a training checkpoint holds)."""
+    """One adapter's parameters under their names in the model's state dict (what a LoRA run's
+    checkpoint holds)."""
     found = {}
     for module_name, layer in lora_layers(model).items():
         if name in layer.adapters:
             for key, tensor in layer.adapters[name].named_parameters():
-                found[f"{module_name}.{key}"] = tensor
+                found[f"{module_name}.adapters.{name}.{key}"] = tensor  # its name in the state dict
     return found

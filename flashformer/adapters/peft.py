@@ -196,6 +196,28 @@ def load_peft(model: nn.Module, folder: str | Path, name: str | None = None) -> 
     return name
 
 
+def add_lora(
+    model: nn.Module, name: str, settings: AdapterSettings, target_modules: str | list[str]
+) -> list[str]:
+    """A new adapter (PEFT's initialization: A random, B zero) on every projection whose
+    transformers name `target_modules` matches as PEFT matches it ("q_proj" or a regex); returns
+    the modules it covers. Draws from torch's global generator (seed it for a reproducible A)."""
+    where = targets(model)
+    chosen = [module for module in where if matches(module, target_modules)]
+    if not chosen:
+        names = sorted({part_name(module) for module in where})
+        raise AdapterError(
+            f"target modules {target_modules!r} match no projection of this model; it has {names}"
+        )
+    by_projection: dict[str, dict[str, tuple[int, int]]] = {}
+    for module in chosen:
+        by_projection.setdefault(where[module].module, {})[part_name(module)] = where[module].rows
+    for ours, parts in by_projection.items():
+        layer = wrap(model, ours)
+        layer.add(name, settings, parts).to(_device(layer.base))
+    return chosen
+
+
 def load_adapters(model: nn.Module, adapters) -> list[str]:
     """load(..., adapters=...)'s argument onto `model`: a folder, a list of folders (each named by
     its folder's name) or {name: folder}; all of them active. Returns the names."""

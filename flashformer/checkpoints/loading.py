@@ -383,6 +383,35 @@ def _read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path} is corrupt: {error}") from None
 
 
+LORA_ADAPTER = "lora"  # the name of the adapter a LoRA run of `flashformer train` trains
+
+
+def lora_run_model(train: dict) -> PreTrainedModel:
+    """What a LoRA run of `flashformer train` trains (`train`: its TrainConfig's fields): its base
+    in float32 (train.base) and a fresh adapter beside it, as PEFT initializes one (A drawn from
+    torch's global generator, B zero). Returns the model; the adapter's parameters are
+    trainable_names(model)."""
+    from flashformer.adapters.lora import AdapterSettings  # imported only for a LoRA run
+    from flashformer.adapters.peft import add_lora
+
+    model = from_pretrained(train["base"], quantize=None)
+    settings = AdapterSettings(
+        rank=int(train["lora_rank"]), alpha=float(train["lora_alpha"]), dropout=float(train["lora_dropout"])
+    )
+    add_lora(model, LORA_ADAPTER, settings, train["lora_targets"])
+    trainable = adapter_names(model)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trainable)
+    return model
+
+
+def adapter_names(model) -> set[str]:
+    """The names of the LoRA run's adapter parameters (all that its checkpoints hold)."""
+    from flashformer.adapters.lora import adapter_parameters
+
+    return set(adapter_parameters(model, LORA_ADAPTER))
+
+
 def _load_checkpoint(folder: Path) -> PreTrainedModel:
     ckpt.verify_checkpoint(folder)
     config = _read_config(folder)
@@ -392,6 +421,16 @@ def _load_checkpoint(folder: Path) -> PreTrainedModel:
         model_config = ModelConfig.from_dict(config["model"])
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{folder / 'config.json'} holds an invalid model config: {error}") from None
+    train = config.get("train") or {}
+    if train.get("lora_rank"):  # the adapter alone: on its base, read again
+        model = lora_run_model(train)
+        if model.config.to_dict() != model_config.to_dict():
+            raise CheckpointError(
+                f"checkpoint {folder} adapts {train['base']}, whose model config is no longer the one the "
+                f"adapter was trained on"
+            )
+        ckpt.load_weights(folder, model, names=adapter_names(model))
+        return model
     model = build(model_config)
     ckpt.load_weights(folder, model)
     return model

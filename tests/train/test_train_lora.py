@@ -1,0 +1,147 @@
+"""LoRA fine-tuning with the trainer (`flashformer train --base MODEL --lora`): the base frozen,
+checkpoints holding the adapter alone, an exact resume (bitwise, as a full run's), the run loaded
+back as base + adapter, and the adapter written as a PEFT folder that peft reads onto the
+transformers model with the same logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import flashformer
+from flashformer.adapters import lora_layers
+from flashformer.checkpoints import checkpoint as ckpt
+from flashformer.cli import commands as cli
+from flashformer.train.config import TrainConfig
+from flashformer.train.trainer import Trainer
+from tests.helpers import relative_error
+from tests.helpers.gguf import cycle_types, llama_metadata, llama_tensors, tiny_llama, write_gguf
+
+WORDS = "the and 12 there in answer".split()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny LLaMA as a Hugging Face folder with a tokenizer (a float GGUF file's, saved)."""
+    folder = tmp_path_factory.mktemp("lora-base")
+    model = tiny_llama()
+    path = write_gguf(
+        folder / "tiny.gguf", "llama", llama_metadata(model), llama_tensors(model, cycle_types("F32"))
+    )
+    float_model, tokenizer = flashformer.load(path, quantize=None)
+    float_model.save_pretrained(folder / "hf")
+    tokenizer.save(folder / "hf")
+    return folder / "hf"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora-corpus")
+    generator = torch.Generator().manual_seed(0)
+    for i in range(30):
+        order = torch.randint(0, len(WORDS), (60,), generator=generator).tolist()
+        (folder / f"doc{i}.txt").write_text(" ".join(WORDS[j] for j in order) + "\n")
+    return folder
+
+
+def lora_config(base, corpus, **changes) -> TrainConfig:
+    values = dict(
+        data=[str(corpus)],
+        base=str(base),
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_targets=["q_proj", "v_proj", "down_proj"],
+        seq_len=16,
+        batch_size=4,
+        max_steps=6,
+        lr=1e-2,
+        warmup_steps=1,
+        eval_every=3,
+        eval_batches=1,
+        log_every=2,
+        save_every=3,
+        sample_tokens=0,  # no sample: the run's speed is its steps
+        val_fraction=0.1,
+        export_hf=False,
+    )
+    return TrainConfig(**(values | changes))
+
+
+def test_the_base_stays_frozen_and_checkpoints_hold_the_adapter_alone(base, corpus, tmp_path):
+    original = flashformer.from_pretrained(base).state_dict()
+    trainer = Trainer(None, lora_config(base, corpus), tmp_path, show_progress=False)
+    summary = trainer.fit()
+    saved = load_file(str(Path(summary["checkpoint"]) / ckpt.WEIGHTS))
+    assert saved and all(".adapters.lora.A." in k or ".adapters.lora.B." in k for k in saved), sorted(saved)
+    assert len(saved) == 2 * 3 * 2  # 2 layers x (q, v: parts of one qkv; down) x (A, B)
+    assert any(".attn.qkv.adapters.lora.A.q_proj" in k for k in saved)
+    assert all(saved[k].abs().sum() > 0 for k in saved if ".B." in k), "every B has moved from zero"
+    for name, tensor in trainer.model.state_dict().items():
+        if "adapters" not in name:
+            assert torch.equal(tensor, original[name.replace(".base.", ".")]), name
+    assert summary["val_loss"] < 10
+
+
+def test_resume_reaches_the_same_adapter_bitwise(base, corpus, tmp_path):
+    # dropout on the adapter's input, so the restored RNG streams matter as much as the data position
+    config = dict(deterministic=True, lora_dropout=0.1)
+    straight = Trainer(None, lora_config(base, corpus, **config), tmp_path / "a", show_progress=False).fit()
+    first = Trainer(None, lora_config(base, corpus, **config), tmp_path / "b", show_progress=False)
+    first.fit(until_step=4)
+    resumed = Trainer(
+        None, lora_config(base, corpus, **config), tmp_path / "b", resume=True, show_progress=False
+    )
+    assert resumed.step == 4
+    end = resumed.fit()
+    a = load_file(str(Path(straight["checkpoint"]) / ckpt.WEIGHTS))
+    b = load_file(str(Path(end["checkpoint"]) / ckpt.WEIGHTS))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_cli_trains_an_adapter_that_peft_and_load_read_alike(base, corpus, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--base",
+        str(base),
+        "--lora",
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "q_proj,k_proj,up_proj",
+    ]
+    args += ["--data", str(corpus), "--out", str(out), "--max-steps", "4", "--no-progress"]
+    args += ["--train.seq_len", "16", "--train.batch_size", "4", "--train.eval_every", "4"]
+    args += ["--train.save_every", "4", "--train.sample_tokens", "4", "--train.sample_prompt", "the"]
+    cli.main(args)
+    config = json.loads((out / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["k_proj", "q_proj", "up_proj"]
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    ours, _ = flashformer.load(out)  # the run: its base, read again, and its adapter
+    assert lora_layers(ours)
+    with torch.no_grad():
+        got = ours(ids).logits
+        plain = flashformer.from_pretrained(base)(ids).logits
+        theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out / "peft").eval()
+        expected = theirs(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()(ids).logits  # export_hf: merged
+    assert relative_error(plain, expected) > 1e-4, "the trained adapter changes the logits"
+    assert relative_error(got, expected) < 1e-4
+    assert relative_error(merged, expected) < 1e-4
+
+
+def test_lora_settings_are_checked(base, corpus, tmp_path):
+    with pytest.raises(ValueError, match="train.lora_rank=4: an adapter needs train.base"):
+        Trainer(None, dataclasses.replace(lora_config(base, corpus), base=""), tmp_path, show_progress=False)
+    with pytest.raises(ValueError, match=r"target modules \['qq_proj'\] match no projection.*'q_proj'"):
+        Trainer(None, lora_config(base, corpus, lora_targets=["qq_proj"]), tmp_path, show_progress=False)
