@@ -139,7 +139,7 @@ class LoRALinear(nn.Module):
         one adapter multiplied together, the others left at zero."""
         delta = x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)  # (B, L, out)
         for index in row_adapter.unique().tolist():
-            if index >= 0:
+            if index >= 0 and names[index] in self.adapters:  # an adapter may skip this projection
                 rows = (row_adapter == index).nonzero().squeeze(1)
                 delta[rows] = self.adapters[names[index]].delta(x[rows], self.out_features)
         return delta
@@ -196,6 +196,19 @@ def adapter_per_row(model: nn.Module, names: tuple[str, ...], row_adapter: Tenso
     """Within the block, batch row b uses adapter names[row_adapter[b]] (-1: the base alone):
     one forward over a batch whose requests chose different adapters."""
     layers = lora_layers(model).values()
+    loaded = {name for layer in layers for name in layer.adapters}
+    unknown = sorted(set(names) - loaded)
+    if unknown:
+        raise ValueError(f"adapters {unknown} are not loaded; loaded: {sorted(loaded)}")
+    if (
+        row_adapter.dim() != 1
+        or row_adapter.is_floating_point()
+        or not all(-1 <= i < len(names) for i in row_adapter.tolist())
+    ):
+        raise ValueError(
+            f"row_adapter: expected a 1-D integer tensor of indices into names ({len(names)}) or -1; "
+            f"got {row_adapter.tolist()}"
+        )
     for layer in layers:
         layer.rows = (names, row_adapter)
     try:

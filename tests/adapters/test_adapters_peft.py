@@ -11,7 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashformer
-from flashformer.adapters import AdapterError, load_peft, lora_layers, merge_adapters, save_peft, set_active
+from flashformer.adapters import (
+    AdapterError,
+    adapter_per_row,
+    load_peft,
+    lora_layers,
+    merge_adapters,
+    save_peft,
+    set_active,
+)
 from tests.helpers import hf_config, perturbed, relative_error
 
 peft = pytest.importorskip("peft")
@@ -190,3 +198,47 @@ def test_a_corrupt_file_and_unsupported_options_are_refused(llama_pair, tmp_path
         load_peft(model, _copy(adapter, tmp_path / "bias", bias="all"))
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
         load_peft(model, tmp_path)
+
+
+def test_one_batch_mixes_adapters_and_the_base_row_by_row(llama_pair, tmp_path):
+    base, adapter = llama_pair
+    other = peft_folder(hf_model("llama"), tmp_path / "other", ["k_proj", "up_proj"], seed=3)
+    model = flashformer.from_pretrained(base, adapters={"a": adapter, "b": other})
+    ids = IDS[:1].expand(3, -1)
+    alone = {}
+    with torch.no_grad():
+        for names in (["a"], ["b"], []):
+            set_active(model, names)
+            alone[tuple(names)] = model(ids[:1]).logits
+        with adapter_per_row(model, ("a", "b"), torch.tensor([1, -1, 0])):
+            mixed = model(ids).logits
+    assert relative_error(alone[("a",)], peft_logits(base, adapter, IDS[:1])) < 1e-4
+    for row, names in enumerate([("b",), (), ("a",)]):
+        assert relative_error(mixed[row : row + 1], alone[names]) < 1e-5, names
+
+
+def test_a_failed_write_leaves_the_earlier_folder(pair, tmp_path, monkeypatch):
+    family, base, adapter = pair
+    model = flashformer.from_pretrained(base, adapters={"mine": adapter})
+    out = save_peft(model, "mine", tmp_path / "out")
+    before = (out / "adapter_model.safetensors").read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("flashformer.adapters.peft.save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_peft(model, "mine", out)
+    assert (out / "adapter_model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
+def test_per_row_adapters_are_checked(llama_pair):
+    base, adapter = llama_pair
+    model = flashformer.from_pretrained(base, adapters={"a": adapter})
+    with pytest.raises(ValueError, match=r"adapters \['z'\] are not loaded; loaded: \['a'\]"):
+        with adapter_per_row(model, ("z",), torch.tensor([0])):
+            pass
+    with pytest.raises(ValueError, match=r"row_adapter: .* got \[0, 2\]"):
+        with adapter_per_row(model, ("a",), torch.tensor([0, 2])):
+            pass
