@@ -20,6 +20,8 @@ from flashformer.adapters import (
     save_peft,
     set_active,
 )
+from flashformer.adapters.peft import part_name, targets
+from flashformer.model.models import cross_entropy
 from tests.helpers import hf_config, perturbed, relative_error
 
 peft = pytest.importorskip("peft")
@@ -242,3 +244,31 @@ def test_per_row_adapters_are_checked(llama_pair):
     with pytest.raises(ValueError, match=r"row_adapter: .* got \[0, 2\]"):
         with adapter_per_row(model, ("a",), torch.tensor([0, 2])):
             pass
+
+
+def test_the_adapters_gradients_equal_peft(pair):
+    """What training follows: the loss's gradient with respect to every A and B, against peft's
+    on the same transformers model (GPT-2's Conv1D and the fused q/k/v parts included)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    family, base, adapter = pair
+    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter, is_trainable=True)
+    theirs.eval()  # no dropout on either side: the same function, so the same gradient
+    theirs(IDS, labels=IDS).loss.backward()
+    expected = {
+        name.removeprefix("base_model.model.").replace(".default", ""): p.grad
+        for name, p in theirs.named_parameters()
+        if p.grad is not None
+    }
+    model = flashformer.from_pretrained(base, adapters={"mine": adapter})
+    cross_entropy(model(IDS).logits[:, :-1], IDS[:, 1:]).backward()
+    where = {(t.module, part_name(full)): full for full, t in targets(model).items()}
+    got = {}
+    for module, layer in lora_layers(model).items():
+        for factor in "AB":
+            for part, p in getattr(layer.adapters["mine"], factor).items():
+                got[f"{where[(module, part)]}.lora_{factor}.weight"] = p.grad
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert relative_error(got[name], expected[name]) < 1e-4, name

@@ -12,6 +12,7 @@ import flashformer
 from flashformer.adapters import LoRALinear, lora_layers
 from flashformer.cli import chat as chat_command
 from flashformer.cli import commands as cli
+from flashformer.cli import eval as eval_command
 from flashformer.kernels.quantized import ConcatenatedLinear, QuantizedLinear
 from flashformer.model.native import native_unsupported
 from tests.helpers import relative_error
@@ -167,3 +168,19 @@ def test_a_lora_layer_keeps_the_quantized_blocks_it_wraps(files):
     x = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(layer.base(x), plain.decoder.blocks[0].attn.qkv(x))
+
+
+def test_eval_perplexity_with_lora_scores_the_adapted_model(files, tmp_path, capsys):
+    from flashformer.eval.perplexity import perplexity
+
+    path, _, adapter = files
+    text = tmp_path / "a.txt"
+    text.write_text("the and 12 there in the answer and the 12 " * 4)
+    command = ["eval", "perplexity", str(path), "--lora", str(adapter), "--data", str(text), "--no-progress"]
+    payload = eval_command.main_from_args(cli.build_parser(command).parse_args(command))
+    model, tokenizer = flashformer.load(path, adapters=adapter)
+    expected = perplexity(model, tokenizer, [text.read_text()])
+    plain = perplexity(*flashformer.load(path), [text.read_text()])
+    assert payload["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-6)
+    assert abs(plain.mean_nll - expected.mean_nll) > 1e-3
+    assert payload["adapters"] == {adapter.name: str(adapter)}
