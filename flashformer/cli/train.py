@@ -93,7 +93,7 @@ def configs_from_args(args, extra: list[str]):
     if getattr(args, "lora", False) or getattr(args, "base", None):
         if not (args.lora and args.base):
             raise ValueError("--base MODEL and --lora go together: a base is fine-tuned with a LoRA adapter")
-        train_config.base = args.base
+        train_config.base = str(Path(args.base).resolve())  # a run loads it again from anywhere
         train_config.lora_rank, train_config.lora_alpha = args.lora_rank, args.lora_alpha
         train_config.lora_dropout = args.lora_dropout
         train_config.lora_targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]

@@ -184,3 +184,33 @@ def test_eval_perplexity_with_lora_scores_the_adapted_model(files, tmp_path, cap
     assert payload["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-6)
     assert abs(plain.mean_nll - expected.mean_nll) > 1e-3
     assert payload["adapters"] == {adapter.name: str(adapter)}
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_with_an_adapter_equals_peft_on_transformers_gguf_load(tmp_path):
+    """The real model: SmolLM2's Q4_1 file with a random adapter on every projection, against peft
+    on transformers' reading of the same file (its blocks dequantized)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
+
+    path = smollm2_path()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    adapted = get_peft_model(theirs, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    adapted.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(100, 49000, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = adapted.eval()(ids).logits
+        with adapted.disable_adapter():
+            plain = adapted(ids).logits
+        model, _ = flashformer.load(path, activations="float32", adapters=tmp_path / "adapter")
+        got = model(ids).logits
+    assert relative_error(plain, expected) > 1e-2, "the adapter must change the logits"
+    assert relative_error(got, expected) < 1e-4
