@@ -42,6 +42,9 @@ PREFIX = "base_model.model."  # PeftModel's prefix before transformers' module n
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<factor>[AB])\.weight$")
 # adapter_config.json's options that change the product, at the values we implement
 _PLAIN = {"bias": ("none",), "use_dora": (False, None), "lora_bias": (False, None)}
+# PEFT's task type per architecture (the PeftModel class it wraps the model in); None: the plain
+# PeftModel (BERT's masked LM has no task type of its own)
+TASK_TYPES = {"decoder": "CAUSAL_LM", "encoder-decoder": "SEQ_2_SEQ_LM", "encoder": None}
 _EMPTY = ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "layer_replication")
 
 
@@ -280,7 +283,7 @@ def save_peft(
         raise ValueError(f"no adapter named {name!r} is loaded on this model")
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": TASK_TYPES[model.config.arch],
         "base_model_name_or_path": base_model_name_or_path,
         "r": settings.rank,
         "lora_alpha": settings.alpha,

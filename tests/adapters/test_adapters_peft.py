@@ -272,3 +272,25 @@ def test_the_adapters_gradients_equal_peft(pair):
     assert got.keys() == expected.keys()
     for name in got:
         assert relative_error(got[name], expected[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize(
+    "family, targets", [("bert", ["query", "value", "dense"]), ("t5", ["q", "v", "wi", "o"])]
+)
+def test_encoder_and_encoder_decoder_adapters_equal_peft(family, targets, tmp_path):
+    """BERT (its attention, feed-forward and masked-LM head's dense layers) and T5 (both stacks)."""
+    from peft import PeftModel
+    from transformers import AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+
+    kind = AutoModelForMaskedLM if family == "bert" else AutoModelForSeq2SeqLM
+    torch.manual_seed(0)
+    perturbed(kind.from_config(hf_config(family))).save_pretrained(tmp_path / "base")
+    adapter = peft_folder(perturbed(kind.from_config(hf_config(family))), tmp_path / "adapter", targets)
+    inputs = dict(decoder_input_ids=IDS) if family == "t5" else {}
+    model = flashformer.from_pretrained(tmp_path / "base", adapters={"mine": adapter})
+    save_peft(model, "mine", tmp_path / "written")
+    with torch.no_grad():
+        got = model(IDS, **inputs).logits
+        for folder in (adapter, tmp_path / "written"):
+            theirs = PeftModel.from_pretrained(kind.from_pretrained(tmp_path / "base"), folder).eval()
+            assert relative_error(got, theirs(IDS, **inputs).logits) < 1e-4, folder
