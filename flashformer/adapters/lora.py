@@ -103,13 +103,11 @@ class LoRALinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.base.in_features if hasattr(self.base, "in_features") else self.base.parts[0].in_features
+        return self.base.in_features
 
     @property
     def out_features(self) -> int:
-        if hasattr(self.base, "out_features"):
-            return self.base.out_features
-        return sum(part.out_features for part in self.base.parts)
+        return self.base.out_features
 
     def add(self, name: str, settings: AdapterSettings, parts: dict[str, tuple[int, int]]) -> LowRank:
         """A new adapter (PEFT's initialization: B = 0, so it changes nothing yet), made active."""

@@ -64,12 +64,8 @@ class Target:
 
 def _linear_sizes(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a projection, float or quantized; None for anything else."""
-    if isinstance(module, LoRALinear):
+    if isinstance(module, LoRALinear | nn.Linear | QuantizedLinear | ConcatenatedLinear):
         return module.in_features, module.out_features
-    if isinstance(module, nn.Linear | QuantizedLinear):
-        return module.in_features, module.out_features
-    if isinstance(module, ConcatenatedLinear):
-        return module.parts[0].in_features, sum(part.out_features for part in module.parts)
     return None
 
 
