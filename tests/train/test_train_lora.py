@@ -145,3 +145,67 @@ def test_lora_settings_are_checked(base, corpus, tmp_path):
         Trainer(None, dataclasses.replace(lora_config(base, corpus), base=""), tmp_path, show_progress=False)
     with pytest.raises(ValueError, match=r"target modules \['qq_proj'\] match no projection.*'q_proj'"):
         Trainer(None, lora_config(base, corpus, lora_targets=["qq_proj"]), tmp_path, show_progress=False)
+
+
+@pytest.mark.slow  # ~15 s: two runs' setup and peft's by hand
+def test_the_trained_adapter_equals_peft_trained_on_the_same_batches(base, corpus, tmp_path):
+    """peft's adapter on transformers' model, from the same A (B zero), trained by hand with the
+    trainer's recipe (AdamW, decay on matrices, warmup + cosine, clipping) on the same batches,
+    ends at the same A and B and the same validation loss."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from flashformer.adapters.peft import part_name, targets
+    from flashformer.model.models import cross_entropy
+    from flashformer.train.trainer import learning_rate, parameter_groups
+
+    config = lora_config(base, corpus, max_steps=5, eval_every=5, save_every=5)
+    trainer = Trainer(None, config, tmp_path / "ours", show_progress=False)
+    where = {(t.module, part_name(full)): full for full, t in targets(trainer.model).items()}
+
+    def ours_by_peft_name():
+        found = {}
+        for module, layer in lora_layers(trainer.model).items():
+            for factor in "AB":
+                for part, p in getattr(layer.adapters["lora"], factor).items():
+                    found[f"base_model.model.{where[(module, part)]}.lora_{factor}.default.weight"] = p
+        return found
+
+    theirs = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, lora_alpha=8.0, target_modules=config.lora_targets, lora_dropout=0.0),
+    )
+    trained = dict(theirs.named_parameters())
+    with torch.no_grad():
+        for name, p in ours_by_peft_name().items():
+            trained[name].copy_(p)  # the same A; B zero on both sides
+    draw = Trainer(None, config, tmp_path / "batches", show_progress=False)  # the same sampler
+    batches = [
+        draw.objective.train_batch(draw.sampler.next_indices(config.batch_size), draw.generator)
+        for _ in range(config.max_steps)
+    ]
+    optimizer = torch.optim.AdamW(
+        parameter_groups(theirs, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2)
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate(s, config) / config.lr)
+    theirs.train()
+    for batch in batches:
+        cross_entropy(theirs(batch["input_ids"]).logits, batch["targets"]).backward()
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), config.grad_clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+
+    summary = trainer.fit()
+    ours = ours_by_peft_name()
+    for name, p in ours.items():
+        assert relative_error(p.detach(), trained[name].detach()) < 1e-4, name
+    theirs.eval()
+    with torch.no_grad():
+        losses = []
+        val = draw.objective
+        count = min(len(val.run_data.val), config.eval_batches * config.batch_size)
+        order = torch.randperm(len(val.run_data.val), generator=torch.Generator().manual_seed(config.seed))
+        windows = val.run_data.val.windows(order[:count].tolist())
+        losses.append(cross_entropy(theirs(windows[:, :-1]).logits, windows[:, 1:]).item())
+    assert summary["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
