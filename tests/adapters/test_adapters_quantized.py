@@ -157,6 +157,14 @@ def test_export_merge_lora_writes_a_float_model_that_equals_peft(files, tmp_path
     with pytest.raises(SystemExit):
         cli.main(["export", str(float_folder), "--lora", str(adapter), "--hf", str(tmp_path / "n")])
     assert "--merge-lora and --lora go together" in capsys.readouterr().err
+    # --gguf: the merged weights written as the merged folder's are (the writer is tested elsewhere)
+    merge = ["--lora", str(adapter), "--merge-lora", "--no-progress"]
+    cli.main(["export", str(float_folder), *merge, "--gguf", str(tmp_path / "merged.gguf")])
+    cli.main(["export", str(tmp_path / "m"), "--gguf", str(tmp_path / "from-folder.gguf"), "--no-progress"])
+    with torch.no_grad():
+        a = flashformer.from_pretrained(tmp_path / "merged.gguf", quantize=None)(IDS).logits
+        b = flashformer.from_pretrained(tmp_path / "from-folder.gguf", quantize=None)(IDS).logits
+    assert torch.equal(a, b)
 
 
 def test_a_lora_layer_keeps_the_quantized_blocks_it_wraps(files):
