@@ -133,13 +133,16 @@ class LoRALinear(nn.Module):
         return y
 
     def _rows_delta(self, x: Tensor, names: tuple[str, ...], row_adapter: Tensor) -> Tensor:
-        """Each batch row's own adapter (row_adapter: (B,) index into names, -1 = none): the rows of
-        one adapter multiplied together, the others left at zero."""
-        delta = x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)  # (B, L, out)
+        """Each row's own adapter (row_adapter: (B,) per batch row, or (B, L) per token as a packed
+        step of several sequences needs; an index into names, -1 = none): the rows of one adapter
+        multiplied together, the others left at zero."""
+        shape = x.shape[:-1]  # (B, L)
+        selector = row_adapter.view(*row_adapter.shape, *[1] * (len(shape) - row_adapter.dim())).expand(shape)
+        delta = x.new_zeros(*shape, self.out_features, dtype=torch.float32)  # (B, L, out)
         for index in row_adapter.unique().tolist():
             if index >= 0 and names[index] in self.adapters:  # an adapter may skip this projection
-                rows = (row_adapter == index).nonzero().squeeze(1)
-                delta[rows] = self.adapters[names[index]].delta(x[rows], self.out_features)
+                chosen = selector == index  # (B, L) bool
+                delta[chosen] = self.adapters[names[index]].delta(x[chosen], self.out_features)  # (n, out)
         return delta
 
     def merge_into_base(self) -> nn.Linear:
@@ -191,21 +194,22 @@ def set_active(model: nn.Module, names: list[str] | tuple[str, ...]) -> None:
 
 @contextlib.contextmanager
 def adapter_per_row(model: nn.Module, names: tuple[str, ...], row_adapter: Tensor) -> Iterator[None]:
-    """Within the block, batch row b uses adapter names[row_adapter[b]] (-1: the base alone):
-    one forward over a batch whose requests chose different adapters."""
+    """Within the block, batch row b uses adapter names[row_adapter[b]] (-1: the base alone): one
+    forward over a batch whose requests chose different adapters. row_adapter may also be (B, L),
+    one index per token, for a packed step whose row holds several sequences."""
     layers = lora_layers(model).values()
     loaded = {name for layer in layers for name in layer.adapters}
     unknown = sorted(set(names) - loaded)
     if unknown:
         raise ValueError(f"adapters {unknown} are not loaded; loaded: {sorted(loaded)}")
     if (
-        row_adapter.dim() != 1
+        row_adapter.dim() not in (1, 2)
         or row_adapter.is_floating_point()
-        or not all(-1 <= i < len(names) for i in row_adapter.tolist())
+        or not all(-1 <= i < len(names) for i in row_adapter.flatten().tolist())
     ):
         raise ValueError(
-            f"row_adapter: expected a 1-D integer tensor of indices into names ({len(names)}) or -1; "
-            f"got {row_adapter.tolist()}"
+            f"row_adapter: expected a (B,) or (B, L) integer tensor of indices into names ({len(names)}) "
+            f"or -1; got {row_adapter.tolist()}"
         )
     for layer in layers:
         layer.rows = (names, row_adapter)

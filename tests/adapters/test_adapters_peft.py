@@ -294,3 +294,27 @@ def test_encoder_and_encoder_decoder_adapters_equal_peft(family, targets, tmp_pa
         for folder in (adapter, tmp_path / "written"):
             theirs = PeftModel.from_pretrained(kind.from_pretrained(tmp_path / "base"), folder).eval()
             assert relative_error(got, theirs(IDS, **inputs).logits) < 1e-4, folder
+
+
+def test_a_packed_row_takes_an_adapter_per_token():
+    """One LoRALinear over a row of tokens from several sequences (a packed step): each token's
+    output is the one its own adapter gives it alone."""
+    from flashformer.adapters import AdapterSettings, LoRALinear
+
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(8, 12))
+    for name in ("a", "b"):
+        low_rank = layer.add(name, AdapterSettings(rank=2, alpha=4.0), {"q": (0, 6), "v": (8, 12)})
+        with torch.no_grad():
+            for factor in (low_rank.A, low_rank.B):
+                for p in factor.values():
+                    p.normal_()
+    x = torch.randn(1, 5, 8)
+    tokens = torch.tensor([[0, 1, -1, 0, 1]])
+    with adapter_per_row(layer, ("a", "b"), tokens), torch.no_grad():
+        mixed = layer(x)
+    with torch.no_grad():
+        for position, index in enumerate(tokens[0].tolist()):
+            layer.active = () if index < 0 else (("a", "b")[index],)
+            alone = layer(x[:, position : position + 1])
+            assert torch.allclose(mixed[:, position : position + 1], alone, atol=1e-6), position
