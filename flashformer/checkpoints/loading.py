@@ -388,13 +388,14 @@ LORA_ADAPTER = "lora"  # the name of the adapter a LoRA run of `flashformer trai
 
 def lora_run_model(train: dict) -> PreTrainedModel:
     """What a LoRA run of `flashformer train` trains (`train`: its TrainConfig's fields): its base
-    in float32 (train.base) and a fresh adapter beside it, as PEFT initializes one (A drawn from
-    torch's global generator, B zero). Returns the model; the adapter's parameters are
-    trainable_names(model)."""
+    (train.base, float32 or quantized as train.base_quantize says: the adapter is trained beside the
+    quantized blocks, whose layers pass the gradient on to their inputs) and a fresh adapter
+    beside it, as PEFT initializes one (A drawn from torch's global generator, B zero). Every
+    parameter but the adapter's (adapter_names) is frozen."""
     from flashformer.adapters.lora import AdapterSettings  # imported only for a LoRA run
     from flashformer.adapters.peft import add_lora
 
-    model = from_pretrained(train["base"], quantize=None)
+    model = from_pretrained(train["base"], quantize=train.get("base_quantize", "none"))
     settings = AdapterSettings(
         rank=int(train["lora_rank"]), alpha=float(train["lora_alpha"]), dropout=float(train["lora_dropout"])
     )

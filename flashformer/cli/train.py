@@ -40,6 +40,13 @@ def add_arguments(parser) -> None:
     lora.add_argument(
         "--lora", action="store_true", help="train a LoRA adapter on --base (checkpoints hold it alone)"
     )
+    lora.add_argument(
+        "--base-quantize",
+        choices=("none", "gguf", "int8", "int4"),
+        default="none",
+        help="how --base loads: none (float32, default), or quantized (a GGUF file's own blocks: gguf), "
+        "the adapter trained beside the blocks",
+    )
     lora.add_argument("--lora-rank", type=int, default=8, help="the adapter's rank r (default 8)")
     lora.add_argument(
         "--lora-alpha", type=float, default=16.0, help="its lora_alpha: scaling alpha / r (default 16)"
@@ -95,7 +102,7 @@ def configs_from_args(args, extra: list[str]):
             raise ValueError("--base MODEL and --lora go together: a base is fine-tuned with a LoRA adapter")
         train_config.base = str(Path(args.base).resolve())  # a run loads it again from anywhere
         train_config.lora_rank, train_config.lora_alpha = args.lora_rank, args.lora_alpha
-        train_config.lora_dropout = args.lora_dropout
+        train_config.lora_dropout, train_config.base_quantize = args.lora_dropout, args.base_quantize
         train_config.lora_targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         preset_name = f"lora-{Path(args.base).stem}"
     out_dir = Path(args.out or f"runs/{preset_name}")
@@ -129,7 +136,8 @@ def main_from_args(args) -> dict:
             peft_folder = save_peft(trainer.model, LORA_ADAPTER, out_dir / "peft", train_config.base)
             summary["peft_export"] = str(peft_folder)
             print(f"the adapter as a PEFT folder (PeftModel.from_pretrained loads it): {peft_folder}")
-        if train_config.export_hf and summary["checkpoint"] and trainer.model_config.hf_model_type:
+        merged = train_config.base_quantize == "none"  # a quantized base's blocks take no merge
+        if train_config.export_hf and summary["checkpoint"] and trainer.model_config.hf_model_type and merged:
             summary["hf_export"] = str(export_hf(summary["checkpoint"], out_dir / "hf"))
             print(f"Hugging Face export (transformers' from_pretrained loads it): {summary['hf_export']}")
         print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")

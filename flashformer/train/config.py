@@ -44,6 +44,7 @@ class TrainConfig:
     # LoRA fine-tuning (--base MODEL --lora): the base frozen, an adapter trained beside it; the
     # base's tokenizer replaces tokenizer / vocab_size, and checkpoints hold the adapter alone
     base: str = ""  # a Hugging Face folder, GGUF file or run to adapt ("" = train from scratch)
+    base_quantize: str = "none"  # the base as loaded: "none" (float32) or gguf / int8 / int4 (QLoRA's way)
     lora_rank: int = 0  # 0 = no adapter
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -80,6 +81,10 @@ def check_train_config(config: TrainConfig) -> None:
         raise ValueError(
             f"train.base={config.base!r} without train.lora_rank: a base is fine-tuned with an adapter "
             f"(--lora); full fine-tuning from a base is not offered"
+        )
+    if config.base_quantize not in ("none", "gguf", "int8", "int4"):
+        raise ValueError(
+            f"train.base_quantize must be 'none', 'gguf', 'int8' or 'int4'; got {config.base_quantize!r}"
         )
     if config.lora_rank and not (
         config.lora_alpha > 0 and 0 <= config.lora_dropout < 1 and config.lora_targets

@@ -209,3 +209,32 @@ def test_the_trained_adapter_equals_peft_trained_on_the_same_batches(base, corpu
         windows = val.run_data.val.windows(order[:count].tolist())
         losses.append(cross_entropy(theirs(windows[:, :-1]).logits, windows[:, 1:]).item())
     assert summary["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+
+
+@pytest.mark.slow  # ~14 s
+def test_an_adapter_trains_beside_a_gguf_files_quantized_blocks(corpus, tmp_path):
+    """--base-quantize gguf (QLoRA's way): the blocks stay the file's, the gradient reaches the
+    adapters through them (each layer's input gradient: tests/kernels), and the run loads back as
+    the same quantized base with its adapter."""
+    from flashformer.kernels.quantized import ConcatenatedLinear, QuantizedLinear
+
+    model = tiny_llama()
+    path = write_gguf(
+        tmp_path / "q.gguf", "llama", llama_metadata(model), llama_tensors(model, cycle_types("Q8_0", "Q4_0"))
+    )
+    config = lora_config(path, corpus, base_quantize="gguf", max_steps=3, eval_every=3, save_every=3)
+    trainer = Trainer(None, config, tmp_path / "run", show_progress=False)
+    summary = trainer.fit()
+    layers = lora_layers(trainer.model)
+    assert all(isinstance(layer.base, QuantizedLinear | ConcatenatedLinear) for layer in layers.values())
+    saved = load_file(str(Path(summary["checkpoint"]) / ckpt.WEIGHTS))
+    assert saved and all(saved[k].abs().sum() > 0 for k in saved if ".B." in k), "every B has moved"
+    plain, _ = flashformer.load(path)
+    for name, buffer in trainer.model.named_buffers():
+        if "qweight" in name:
+            assert torch.equal(buffer, plain.get_buffer(name.replace(".base.", "."))), name
+    ids = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(2))
+    loaded, _ = flashformer.load(tmp_path / "run")
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, trainer.model(ids).logits)
