@@ -1,7 +1,7 @@
 """LoRA beside a projection: y = base(x) + scaling · B(A(dropout(x))) for each adapter in use.
 
     layer = LoRALinear(model.decoder.blocks[0].attn.qkv)      # wraps the projection as it is
-    layer.add("math", rank=8, alpha=16, parts={"q_proj": (0, 512), "v_proj": (640, 768)})
+    layer.add("math", AdapterSettings(rank=8, alpha=16), {"q_proj": (0, 512), "v_proj": (640, 768)})
 
 The base projection is never changed: a float nn.Linear, a QuantizedLinear or a ConcatenatedLinear
 of GGUF blocks alike. The low-rank product runs beside it in float32 and is added to the output
