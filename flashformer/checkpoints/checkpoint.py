@@ -107,14 +107,15 @@ def verify_checkpoint(folder: Path) -> dict:
     return manifest
 
 
-def load_weights(folder: Path, model: torch.nn.Module) -> None:
-    """Load model.safetensors into `model`, naming any tensor that does not fit."""
+def load_weights(folder: Path, model: torch.nn.Module, names: set[str] | None = None) -> None:
+    """Load model.safetensors into `model`, naming any tensor that does not fit. names: the
+    tensors the checkpoint holds when not all of the model's (a LoRA run's: its adapter's)."""
     path = Path(folder) / WEIGHTS
     try:
         weights = load_file(str(path))
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {error}") from None
-    expected = model.state_dict()
+    expected = {k: v for k, v in model.state_dict().items() if names is None or k in names}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
@@ -127,7 +128,7 @@ def load_weights(folder: Path, model: torch.nn.Module) -> None:
                 f"checkpoint file {path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(weights)
+    model.load_state_dict(weights, strict=names is None)
 
 
 def load_trainer_state(folder: Path) -> dict:

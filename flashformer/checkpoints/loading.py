@@ -101,6 +101,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     quantize: str | None = AUTO,
     activations: str = DEFAULT_ACTIVATIONS,
+    adapters=None,
 ) -> PreTrainedModel:
     """The model of a GGUF file or a run, checkpoint or Hugging Face folder, in eval mode.
 
@@ -112,7 +113,9 @@ def from_pretrained(
     size); see flashformer.model.quantize. activations: what a quantized layer does
     with its input, a scheme of model.quantize.ACTIVATION_SCHEMES: "int8-int8x2-head" (the default:
     int8 blocks of 32 as llama.cpp's, the output head's input ~15 bits), "int8", "float32" (exact
-    with respect to the quantized weights, slower) or "int8-float32-head". A Hugging Face folder's problems
+    with respect to the quantized weights, slower) or "int8-float32-head". adapters: LoRA adapters
+    added beside the (possibly quantized) projections, all active: a PEFT folder, a list of them
+    (each named by its folder) or {name: folder} (flashformer.adapters). A Hugging Face folder's problems
     raise ValueError naming the tensor or option at fault; a damaged checkpoint raises
     CheckpointError naming the file.
     """
@@ -120,12 +123,22 @@ def from_pretrained(
     kind, where = locate(path)
     quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":
-        return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False)[0]
+        return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False, adapters=adapters)[0]
     if kind == "hf":
         model = build_with_weights(*hf.read_pretrained(where))
     else:
         model = _load_checkpoint(where)
-    return _finish(model, dtype, quantize, activations, None)
+    return _with_adapters(_finish(model, dtype, quantize, activations, None), adapters)
+
+
+def _with_adapters(model: PreTrainedModel, adapters) -> PreTrainedModel:
+    """The adapters beside the finished model's projections: after quantizing, so that a quantized
+    base keeps its blocks and the low-rank product runs beside them."""
+    if adapters is not None:
+        from flashformer.adapters.peft import load_adapters  # imported only when asked for
+
+        load_adapters(model, adapters)
+    return model
 
 
 def _finish(model: PreTrainedModel, dtype, quantize_mode: str | None, activations: str, checkpoint):
@@ -141,9 +154,10 @@ def load(
     dtype: torch.dtype | None = None,
     quantize: str | None = AUTO,
     activations: str = DEFAULT_ACTIVATIONS,
+    adapters=None,
 ):
     """(model in eval mode, tokenizer) from a GGUF file or a run, checkpoint or Hugging Face
-    folder; dtype, quantize and activations as in from_pretrained.
+    folder; dtype, quantize, activations and adapters as in from_pretrained.
 
     Raises CheckpointError naming the folder and what is missing or damaged.
     """
@@ -151,9 +165,9 @@ def load(
     kind, folder = locate(path)
     quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":  # one read of the file serves the model and the tokenizer
-        return _load_gguf(folder, dtype, quantize, activations, with_tokenizer=True)
+        return _load_gguf(folder, dtype, quantize, activations, with_tokenizer=True, adapters=adapters)
     try:
-        model = from_pretrained(folder, dtype, quantize, activations)
+        model = from_pretrained(folder, dtype, quantize, activations, adapters)
     except (ValueError, OSError, SafetensorError) as error:
         if kind != "hf":
             raise
@@ -179,14 +193,24 @@ def load_tokenizer(path: str | Path):
     return _load_tokenizer(where)
 
 
-def export_hf(path: str | Path, folder: str | Path) -> Path:
+def _merged(path, adapters):
+    """(float model, tokenizer) of `path` with `adapters` (load's argument) merged into its weights."""
+    from flashformer.adapters.lora import merge_adapters  # imported only when asked for
+
+    # float weights (a GGUF file's dequantized): a quantized block cannot take a merge
+    model, tokenizer = load(path, quantize=None, adapters=adapters)
+    return merge_adapters(model), tokenizer
+
+
+def export_hf(path: str | Path, folder: str | Path, adapters=None) -> Path:
     """Write the model of a run or checkpoint as a Hugging Face folder
-    (config.json, model.safetensors, tokenizer.json) that transformers loads.
+    (config.json, model.safetensors, tokenizer.json) that transformers loads; `adapters` (LoRA,
+    as load takes them) merged into its float weights first.
 
     The folder is written beside its final place and renamed into it, as a
     checkpoint is: an interrupted export leaves the previous one (or none).
     """
-    model, tokenizer = load(path, quantize=None)  # float weights: a GGUF file's dequantized
+    model, tokenizer = _merged(path, adapters)
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
@@ -202,10 +226,16 @@ def export_hf(path: str | Path, folder: str | Path) -> Path:
 
 
 def export_gguf(
-    path: str | Path, out: str | Path, file_type: str = "f16", force: bool = False, show_progress: bool = True
+    path: str | Path,
+    out: str | Path,
+    file_type: str = "f16",
+    force: bool = False,
+    show_progress: bool = True,
+    adapters=None,
 ) -> dict[str, str]:
     """Write the model of a run, checkpoint or Hugging Face folder (llama or gpt2 family) and
-    its tokenizer as one GGUF file; file_type "f16", "q8_0" or "q4_k_m" (llama.cpp's mix).
+    its tokenizer as one GGUF file; file_type "f16", "q8_0" or "q4_k_m" (llama.cpp's mix);
+    `adapters` (LoRA, as load takes them) merged into its float weights first.
     Returns {tensor: ggml type}.
 
     The file appears whole or not at all. An existing `out` is kept unless force=True (a
@@ -222,7 +252,7 @@ def export_gguf(
         raise ValueError(
             f"{path} is a GGUF file already; export takes a run, checkpoint or Hugging Face folder"
         )
-    model, tokenizer = load(where, quantize=None)
+    model, tokenizer = _merged(where, adapters)
     try:
         hf_config, weights = hf.to_hf(model)
     except ValueError as error:
@@ -245,7 +275,9 @@ def _starts_like_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, with_tokenizer: bool):
+def _load_gguf(
+    path: Path, dtype, quantize_mode: str | None, activations: str, with_tokenizer: bool, adapters=None
+):
     """(model, tokenizer or None) from one read of a GGUF file."""
     with paused_gc():  # the metadata's, the tokenizer's and the modules' objects all live on
         checkpoint = read_gguf(path, dequantize=quantize_mode != "gguf", show_progress=False)
@@ -260,7 +292,7 @@ def _load_gguf(path: Path, dtype, quantize_mode: str | None, activations: str, w
     checkpoint.mapping.drop_resident_pages()
     del checkpoint  # the blocks' copies, before the heap is trimmed
     _return_freed_memory()
-    return model, tokenizer
+    return _with_adapters(model, adapters), tokenizer
 
 
 def _return_freed_memory() -> None:
@@ -352,6 +384,36 @@ def _read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path} is corrupt: {error}") from None
 
 
+LORA_ADAPTER = "lora"  # the name of the adapter a LoRA run of `flashformer train` trains
+
+
+def lora_run_model(train: dict) -> PreTrainedModel:
+    """What a LoRA run of `flashformer train` trains (`train`: its TrainConfig's fields): its base
+    (train.base, float32 or quantized as train.base_quantize says: the adapter is trained beside the
+    quantized blocks, whose layers pass the gradient on to their inputs) and a fresh adapter
+    beside it, as PEFT initializes one (A drawn from torch's global generator, B zero). Every
+    parameter but the adapter's (adapter_names) is frozen."""
+    from flashformer.adapters.lora import AdapterSettings  # imported only for a LoRA run
+    from flashformer.adapters.peft import add_lora
+
+    model = from_pretrained(train["base"], quantize=train.get("base_quantize", "none"))
+    settings = AdapterSettings(
+        rank=int(train["lora_rank"]), alpha=float(train["lora_alpha"]), dropout=float(train["lora_dropout"])
+    )
+    add_lora(model, LORA_ADAPTER, settings, train["lora_targets"])
+    trainable = adapter_names(model)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trainable)
+    return model
+
+
+def adapter_names(model) -> set[str]:
+    """The names of the LoRA run's adapter parameters (all that its checkpoints hold)."""
+    from flashformer.adapters.lora import adapter_parameters
+
+    return set(adapter_parameters(model, LORA_ADAPTER))
+
+
 def _load_checkpoint(folder: Path) -> PreTrainedModel:
     ckpt.verify_checkpoint(folder)
     config = _read_config(folder)
@@ -361,6 +423,16 @@ def _load_checkpoint(folder: Path) -> PreTrainedModel:
         model_config = ModelConfig.from_dict(config["model"])
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{folder / 'config.json'} holds an invalid model config: {error}") from None
+    train = config.get("train") or {}
+    if train.get("lora_rank"):  # the adapter alone: on its base, read again
+        model = lora_run_model(train)
+        if model.config.to_dict() != model_config.to_dict():
+            raise CheckpointError(
+                f"checkpoint {folder} adapts {train['base']}, whose model config is no longer the one the "
+                f"adapter was trained on"
+            )
+        ckpt.load_weights(folder, model, names=adapter_names(model))
+        return model
     model = build(model_config)
     ckpt.load_weights(folder, model)
     return model

@@ -60,11 +60,40 @@ def add_cache_type_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """--lora: adapters loaded beside MODEL's projections (generate, chat, eval, export)."""
+    parser.add_argument(
+        "--lora",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) added beside "
+        "MODEL's projections, quantized or float (repeat the flag for several, all applied)",
+    )
+
+
+def lora_from_args(args) -> dict[str, str] | None:
+    """--lora's values as load(adapters=...) takes them: {name: folder} (a bare PATH is named by
+    its folder's name)."""
+    values = getattr(args, "lora", None)
+    if not values:
+        return None
+    adapters = {}
+    for value in values:
+        name, _, path = value.partition("=") if "=" in value and not Path(value).exists() else ("", "", value)
+        name = name or Path(path).resolve().name
+        if name in adapters:
+            raise ValueError(f"--lora {value}: the name {name!r} is given twice; use NAME=PATH")
+        adapters[name] = path
+    return adapters
+
+
 def load_model(args):
     """(model, tokenizer) as the model arguments ask; what the load leaves alive is frozen out of
     the garbage collector's later walks (flashformer.startup.paused_gc)."""
     with paused_gc(freeze=True):
-        return load(args.model, quantize=args.quantize, activations=args.activations)
+        return load(
+            args.model, quantize=args.quantize, activations=args.activations, adapters=lora_from_args(args)
+        )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:

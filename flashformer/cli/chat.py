@@ -13,6 +13,7 @@ import sys
 
 from flashformer.cli.arguments import (
     add_chat_arguments,
+    add_lora_arguments,
     add_model_arguments,
     add_sampling_arguments,
     chat_from_args,
@@ -22,6 +23,7 @@ from flashformer.cli.arguments import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_lora_arguments(parser)
     add_chat_arguments(parser)
     parser.add_argument("--context", type=int, default=4096, help="tokens of conversation the KV cache holds")
     add_sampling_arguments(parser, max_new_tokens=512)

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from flashformer.cli.arguments import add_model_arguments, load_model
+from flashformer.cli.arguments import add_lora_arguments, add_model_arguments, load_model, lora_from_args
 from flashformer.eval.perplexity import perplexity
 from flashformer.files import write_json
 from flashformer.train.corpus import read_text, resolve_corpus
@@ -16,6 +16,7 @@ from flashformer.train.corpus import read_text, resolve_corpus
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_lora_arguments(parser)
     parser.add_argument(
         "--data", nargs="+", required=True, help="text files, folders or glob patterns (quote globs)"
     )
@@ -33,7 +34,9 @@ def main_from_args(args) -> dict:
     model, tokenizer = load_model(args)
     with tqdm(desc="scoring", unit="tok", disable=args.no_progress) as bar:
         result = perplexity(model, tokenizer, texts, args.context, args.stride, progress=bar.update)
-    payload = dict(model=str(args.model), data=list(args.data), **result.to_dict())
+    payload = dict(
+        model=str(args.model), adapters=lora_from_args(args), data=list(args.data), **result.to_dict()
+    )
     print(
         f"{result.texts} files, {result.tokens} tokens scored (context {result.context}, stride {result.stride}): "
         f"NLL {result.mean_nll:.4f} nats/token, perplexity {result.perplexity:.3f}, "

@@ -13,6 +13,7 @@ import torch
 
 from flashformer.cli.arguments import (
     add_chat_arguments,
+    add_lora_arguments,
     add_model_arguments,
     add_sampling_arguments,
     chat_from_args,
@@ -26,6 +27,7 @@ from flashformer.text.detokenizer import stream_text
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_lora_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the text to continue (with --chat: the message)")
     parser.add_argument(
         "--chat",

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flashformer.checkpoints.loading import export_hf
+from flashformer.adapters.peft import save_peft
+from flashformer.checkpoints.loading import LORA_ADAPTER, export_hf
 from flashformer.cli.arguments import convert, parse_dotted
 from flashformer.train.config import TrainConfig
 from flashformer.train.trainer import Trainer
@@ -32,6 +33,30 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    lora = parser.add_argument_group("LoRA fine-tuning: an adapter trained beside a frozen base")
+    lora.add_argument(
+        "--base", metavar="MODEL", help="the model to adapt (a Hugging Face folder, GGUF file or run)"
+    )
+    lora.add_argument(
+        "--lora", action="store_true", help="train a LoRA adapter on --base (checkpoints hold it alone)"
+    )
+    lora.add_argument(
+        "--base-quantize",
+        choices=("none", "gguf", "int8", "int4"),
+        default="none",
+        help="how --base loads: none (float32, default), or quantized (a GGUF file's own blocks: gguf), "
+        "the adapter trained beside the blocks",
+    )
+    lora.add_argument("--lora-rank", type=int, default=8, help="the adapter's rank r (default 8)")
+    lora.add_argument(
+        "--lora-alpha", type=float, default=16.0, help="its lora_alpha: scaling alpha / r (default 16)"
+    )
+    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on its input (default 0)")
+    lora.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="transformers' module names it adapts, comma-separated, as PEFT's target_modules (default q_proj,v_proj)",
+    )
 
 
 def configs_from_args(args, extra: list[str]):
@@ -72,6 +97,14 @@ def configs_from_args(args, extra: list[str]):
         train_config.data = list(args.data)
     if args.max_steps is not None:
         train_config.max_steps = args.max_steps
+    if getattr(args, "lora", False) or getattr(args, "base", None):
+        if not (args.lora and args.base):
+            raise ValueError("--base MODEL and --lora go together: a base is fine-tuned with a LoRA adapter")
+        train_config.base = str(Path(args.base).resolve())  # a run loads it again from anywhere
+        train_config.lora_rank, train_config.lora_alpha = args.lora_rank, args.lora_alpha
+        train_config.lora_dropout, train_config.base_quantize = args.lora_dropout, args.base_quantize
+        train_config.lora_targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        preset_name = f"lora-{Path(args.base).stem}"
     out_dir = Path(args.out or f"runs/{preset_name}")
     return model_config, train_config, out_dir
 
@@ -99,7 +132,12 @@ def main_from_args(args) -> dict:
             print(summary["sample"])
             print("----------------")
         print(f"checkpoint: {summary['checkpoint']}")
-        if train_config.export_hf and summary["checkpoint"] and model_config.hf_model_type:
+        if train_config.lora_rank and summary["checkpoint"]:
+            peft_folder = save_peft(trainer.model, LORA_ADAPTER, out_dir / "peft", train_config.base)
+            summary["peft_export"] = str(peft_folder)
+            print(f"the adapter as a PEFT folder (PeftModel.from_pretrained loads it): {peft_folder}")
+        merged = train_config.base_quantize == "none"  # a quantized base's blocks take no merge
+        if train_config.export_hf and summary["checkpoint"] and trainer.model_config.hf_model_type and merged:
             summary["hf_export"] = str(export_hf(summary["checkpoint"], out_dir / "hf"))
             print(f"Hugging Face export (transformers' from_pretrained loads it): {summary['hf_export']}")
         print(f"loss curve: {out_dir / 'loss.png'}; metrics: {out_dir / 'metrics.jsonl'}")

@@ -114,8 +114,8 @@ class QuantizedLinear(nn.Module):
     x: float32 (..., in_features) on the CPU -> (..., out_features). activations="int8" (default)
     quantizes x per block of 32 inside the kernel, as llama.cpp does; "int8x2" adds the product of
     x's rounding error (in int8 too: ~15 bits of x, at the cost of a second x row); "float32"
-    keeps it exact.
-    The weights are buffers, not parameters: there is no backward pass (it raises).
+    keeps it exact. The weights are buffers, not parameters: they have no gradient; x has one
+    (through the dequantized weight) where it needs one, for an adapter trained beside a quantized base.
     """
 
     def __init__(
@@ -264,6 +264,11 @@ class QuantizedLinear(nn.Module):
         return _dequantize(self.fmt, self.qweight, self.scales)[: self.out_features, : self.in_features]
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad and torch.is_grad_enabled():  # an adapter trained beside a frozen base
+            return _InputGradient.apply(x, self)
+        return self._product(x)
+
+    def _product(self, x: Tensor) -> Tensor:
         if x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(
                 f"x: expected a float32 CPU tensor, got {x.dtype} on {x.device} (shape {tuple(x.shape)})"
@@ -298,6 +303,22 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
             f"activations={self.activations}, bias={self.bias is not None}"
         )
+
+
+class _InputGradient(torch.autograd.Function):
+    """A quantized layer's product with a gradient for its input alone: grad (..., out) @ W, W
+    dequantized in the backward (as QLoRA does). The weight stays frozen (integer buffers have no
+    gradient), but a LoRA adapter trained beside the base needs the gradient to flow back through
+    the layers after it. Inference never comes here (its inputs need no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layer: QuantizedLinear) -> Tensor:
+        ctx.layer = layer
+        return layer._product(x)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad @ ctx.layer.dequantize(), None  # (..., in)
 
 
 def _packing(lin: QuantizedLinear) -> tuple:

@@ -65,12 +65,16 @@ class PreTrainedModel(nn.Module):
         hf.save_pretrained(self, folder)
 
     def train(self, mode: bool = True):
-        """As nn.Module's, but a quantized model refuses training mode: its weights are integer
-        buffers with no gradient (train the float model, then quantize it)."""
-        if mode and getattr(self, "quantization", None) is not None:
+        """As nn.Module's, but a quantized model refuses training mode while any of its own
+        parameters would train: its weights are integer buffers with no gradient (train the float
+        model, then quantize it). A frozen quantized base with LoRA adapters beside it (parameters
+        under a LoRALinear's `adapters`, adapters/) trains them alone, as QLoRA does."""
+        base_trains = any(p.requires_grad and ".adapters." not in n for n, p in self.named_parameters())
+        if mode and getattr(self, "quantization", None) is not None and base_trains:
             raise RuntimeError(
                 f"this model is quantized ({self.quantization}) and cannot be trained: its weights are "
-                "integer buffers with no gradient; train or fine-tune the float model, then quantize it"
+                "integer buffers with no gradient; train or fine-tune the float model, then quantize it, "
+                "or train a LoRA adapter beside the frozen base (flashformer train --base MODEL --lora)"
             )
         return super().train(mode)
 

@@ -140,6 +140,11 @@ def _check_shape(model) -> None:
                 raise Unsupported(
                     f"layer {index}: {name} reads {module.in_features} inputs, not whole blocks"
                 )
+        projections = [
+            getattr(block.ffn, n) for n in ("gate", "up", "gate_up", "down") if hasattr(block.ffn, n)
+        ]
+        for module in (block.attn.qkv, block.attn.out, *projections):
+            _linear(module)  # an adapted one (adapters/: LoRA beside it) runs in the eager modules
         _activation(block.ffn.act)
 
 

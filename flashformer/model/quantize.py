@@ -34,8 +34,10 @@ per expert, never dequantized. With int8 activations (either int8 scheme) the
 KV cache is float16, as llama.cpp's is by default (`model.kv_cache_dtype`;
 set it to None for the float32 cache that float32 activations keep). The tied LM head reads the
 quantized embedding's bytes (in SmolLM2 the embedding is a fifth of the bytes
-a decode step reads). A quantized model is for inference: its layers have no
-backward pass, and saving it as a Hugging Face folder is refused.
+a decode step reads). A quantized model's weights do not train (integer buffers: train() refuses
+it while any of its own parameters would) and saving it as a Hugging Face folder is refused; a
+LoRA adapter beside its frozen layers trains (their input's gradient goes through the
+dequantized weight).
 """
 
 from __future__ import annotations

@@ -41,6 +41,14 @@ class TrainConfig:
     export_hf: bool = True  # at the end, also write <out>/hf: the model as a Hugging Face folder
     seed: int = 0
     deterministic: bool = False
+    # LoRA fine-tuning (--base MODEL --lora): the base frozen, an adapter trained beside it; the
+    # base's tokenizer replaces tokenizer / vocab_size, and checkpoints hold the adapter alone
+    base: str = ""  # a Hugging Face folder, GGUF file or run to adapt ("" = train from scratch)
+    base_quantize: str = "none"  # the base as loaded: "none" (float32) or gguf / int8 / int4 (QLoRA's way)
+    lora_rank: int = 0  # 0 = no adapter
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # PEFT's target_modules
 
 
 def check_train_config(config: TrainConfig) -> None:
@@ -64,6 +72,27 @@ def check_train_config(config: TrainConfig) -> None:
         raise ValueError(f"train.precision must be 'fp32' or 'bf16'; got {config.precision!r}")
     if config.distributed not in ("ddp", "fsdp"):
         raise ValueError(f"train.distributed must be 'ddp' or 'fsdp'; got {config.distributed!r}")
+    if config.lora_rank < 0 or (config.lora_rank > 0 and not config.base):
+        raise ValueError(
+            f"train.lora_rank={config.lora_rank}: an adapter needs train.base (--base MODEL, the model to adapt) "
+            f"and a rank >= 1"
+        )
+    if config.base and config.lora_rank == 0:
+        raise ValueError(
+            f"train.base={config.base!r} without train.lora_rank: a base is fine-tuned with an adapter "
+            f"(--lora); full fine-tuning from a base is not offered"
+        )
+    if config.base_quantize not in ("none", "gguf", "int8", "int4"):
+        raise ValueError(
+            f"train.base_quantize must be 'none', 'gguf', 'int8' or 'int4'; got {config.base_quantize!r}"
+        )
+    if config.lora_rank and not (
+        config.lora_alpha > 0 and 0 <= config.lora_dropout < 1 and config.lora_targets
+    ):
+        raise ValueError(
+            f"need train.lora_alpha > 0, 0 <= train.lora_dropout < 1 and some train.lora_targets; got "
+            f"{config.lora_alpha}, {config.lora_dropout}, {config.lora_targets!r}"
+        )
     if not (0 < config.lr and 0 <= config.min_lr <= config.lr):
         raise ValueError(
             f"need 0 < train.lr and 0 <= train.min_lr <= train.lr; got {config.lr}, {config.min_lr}"

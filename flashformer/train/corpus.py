@@ -106,6 +106,19 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
+def document_separator(tokenizer) -> int:
+    """The token written after each document: our tokenizers' <|endoftext|>, or a base model's own
+    end-of-sequence token (a LoRA run's tokenizer is its base's: Llama's </s>)."""
+    try:
+        return tokenizer.token_id(EOS)
+    except KeyError:
+        if getattr(tokenizer, "eos_token_id", None) is None:
+            raise ValueError(
+                f"the tokenizer has neither {EOS!r} nor an end-of-sequence token to end a document"
+            ) from None
+        return tokenizer.eos_token_id
+
+
 def write_token_file(documents: list[Document], tokenizer, path: Path, show_progress: bool = True) -> Path:
     """Tokenize documents into a flat binary file, EOS after each document.
 
@@ -117,7 +130,7 @@ def write_token_file(documents: list[Document], tokenizer, path: Path, show_prog
 
     path = Path(path)
     dtype = token_dtype(tokenizer.vocab_size)
-    eos = tokenizer.token_id(EOS)
+    eos = document_separator(tokenizer)
     count = 0
     chunk = 32  # documents tokenized together
     with (

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flashformer.checkpoints import checkpoint as ckpt
+from flashformer.checkpoints.loading import load_tokenizer
 from flashformer.files import write_json
 from flashformer.text import bpe
 from flashformer.train import corpus
@@ -48,8 +49,8 @@ def prepare_data(config, data_dir: Path, is_main: bool, show_progress: bool) -> 
     fingerprint = {
         "documents": [d.name for d in documents],
         "sizes": [d.path.stat().st_size for d in documents],
-        "tokenizer": config.tokenizer,
-        "vocab_size": config.vocab_size if config.tokenizer == "bpe" else None,
+        "tokenizer": config.base or config.tokenizer,  # a LoRA run's tokenizer is its base's
+        "vocab_size": config.vocab_size if config.tokenizer == "bpe" and not config.base else None,
         "val_fraction": config.val_fraction,
         "seed": config.seed,
     }
@@ -59,7 +60,9 @@ def prepare_data(config, data_dir: Path, is_main: bool, show_progress: bool) -> 
         if fresh:
             data_dir.mkdir(parents=True, exist_ok=True)
             stamp.unlink(missing_ok=True)
-            if config.tokenizer == "bpe":
+            if config.base:
+                tokenizer = load_tokenizer(config.base)
+            elif config.tokenizer == "bpe":
                 print(
                     f"training a byte-level BPE tokenizer ({config.vocab_size} tokens) "
                     f"on {len(train_docs)} files",
@@ -113,7 +116,9 @@ def archive_previous_run(out_dir: Path) -> Path | None:
     The token files are kept and reused."""
     out_dir = Path(out_dir)
     names = [p.name for p in ckpt.list_checkpoints(out_dir)]
-    names += [n for n in ("metrics.jsonl", "loss.png", "summary.json", "hf") if (out_dir / n).exists()]
+    names += [
+        n for n in ("metrics.jsonl", "loss.png", "summary.json", "hf", "peft") if (out_dir / n).exists()
+    ]
     if not names:
         return None
     index = 1

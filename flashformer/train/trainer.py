@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashformer.checkpoints import checkpoint as ckpt
+from flashformer.checkpoints.loading import adapter_names, lora_run_model
 from flashformer.model.config import ModelConfig
 from flashformer.model.models import build
 from flashformer.train import corpus
@@ -149,7 +150,18 @@ class Trainer:
         self.objective = objective
         self.tokenizer = objective.tokenizer
 
-        model_config = objective.model_config(model_config)
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        # a LoRA run: the base's model (its config, not model_config's) and the adapter beside it
+        base = lora_run_model(dataclasses.asdict(config)) if config.lora_rank else None
+        self.trainable = adapter_names(base) if base is not None else None  # what checkpoints hold
+        model_config = objective.model_config(model_config if base is None else base.config)
+        if base is not None:
+            model_config = base.config  # the base's vocabulary (the tokenizer's may be smaller)
+            if self.tokenizer.vocab_size > model_config.vocab_size:
+                raise ValueError(
+                    f"train.base {config.base}: its tokenizer has {self.tokenizer.vocab_size} tokens, "
+                    f"the model {model_config.vocab_size}"
+                )
         self.model_config = model_config.replace(
             activation_checkpointing=config.activation_checkpointing or model_config.activation_checkpointing,
         )
@@ -158,12 +170,11 @@ class Trainer:
                 f"train.seq_len ({config.seq_len}) exceeds the model's learned positions "
                 f"(max_seq_len {self.model_config.max_seq_len})"
             )
-        torch.manual_seed(config.seed)  # the same initial weights on every rank
-        self.model = build(self.model_config)
+        self.model = build(self.model_config) if base is None else base
         resume_from = self._latest_checkpoint() if resume else None
-        if resume_from is not None:
-            ckpt.load_weights(resume_from, self.model)  # before sharding: a plain, checked load
-        else:
+        if resume_from is not None:  # before sharding: a plain, checked load
+            ckpt.load_weights(resume_from, self.model, names=self.trainable)
+        elif base is None:
             objective.initialize(self.model)  # a fine-tuning task's pretrained weights
         self.model.to(self.device)
         self.train_model = self._wrap(self.model)  # DDP / FSDP / compiled view used for training
@@ -217,6 +228,8 @@ class Trainer:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=options)
+        if self.trainable is not None:  # a LoRA run's checkpoint: the adapter alone
+            weights = {name: tensor for name, tensor in weights.items() if name in self.trainable}
         optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         return weights, optimizer
 

@@ -336,11 +336,19 @@ def test_bad_inputs_raise_value_errors():
         QuantizedEmbedding.from_float(torch.randn(8, 64), "int8")(torch.zeros(3))
 
 
-def test_backward_raises():
-    lin = QuantizedLinear.from_float(torch.randn(8, 64), "int8")
-    y = lin(torch.randn(2, 64, requires_grad=True))
-    with pytest.raises(RuntimeError, match="no backward pass"):
-        y.sum().backward()
+def test_backward_gives_the_input_its_gradient_and_the_weight_none():
+    """A LoRA adapter trained beside a quantized base needs x's gradient. With float32 activations
+    the layer is exactly linear in x, so the gradient must give the forward's own differences:
+    <grad, y(x + d) - y(x)> = <x.grad, d> for any d (no dequantizer involved in the check)."""
+    lin = QuantizedLinear.from_float(torch.randn(8, 64), "int4", activations="float32")
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    grad, d = torch.randn(2, 3, 8), torch.randn(2, 3, 64)
+    lin(x).backward(grad)
+    with torch.no_grad():  # inference: the kernel alone, no graph
+        step = lin(x + d) - lin(x)
+        assert lin(x).grad_fn is None
+    assert (grad * step).sum().item() == pytest.approx((x.grad * d).sum().item(), rel=1e-4)
+    assert not any(t.requires_grad for t in lin.buffers())
 
 
 def test_modules_describe_themselves():

@@ -111,7 +111,7 @@ def to_hf(model: torch.nn.Module) -> tuple[dict, dict[str, Tensor]]:
     hf_config = layout.config_to_hf(config)
 
     ours = model.state_dict()
-    theirs_shapes = _their_shapes(layout, config)
+    theirs_shapes = fused_part_rows(layout, config)
     weights = {}
     for rule in layout.rules(config):
         sizes = [theirs_shapes.get(name, 0) for name in rule.theirs]
@@ -123,8 +123,9 @@ def to_hf(model: torch.nn.Module) -> tuple[dict, dict[str, Tensor]]:
     return hf_config, weights
 
 
-def _their_shapes(layout: Family, config: ModelConfig) -> dict[str, int]:
-    """Rows of each fused part, to split our fused projections back."""
+def fused_part_rows(layout: Family, config: ModelConfig) -> dict[str, int]:
+    """Rows of each fused part (their q_proj's rows in our qkv...), to split our fused projections
+    back (saving) and to place an adapter of one part in its rows (adapters/)."""
     q_rows = config.n_heads * config.head_dim
     kv_rows = config.n_kv_heads * config.head_dim
     sizes = {}
