@@ -400,7 +400,8 @@ def test_a_family_without_a_gguf_writer_is_refused(tmp_path, tokenizer):
     model.save_pretrained(tmp_path / "bert")
     tokenizer.save(tmp_path / "bert")
     with pytest.raises(
-        ValueError, match=r"a 'bert' model cannot be written to GGUF \(supported: gpt2, llama, qwen2, smollm3\)"
+        ValueError,
+        match=r"a 'bert' model cannot be written to GGUF \(supported: gpt2, llama, qwen2, smollm3\)",
     ):
         export_gguf(tmp_path / "bert", tmp_path / "b.gguf", "f16", show_progress=False)
 

@@ -42,6 +42,7 @@
 #include "attention_tasks.h"
 #include "decoder_call.h"
 #include "decoder_model.h"
+#include "decoder_products.h"
 #include "decoder_threads.h"
 #include "kv_blocks.h"
 #include "packings.h"
@@ -448,49 +449,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     });
   }
 
-  // x (rows, k) at `data`, with the arena's memory for its prepared forms.
-  ProductX product_x(const float* data, int64_t rows, int64_t k) {
-    ProductX x;
-    Arena& a = arena_;
-    x.x = data, x.rows = rows, x.k = k;
-    x.blocks32 = {k / kBlock, a.q32.data(), a.d32.data(), a.s32.data(), a.offset32.data()};
-    x.blocks256 = {k / kSuper, a.q256.data(), a.d256.data(), a.sums256.data()};
-    x.amx256 = {k / kSuper, a.amx.data()};
-    x.sums32 = a.sums32.data();
-    return x;
-  }
-
-  // Row t of x in each of `forms` (Projection::forms: what its parts read).
-  static void prepare_row(unsigned forms, ProductX& x, int64_t t) {
-    for (XForm form : {kXBlocks32, kXBlocks256, kXSums32, kXAmx256}) {
-      if (!(forms >> form & 1u)) continue;
-      const int64_t per_row = x.k / form_block(form);
-      prepare_x(form, x, t * per_row, (t + 1) * per_row);
-    }
-  }
-
-  // out (rows, ld) = x @ W^T (+ bias): every part's units, claimed by the threads as one list.
-  void project(Worker& w, Phase phase, const Projection& projection, const ProductX& x, float* out, int64_t ld,
-               int isa) {
-    int64_t offsets[kMaxParts];
-    const size_t parts = projection.parts.size();
-    int64_t units = 0;
-    for (size_t i = 0; i < parts; ++i) {
-      offsets[i] = units;
-      const Part& p = projection.parts[i];
-      units += product_units(p.w, x.rows, p.int8_activations, isa);
-    }
-    w.run(phase, units, [&](int64_t first, int64_t last) {
-      for (size_t i = 0; i < parts; ++i) {
-        const int64_t end = i + 1 < parts ? offsets[i + 1] : units;
-        const int64_t lo = std::max(first, offsets[i]), hi = std::min(last, end);
-        if (lo >= hi) continue;
-        const Part& p = projection.parts[i];
-        const OutputMatrix result{out + p.column, p.w.n, projection.twice ? nullptr : p.bias, ld};
-        product_run(p.w, x, result, p.int8_activations, isa, lo - offsets[i], hi - offsets[i]);
-      }
-    });
-  }
+  ProductX product_x(const float* data, int64_t rows, int64_t k) { return arena_x(arena_, data, rows, k); }
 
   float* rope_row(int table, int64_t t, int64_t T) {
     return arena_.rope.data() + (static_cast<int64_t>(table) * T + t) * 2 * rotary_half_;
