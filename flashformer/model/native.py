@@ -9,8 +9,8 @@ Gemma 3's q/k head norms, RoPE (one table for the model, one of its own for Gemm
 layers), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
 final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
-a mixture of experts (qwen3moe, gpt-oss) and gpt-oss's attention sinks, YaRN factor and clamped
-SwiGLU: they have no native form yet, and native_unsupported says so.
+a mixture of experts (qwen3moe, gpt-oss), gpt-oss's attention sinks, YaRN factor and clamped
+SwiGLU, and LFM2's short convolutions: they have no native form yet, and native_unsupported says so.
 
 A model's decoder is built once and kept beside the model (a weak map: copying or pickling the model
 never meets it), with the identity and memory
@@ -114,6 +114,11 @@ def _check_shape(model) -> None:
         raise Unsupported(f"{type(decoder.positions).__name__} (RoPE or absolute positions only)")
     if config.attention_kind != "softmax" or config.global_tokens:
         raise Unsupported("linear attention or global tokens")
+    if "conv" in (config.layer_types or ()):
+        raise Unsupported(
+            "LFM2's short convolution layers (lfm2, layer_types 'conv'): the native decoder keeps no "
+            "conv state yet"
+        )
     if config.attention_sinks:
         raise Unsupported("attention sinks (gpt-oss): the native decoder's attention has no sink term")
     if isinstance(decoder.positions, RotaryEmbedding) and decoder.positions.cos_sin_factor != 1.0:

@@ -32,12 +32,13 @@ HF_MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "gpt_oss",
+    "lfm2",
     "gemma",
     "gemma2",
     "gemma3_text",
 )
 EXPERT_GATINGS = ("softmax", "topk_softmax")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
 TASKS = ("sequence-classification", "token-classification")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
@@ -216,19 +217,25 @@ class AttentionFields(Section):
 class LayerPatternFields(Section):
     """What differs from one layer to the next.
 
-    layer_types: per layer "full_attention" or "sliding_attention" (the window below, and
-        rope_local_theta); None = every layer full.
+    layer_types: per layer "full_attention", "sliding_attention" (the window below, and
+        rope_local_theta) or "conv" (LFM2's double-gated short convolution in place of attention:
+        short_conv.py); None = every layer full.
     sliding_window: how many keys (the query's own included) a sliding layer sees.
     global_tokens: the first global_tokens positions attend to every key and every query attends
         to them, beside the window (Longformer / BigBird's global tokens); 0 = none. Only in
         sliding_attention layers, where they widen what the window sees.
     share_layers: one block's weights for all layers of a stack (ALBERT).
+    short_conv_kernel: the width of a conv layer's causal depthwise convolution, the token
+        itself included (LFM2's conv_L_cache: 3); its decoding state holds the last
+        short_conv_kernel - 1 inputs. short_conv_bias: biases in its projections and conv.
     """
 
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     global_tokens: int = 0
     share_layers: bool = False
+    short_conv_kernel: int = 3
+    short_conv_bias: bool = False
 
     def _check(self) -> None:
         if self.layer_types is not None:
@@ -247,6 +254,12 @@ class LayerPatternFields(Section):
                 )
             if self.share_layers and len(set(self.layer_types)) > 1:
                 raise ValueError("ModelConfig.share_layers=True needs every layer of one type (layer_types)")
+            if "conv" in self.layer_types and (self.arch != "decoder" or self.attention_kind != "softmax"):
+                raise ValueError(
+                    f"conv layers (layer_types) sit beside softmax attention in a decoder; got "
+                    f"arch={self.arch!r}, attention_kind={self.attention_kind!r}"
+                )
+        _at_least(self, 2, "short_conv_kernel")
         _at_least(self, 0, "global_tokens")
         if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
             raise ValueError(
