@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.gguf import cycle_types, llama_metadata, llama_tensors, tiny_llama, write_gguf
+from helpers.llama_cpp import llama_perplexity, printed_mean_kld, run_llama_perplexity
 
 from flashformer.checkpoints.loading import load
 from flashformer.cli import commands as cli
@@ -149,39 +148,6 @@ def test_a_base_file_of_another_vocabulary_is_refused(tiny_files, tmp_path, caps
 
 
 # ---- against llama-perplexity, where a llama.cpp build has it ----
-
-
-def llama_perplexity() -> Path | None:
-    """bin/llama-perplexity of the llama.cpp build in FLASHFORMER_LLAMA_CPP_DIR (else the usual
-    folders of this machine), or None."""
-    folders = [
-        os.environ.get("FLASHFORMER_LLAMA_CPP_DIR"),
-        "/work/llama.cpp/build-native",
-        "/work/llama/build-native",
-    ]
-    for folder in filter(None, folders):
-        for path in (Path(folder) / "bin" / "llama-perplexity", Path(folder) / "llama-perplexity"):
-            if path.is_file():
-                return path
-    return None
-
-
-def run_llama_perplexity(binary: Path, model: Path, *options: str) -> str:
-    """Its output. llama-perplexity prints its closing statistics through llama.cpp's asynchronous
-    logger, which sometimes exits before writing them (half of 8 runs on this machine, exit code
-    0): a run whose --kl-divergence summary is missing is run again, up to 5 times."""
-    for _ in range(5):
-        done = subprocess.run([str(binary), "-m", str(model), "-c", "32", "-b", "32", "-t", "2", *options],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        output = done.stdout + done.stderr
-        if "--kl-divergence" not in options or re.search(r"Mean +KLD:", output):
-            break
-    return output
-
-
-def printed_mean_kld(output: str) -> float:
-    return float(re.search(r"Mean +KLD: +(-?[\d.]+)", output).group(1))
 
 
 @pytest.mark.skipif(llama_perplexity() is None, reason="no llama.cpp build with llama-perplexity")
