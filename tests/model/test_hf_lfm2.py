@@ -100,6 +100,14 @@ def test_greedy_generation_with_the_cache_equals_transformers(pair):
     assert chunked.tolist() == want.tolist()
 
 
+def test_beam_search_reorders_the_conv_states_as_transformers_does(pair):
+    """Each beam continues from its parent's conv window and KV cache (RecurrentState.reorder)."""
+    reference, ours = pair
+    with torch.no_grad():
+        want = reference.generate(IDS[:1, :9], max_new_tokens=8, do_sample=False, num_beams=3)
+    assert ours.generate(IDS[:1, :9], max_new_tokens=8, do_sample=False, num_beams=3).tolist() == want.tolist()
+
+
 def test_left_padded_batches_generate_transformers_tokens(pair):
     reference, ours = pair
     mask = torch.ones(2, 10, dtype=torch.long)
