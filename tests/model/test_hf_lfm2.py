@@ -105,7 +105,9 @@ def test_beam_search_reorders_the_conv_states_as_transformers_does(pair):
     reference, ours = pair
     with torch.no_grad():
         want = reference.generate(IDS[:1, :9], max_new_tokens=8, do_sample=False, num_beams=3)
-    assert ours.generate(IDS[:1, :9], max_new_tokens=8, do_sample=False, num_beams=3).tolist() == want.tolist()
+    assert (
+        ours.generate(IDS[:1, :9], max_new_tokens=8, do_sample=False, num_beams=3).tolist() == want.tolist()
+    )
 
 
 def test_left_padded_batches_generate_transformers_tokens(pair):
