@@ -225,17 +225,13 @@ class LayerPatternFields(Section):
         to them, beside the window (Longformer / BigBird's global tokens); 0 = none. Only in
         sliding_attention layers, where they widen what the window sees.
     share_layers: one block's weights for all layers of a stack (ALBERT).
-    short_conv_kernel: the width of a conv layer's causal depthwise convolution, the token
-        itself included (LFM2's conv_L_cache: 3); its decoding state holds the last
-        short_conv_kernel - 1 inputs. short_conv_bias: biases in its projections and conv.
+    (A conv layer's sizes are StateSpaceFields'.)
     """
 
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     global_tokens: int = 0
     share_layers: bool = False
-    short_conv_kernel: int = 3
-    short_conv_bias: bool = False
 
     def _check(self) -> None:
         if self.layer_types is not None:
@@ -259,7 +255,6 @@ class LayerPatternFields(Section):
                     f"conv layers (layer_types) sit beside softmax attention in a decoder; got "
                     f"arch={self.arch!r}, attention_kind={self.attention_kind!r}"
                 )
-        _at_least(self, 2, "short_conv_kernel")
         _at_least(self, 0, "global_tokens")
         if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
             raise ValueError(
@@ -391,21 +386,28 @@ class NormFields(Section):
 
 @dataclass
 class StateSpaceFields(Section):
-    """The state-space blocks of arch "ssm" (Mamba: ssm.py).
+    """The state-space blocks of arch "ssm" (Mamba: ssm.py), and the conv layers of a hybrid
+    (layer_types "conv": LFM2's short convolution, short_conv.py).
 
     ssm_state: N, the state size per channel; ssm_conv: the causal conv's width;
     ssm_expand: the inner width d_inner = ssm_expand * d_model;
     ssm_dt_rank: the rank of the step size's projection; None = ceil(d_model / 16).
+    short_conv_kernel: the width of a conv layer's causal depthwise convolution, the token
+        itself included (LFM2's conv_L_cache: 3); its decoding state holds the last
+        short_conv_kernel - 1 inputs. short_conv_bias: biases in its projections and conv.
     """
 
     ssm_state: int = 16
     ssm_conv: int = 4
     ssm_expand: int = 2
     ssm_dt_rank: int | None = None
+    short_conv_kernel: int = 3
+    short_conv_bias: bool = False
 
     def _check(self) -> None:
         self._derive("ssm_dt_rank", -(-self.d_model // 16))
         _at_least(self, 1, "ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank")
+        _at_least(self, 2, "short_conv_kernel")
 
 
 @dataclass
