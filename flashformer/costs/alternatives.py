@@ -1,5 +1,6 @@
 """What the alternatives to exact attention cost, against n: the recurrent models (LSTM, GRU,
-the Mamba-style SSM) and the Transformer's windowed (+ global tokens) and linear attention.
+the Mamba-style SSM), the Transformer's windowed (+ global tokens) and linear attention, and
+LFM2's hybrid (short convolutions in some layers, attention in the rest).
 
     alternatives.forward_flops(config, batch, n)                 # a forward pass over n tokens
     alternatives.forward_flops(config, batch, 1, cache_len=n)    # one decode step after n tokens
@@ -17,6 +18,7 @@ h / h_kv heads of d_k, F features, C = the linear form's chunk, W = the window, 
     SSM   2·d·2e + 2·e·K + 2·e·(r + 2N) + 2·r·e + 2·e·N + 2·e·d
     windowed attention  4·h·d_k per visible key: min(W, position + 1) + G, not the position
     linear attention (chunked)  2·h_kv·F·d_k + 2·h·(C·F + F·d_k + C·d_k + F); a step 2·h·(F·d_k + F)
+    LFM2's conv layer  2·d·3d + 2·d·K + 2·d·d   (in_proj, the depthwise conv, out_proj; K taps)
 A recurrent step costs the same after 10 tokens as after 10,000, and so does its state's memory;
 exact attention's step grows with n, and so does its KV cache.
 """
@@ -31,7 +33,7 @@ from flashformer.costs.flops import forward_flops as transformer_forward_flops
 from flashformer.formatting import format_bytes, format_count, markdown_table
 from flashformer.model.config import RECURRENT_ARCHS, ModelConfig
 
-FAMILIES = ("lstm", "gru", "ssm", "linear", "windowed", "transformer")
+FAMILIES = ("lstm", "gru", "ssm", "linear", "windowed", "hybrid", "transformer")
 LINEAR_CHUNK = 64  # attention.linear.causal_linear_attention's default
 
 
@@ -41,6 +43,8 @@ def family(config: ModelConfig) -> str:
         return config.arch
     if config.attention_kind == "linear":
         return "linear"
+    if config.layer_types is not None and "conv" in config.layer_types:
+        return "hybrid"  # LFM2: short convolutions beside attention
     if config.layer_types is not None and "sliding_attention" in config.layer_types:
         return "windowed"
     return "transformer"
@@ -97,7 +101,15 @@ def forward_flops(config: ModelConfig, batch: int, length: int, cache_len: int =
         return flops
     flops = transformer_forward_flops(config, Pass(batch, length, cache_len, length, "flash"))[1]
     pairs = 0
+    if kind == "hybrid":  # a conv layer has no attention: its projections and conv instead
+        convs = sum(config.layer_type(i) == "conv" for i in range(config.n_layers))
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            flops[name] -= convs * flops[name] // config.n_layers
+        for name, value in _short_conv_layer_flops(config, batch * length).items():
+            flops[name] = convs * value
     for index in range(config.n_layers):
+        if kind == "hybrid" and config.layer_type(index) == "conv":
+            continue
         if kind == "windowed" and config.layer_type(index) == "sliding_attention":
             pairs += windowed_pairs(length, cache_len + length, config.sliding_window, config.global_tokens)
         else:
@@ -130,6 +142,16 @@ def _ssm_layer_flops(config: ModelConfig, tokens: int) -> dict[str, int]:
     }
 
 
+def _short_conv_layer_flops(config: ModelConfig, tokens: int) -> dict[str, int]:
+    """LFM2's conv layer (model/short_conv.py): in_proj to 3 d, the depthwise conv of K taps, out_proj."""
+    d = config.d_model
+    return {
+        "conv_in_proj": 2 * tokens * d * 3 * d,
+        "conv": 2 * tokens * d * config.short_conv_kernel,
+        "conv_out_proj": 2 * tokens * d * d,
+    }
+
+
 def linear_features(config: ModelConfig) -> int:
     return config.head_dim if config.linear_feature_map == "elu" else config.linear_features
 
@@ -155,8 +177,8 @@ def _linear_attention_flops(config: ModelConfig, batch: int, length: int, cache_
 
 def decode_memory_bytes(config: ModelConfig, batch: int, n: int, dtype=torch.float32) -> int:
     """Bytes of what decoding keeps after n tokens: the recurrent states (LSTM: h, c; GRU: h; SSM:
-    the conv window and h, kept in float32 at least; linear attention: S and z), or the static
-    KV cache of exact and windowed attention (the cache keeps every position, also for a
+    the conv window and h, kept in float32 at least; linear attention: S and z), a hybrid's KV
+    caches and conv windows, or the static KV cache of exact and windowed attention (the cache keeps every position, also for a
     windowed layer: a ring buffer would bound it at W + G, see window_bound_bytes)."""
     element = torch.empty((), dtype=dtype).element_size()
     kind, s = family(config), Shapes.of(config)
@@ -172,6 +194,10 @@ def decode_memory_bytes(config: ModelConfig, batch: int, n: int, dtype=torch.flo
     if kind == "linear":
         f = linear_features(config)
         return layers * batch * s.kv_heads * (f * s.head_dim + f) * element
+    if kind == "hybrid":  # the attention layers' KV caches, the conv layers' last K - 1 inputs
+        convs = sum(config.layer_type(i) == "conv" for i in range(layers))
+        window = convs * batch * d * (config.short_conv_kernel - 1) * element
+        return (layers - convs) * 2 * batch * s.kv_heads * n * s.head_dim * element + window
     return layers * 2 * batch * s.kv_heads * n * s.head_dim * element
 
 

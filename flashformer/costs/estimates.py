@@ -97,6 +97,11 @@ def estimate(
     sram_bytes: the on-chip memory M of the IO model (default 192 KiB, an A100 SM's).
     """
     config = resolve_config(config_or_preset)
+    if "conv" in (config.layer_types or ()):
+        raise ValueError(
+            "estimate() holds the exact-attention Transformer's formulas; a model with conv layers "
+            "(LFM2's short convolutions, layer_types 'conv') has its own in flashformer.costs.alternatives"
+        )
     if config.arch in RECURRENT_ARCHS or config.attention_kind == "linear":
         raise ValueError(
             f"estimate() holds the exact-attention Transformer's formulas; a {config.arch!r} model with "

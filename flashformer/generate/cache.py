@@ -25,6 +25,8 @@ the first step and kept in `memory_kv` (see stacks.Decoder).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -153,6 +155,12 @@ class RecurrentState:
         self.tensors = {name: t.repeat_interleave(times, dim=0) for name, t in self.tensors.items()}
 
 
+def cache_room(caches: list) -> int:
+    """How many tokens `caches` can hold: the KV caches' max_len (a recurrent state, alone or
+    beside them in a hybrid, holds any number; then sys.maxsize)."""
+    return min((cache.max_len for cache in caches if isinstance(cache, KVCache)), default=sys.maxsize)
+
+
 def cache_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     """The dtype the layers' keys and values will be stored in: the model's
     kv_cache_dtype attribute where set (a quantized model's float16 cache, as
@@ -191,9 +199,10 @@ def make_caches(
     cache_type_k: str | None = None,
     cache_type_v: str | None = None,
 ) -> list[KVCache]:
-    """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel), or
-    the states of a model that keeps its own (a recurrent model's `new_states`: RecurrentState,
-    max_len unused; a linear-attention decoder's). cache_type_k / cache_type_v: the keys' and
+    """One KVCache per decoder layer of `model` (a DecoderModel or an EncoderDecoderModel), and a
+    RecurrentState per conv layer of a hybrid (LFM2: short_conv.py's window), or the states of a
+    model that keeps its own (a recurrent model's `new_states`: RecurrentState, max_len unused; a
+    linear-attention decoder's). cache_type_k / cache_type_v: the keys' and
     values' types (kv_types), for attention's KV caches only."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     config = model.config
@@ -217,16 +226,22 @@ def make_caches(
             for _ in range(n_layers)
         ]
     k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
+    window = config.short_conv_kernel - 1
     return [
-        KVCache(
-            batch,
-            config.n_kv_heads,
-            max_len,
-            config.head_dim,
-            dtype=dtype,
-            device=device,
-            k_type=k_type,
-            v_type=v_type,
+        (
+            # a conv layer (LFM2) keeps its last short_conv_kernel - 1 inputs, beside the KV caches
+            RecurrentState(conv=torch.zeros(batch, config.d_model, window, dtype=dtype, device=device))
+            if config.layer_type(index) == "conv"
+            else KVCache(
+                batch,
+                config.n_kv_heads,
+                max_len,
+                config.head_dim,
+                dtype=dtype,
+                device=device,
+                k_type=k_type,
+                v_type=v_type,
+            )
         )
-        for _ in range(n_layers)
+        for index in range(n_layers)
     ]

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from flashformer.generate.cache import make_caches
+from flashformer.generate.cache import RecurrentState, make_caches
 from flashformer.generate.draft_model import common_prefix
 from flashformer.generate.mixin import stream_tokens
 from flashformer.generate.proposers import check_speculation
@@ -70,18 +70,21 @@ class Chat:
         self.settings.setdefault("max_new_tokens", 512)
         self.settings.setdefault("eos_token_id", tokenizer.stop_token_ids)
         check_speculation(settings_from(model, **dict(self.settings, max_new_tokens=1)), model)  # all now
-        device = next(model.parameters()).device
-        self.generator = make_generator(None, seed, device)
-        self.caches = make_caches(
-            model,
+        self.device = next(model.parameters()).device
+        self.generator = make_generator(None, seed, self.device)
+        self.caches = self._new_caches()
+        self.cached: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        self.reused = 0  # of the last prompt, the tokens found in the cache
+
+    def _new_caches(self) -> list:
+        return make_caches(
+            self.model,
             1,
             self.context,
-            device,
+            self.device,
             self.settings.get("cache_type_k"),
             self.settings.get("cache_type_v"),
         )
-        self.cached: list[int] = []  # the tokens whose keys and values the cache holds, in order
-        self.reused = 0  # of the last prompt, the tokens found in the cache
 
     def prompt_ids(self) -> list[int]:
         """The conversation so far, rendered by the template, ending with the assistant's turn."""
@@ -99,7 +102,10 @@ class Chat:
             self.model, **dict(self.settings, max_new_tokens=min(self.settings["max_new_tokens"], room))
         )
         self.reused = min(common_prefix(self.cached, ids), len(ids) - 1)
-        input_ids = torch.tensor([ids], device=self.caches[0].k.device)
+        held = {cache.length for cache in self.caches if isinstance(cache, RecurrentState)}
+        if held and held != {self.reused}:  # a conv state (LFM2) cannot rewind: the prompt runs again
+            self.caches, self.reused = self._new_caches(), 0
+        input_ids = torch.tensor([ids], device=self.device)
         session = DecoderSession(self.model, input_ids, None, settings, self.caches, self.reused)
         history = TokenHistory.for_settings(settings, input_ids, None, self.model.config.vocab_size)
         answer: list[int] = []

@@ -145,6 +145,11 @@ def check_speculation(s: GenerationSettings, model) -> None:
         )
     if model.config.arch != "decoder":
         raise ValueError(f"speculative decoding needs a decoder-only model; got arch {model.config.arch!r}")
+    if "conv" in (model.config.layer_types or ()):  # a conv state cannot take back rejected drafts
+        raise ValueError(
+            "speculative decoding rewinds the cache after rejected drafts, and this model's conv layers "
+            "(LFM2's short convolutions, layer_types 'conv') keep a state that cannot rewind yet"
+        )
     draft = s.assistant_model
     if draft is not None:
         config = getattr(draft, "config", None)

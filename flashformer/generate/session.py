@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import Tensor
 
-from flashformer.generate.cache import make_caches
+from flashformer.generate.cache import cache_room, make_caches
 from flashformer.generate.sampling import GenerationSettings
 from flashformer.kernels import extension
 from flashformer.kernels.cpu import cpu_decode_step_options
@@ -56,10 +56,10 @@ class DecoderSession:
         self.model, self.input_ids, self.chunk_size = model, input_ids, s.prefill_chunk_size or prompt_len
         if caches is None:
             caches = make_caches(model, batch, max_len, input_ids.device, s.cache_type_k, s.cache_type_v)
-        elif caches[0].max_len < max_len or not 0 <= cached_len < prompt_len or attention_mask is not None:
+        elif cache_room(caches) < max_len or not 0 <= cached_len < prompt_len or attention_mask is not None:
             raise ValueError(
                 f"continuing in given caches needs room for the prompt and the new tokens ({max_len} <= "
-                f"{caches[0].max_len}), 0 <= cached_len={cached_len} < the prompt's {prompt_len} tokens, and "
+                f"{cache_room(caches)}), 0 <= cached_len={cached_len} < the prompt's {prompt_len} tokens, and "
                 f"no attention_mask"
             )
         self.caches, self.cached_len = caches, cached_len
@@ -119,9 +119,9 @@ class DecoderSession:
         if self.key_mask is not None:
             raise ValueError("extend() runs without padding: give prompts of one length (no attention_mask)")
         end = self.length + length
-        if end > self.caches[0].max_len:
+        if end > cache_room(self.caches):
             raise ValueError(
-                f"the KV cache holds {self.caches[0].max_len} tokens; extending {self.length} by {length} needs {end}"
+                f"the KV cache holds {cache_room(self.caches)} tokens; extending {self.length} by {length} needs {end}"
             )
         if self.native is not None:
             logits = self._native_forward(tokens, None, self.length, every_row=True).view(batch, length, -1)

@@ -53,6 +53,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from flashformer.generate.cache import cache_room
 from flashformer.generate.draft_model import DraftModel
 from flashformer.generate.proposers import ProposerInputs, proposer_kind
 from flashformer.generate.sampling import (
@@ -228,7 +229,7 @@ def row_cost(session, proposer, limit: int) -> float:
     known = _ROW_COSTS.setdefault(session.model, {})
     if kind in known:
         return known[kind]
-    rows = min(1 + limit, session.caches[0].max_len - session.length)
+    rows = min(1 + limit, cache_room(session.caches) - session.length)
     if rows < 2:
         return 0.25  # no room to time: a typical CPU figure
     one = _forward_seconds(session, 1)
@@ -236,7 +237,7 @@ def row_cost(session, proposer, limit: int) -> float:
     cost = max(0.0, (many - one) / ((rows - 1) * one))
     if isinstance(proposer, DraftModel):
         draft = proposer.session
-        cost += _forward_seconds(draft, 1) / one if draft.caches[0].max_len > draft.length else 0.0
+        cost += _forward_seconds(draft, 1) / one if cache_room(draft.caches) > draft.length else 0.0
     known[kind] = cost
     return cost
 

@@ -80,7 +80,8 @@ class PreTrainedModel(nn.Module):
 
     def init_weights(self) -> None:
         """GPT-2's scheme: weights N(0, init_std), biases 0, norms 1; the
-        projections that write into the residual stream (attn.out, ffn.down, each expert's down)
+        projections that write into the residual stream (attn.out, a conv layer's attn.out_proj,
+        ffn.down, each expert's down)
         get std / sqrt(2 * layers), so the stream's variance does not grow
         with depth. With scale_decoder_output (T5) the token embedding is
         N(0, 1): the d_model^-0.5 rescale before the tied head expects
@@ -94,7 +95,7 @@ class PreTrainedModel(nn.Module):
                 nn.init.ones_(parameter)
             elif parameter.dim() == 1:
                 nn.init.zeros_(parameter)
-            elif name.endswith(("attn.out.weight", "ffn.down.weight")) or (
+            elif name.endswith(("attn.out.weight", "attn.out_proj.weight", "ffn.down.weight")) or (
                 ".ffn.experts." in name and name.endswith(".down.weight")  # each expert's down too
             ):
                 nn.init.normal_(parameter, std=std / (2 * depth) ** 0.5)

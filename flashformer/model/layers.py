@@ -37,6 +37,7 @@ from flashformer.model.config import ModelConfig
 from flashformer.model.experts import MixtureOfExperts
 from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, gated_feed_forward
 from flashformer.model.positional import apply_rotary
+from flashformer.model.short_conv import ShortConv
 
 # ---- norms ----
 
@@ -333,7 +334,10 @@ class LinearSelfAttention(MultiHeadAttention):
 
 
 def make_self_attention(config: ModelConfig, index: int, causal: bool) -> nn.Module:
-    """Layer `index`'s self-attention: exact (with its window and global tokens) or linear."""
+    """Layer `index`'s token mixer: exact self-attention (with its window and global tokens),
+    linear attention, or a conv layer's short convolution (LFM2: short_conv.py)."""
+    if config.layer_type(index) == "conv":
+        return ShortConv(config)
     if config.attention_kind == "linear":
         return LinearSelfAttention(config, index)
     return MultiHeadAttention(config, causal=causal, window=attention_window(config, index, causal))

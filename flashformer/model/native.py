@@ -10,8 +10,8 @@ layers, none in SmolLM3's NoPE layers; YaRN's and LongRoPE's factor on cos and s
 LongRoPE's long table, chosen per sequence as the modules choose it), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
 final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
-a mixture of experts (qwen3moe, gpt-oss) and gpt-oss's attention sinks and clamped
-SwiGLU: they have no native form yet, and native_unsupported says so.
+a mixture of experts (qwen3moe, gpt-oss), gpt-oss's attention sinks and clamped SwiGLU, and
+LFM2's short convolutions: they have no native form yet, and native_unsupported says so.
 
 A model's decoder is built once and kept beside the model (a weak map: copying or pickling the model
 never meets it), with the identity and memory
@@ -115,6 +115,11 @@ def _check_shape(model) -> None:
         raise Unsupported(f"{type(decoder.positions).__name__} (RoPE or absolute positions only)")
     if config.attention_kind != "softmax" or config.global_tokens:
         raise Unsupported("linear attention or global tokens")
+    if "conv" in (config.layer_types or ()):
+        raise Unsupported(
+            "LFM2's short convolution layers (lfm2, layer_types 'conv'): the native decoder keeps no "
+            "conv state yet"
+        )
     if config.attention_sinks:
         raise Unsupported("attention sinks (gpt-oss): the native decoder's attention has no sink term")
     if config.swiglu_limit is not None:

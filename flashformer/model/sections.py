@@ -32,13 +32,14 @@ HF_MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "gpt_oss",
+    "lfm2",
     "gemma",
     "gemma2",
     "gemma3_text",
     "smollm3",
 )
 EXPERT_GATINGS = ("softmax", "topk_softmax")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
 TASKS = ("sequence-classification", "token-classification")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 CLASSIFIER_POOLINGS = ("pooler", "cls", "mean", "max")
@@ -228,13 +229,15 @@ class AttentionFields(Section):
 class LayerPatternFields(Section):
     """What differs from one layer to the next.
 
-    layer_types: per layer "full_attention" or "sliding_attention" (the window below, and
-        rope_local_theta); None = every layer full.
+    layer_types: per layer "full_attention", "sliding_attention" (the window below, and
+        rope_local_theta) or "conv" (LFM2's double-gated short convolution in place of attention:
+        short_conv.py); None = every layer full.
     sliding_window: how many keys (the query's own included) a sliding layer sees.
     global_tokens: the first global_tokens positions attend to every key and every query attends
         to them, beside the window (Longformer / BigBird's global tokens); 0 = none. Only in
         sliding_attention layers, where they widen what the window sees.
     share_layers: one block's weights for all layers of a stack (ALBERT).
+    (A conv layer's sizes are StateSpaceFields'.)
     """
 
     layer_types: tuple[str, ...] | None = None
@@ -259,6 +262,11 @@ class LayerPatternFields(Section):
                 )
             if self.share_layers and len(set(self.layer_types)) > 1:
                 raise ValueError("ModelConfig.share_layers=True needs every layer of one type (layer_types)")
+            if "conv" in self.layer_types and (self.arch != "decoder" or self.attention_kind != "softmax"):
+                raise ValueError(
+                    f"conv layers (layer_types) sit beside softmax attention in a decoder; got "
+                    f"arch={self.arch!r}, attention_kind={self.attention_kind!r}"
+                )
         _at_least(self, 0, "global_tokens")
         if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
             raise ValueError(
@@ -390,21 +398,28 @@ class NormFields(Section):
 
 @dataclass
 class StateSpaceFields(Section):
-    """The state-space blocks of arch "ssm" (Mamba: ssm.py).
+    """The state-space blocks of arch "ssm" (Mamba: ssm.py), and the conv layers of a hybrid
+    (layer_types "conv": LFM2's short convolution, short_conv.py).
 
     ssm_state: N, the state size per channel; ssm_conv: the causal conv's width;
     ssm_expand: the inner width d_inner = ssm_expand * d_model;
     ssm_dt_rank: the rank of the step size's projection; None = ceil(d_model / 16).
+    short_conv_kernel: the width of a conv layer's causal depthwise convolution, the token
+        itself included (LFM2's conv_L_cache: 3); its decoding state holds the last
+        short_conv_kernel - 1 inputs. short_conv_bias: biases in its projections and conv.
     """
 
     ssm_state: int = 16
     ssm_conv: int = 4
     ssm_expand: int = 2
     ssm_dt_rank: int | None = None
+    short_conv_kernel: int = 3
+    short_conv_bias: bool = False
 
     def _check(self) -> None:
         self._derive("ssm_dt_rank", -(-self.d_model // 16))
         _at_least(self, 1, "ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank")
+        _at_least(self, 2, "short_conv_kernel")
 
 
 @dataclass

@@ -43,6 +43,7 @@ from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
 from flashformer.model.layers import make_norm
 from flashformer.model.recurrent import RecurrentLanguageModel
+from flashformer.model.short_conv import causal_conv1d
 
 # ---- the scan ----
 
@@ -161,7 +162,8 @@ class MambaBlock(nn.Module):
         self.depth = config.n_layers
         self.norm = make_norm(config)
         self.in_proj = Linear(d, 2 * inner, bias=False)
-        self.conv = nn.Conv1d(inner, inner, config.ssm_conv, groups=inner)  # depthwise; padded by the state
+        # depthwise, padded by the state: short_conv.causal_conv1d, as LFM2's conv layers
+        self.conv = nn.Conv1d(inner, inner, config.ssm_conv, groups=inner)
         self.x_proj = Linear(inner, config.ssm_dt_rank + 2 * n, bias=False)
         self.dt_proj = Linear(config.ssm_dt_rank, inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(inner, n))
@@ -198,12 +200,10 @@ class MambaBlock(nn.Module):
         (one token: the recurrent step; more: the parallel scan from the state)."""
         batch, length, _ = x.shape
         u, z = self.in_proj(self.norm(x)).chunk(2, dim=-1)  # (B, L, d_inner) each
-        u = u.transpose(1, 2)  # (B, d_inner, L)
-        before = (
-            u.new_zeros(batch, self.inner, self.width - 1) if state is None else state["conv"].to(u.dtype)
+        conv, conv_state = causal_conv1d(  # (B, d_inner, L): causal, continued from the state
+            u.transpose(1, 2), self.conv.weight, self.conv.bias, None if state is None else state["conv"]
         )
-        window = torch.cat((before, u), dim=2)  # (B, d_inner, width - 1 + L)
-        u = F.silu(self.conv(window)).transpose(1, 2)  # (B, L, d_inner): causal, continued from the state
+        u = F.silu(conv).transpose(1, 2)  # (B, L, d_inner)
         dt, B, C = self.x_proj(u).split((self.dt_rank, self.n_state, self.n_state), dim=-1)
         delta = F.softplus(self.dt_proj(dt))  # (B, L, d_inner)
 
@@ -217,7 +217,7 @@ class MambaBlock(nn.Module):
         else:
             y, h = selective_scan(*inputs, D, None if state is None else state["ssm"])
         if state is not None:
-            state.advance(length, conv=window[:, :, window.shape[2] - (self.width - 1) :], ssm=h)
+            state.advance(length, conv=conv_state, ssm=h)
         out = self.out_proj(y.to(z.dtype) * F.silu(z))  # (B, L, d_model)
         return x + self.dropout(out)
 

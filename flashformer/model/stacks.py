@@ -145,7 +145,7 @@ class Stack(nn.Module):
             if self.sliding_positions is None
             else self.sliding_positions.attention_args(positions, cache_position)
         )
-        by_type = {"full_attention": full, "sliding_attention": sliding}
+        by_type = {"full_attention": full, "sliding_attention": sliding, "conv": {}}  # a conv needs none
         return [{} if i in self.nope_layers else by_type[kind] for i, kind in enumerate(self.layer_types)]
 
     def finish(self, x: Tensor) -> Tensor:

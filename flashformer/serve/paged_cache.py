@@ -359,6 +359,12 @@ def make_paged_caches(
             f"attention_sinks={config.attention_sinks} (gpt-oss), global_tokens={config.global_tokens}; "
             "it runs with generate() and chat, not served yet"
         )
+    if "conv" in (config.layer_types or ()):
+        raise ValueError(
+            "the paged cache keeps keys and values, and this model's conv layers (LFM2's short "
+            "convolutions, lfm2, layer_types 'conv') keep a state per sequence, which the server has no "
+            "pool for yet; it runs with generate() and chat, not served yet"
+        )
     device = next(model.parameters()).device
     k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
     windows = layer_windows(model) if window_pool is not None else [None] * config.n_layers

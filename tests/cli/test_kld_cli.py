@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.gguf import cycle_types, llama_metadata, llama_tensors, tiny_llama, write_gguf
-from helpers.llama_cpp_tools import llama_cpp_tool, printed_mean_kld, run_llama_perplexity
+from helpers.llama_cpp_tools import llama_perplexity, printed_mean_kld, run_llama_perplexity
 
 from flashformer.checkpoints.loading import load
 from flashformer.cli import commands as cli
@@ -148,10 +148,6 @@ def test_a_base_file_of_another_vocabulary_is_refused(tiny_files, tmp_path, caps
 
 
 # ---- against llama-perplexity, where a llama.cpp build has it ----
-
-
-def llama_perplexity() -> Path | None:
-    return llama_cpp_tool("llama-perplexity")
 
 
 @pytest.mark.skipif(llama_perplexity() is None, reason="no llama.cpp build with llama-perplexity")

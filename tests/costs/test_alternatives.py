@@ -36,6 +36,15 @@ CONFIGS = {
         global_tokens=2,
         attention_backend="flash",
     ),
+    "hybrid": lambda: preset(
+        "llama-tiny",
+        **dict(SIZES, n_layers=3),
+        n_kv_heads=2,
+        qk_norm=True,
+        layer_types=("conv", "full_attention", "conv"),
+        short_conv_kernel=4,
+        attention_backend="flash",
+    ),
 }
 
 
@@ -61,6 +70,19 @@ def test_forward_and_decode_step_flops_match_the_counter(name):
             model(ids[:, :n], kv_caches=caches)
         step = counted(model, ids[:, n:], kv_caches=caches, cache_position=n)
         assert step == sum(alternatives.forward_flops(config, 2, 1, cache_len=n).values()), n
+
+
+def test_the_transformer_formulas_refuse_a_hybrid_by_name():
+    from flashformer.costs import estimate
+
+    with pytest.raises(ValueError, match=r"conv layers \(LFM2's short convolutions.*costs\.alternatives"):
+        estimate(CONFIGS["hybrid"](), 16)
+    hybrid, dense = CONFIGS["hybrid"](), CONFIGS["hybrid"]().replace(layer_types=None)
+    # two conv layers keep 3 inputs of 32 channels where attention keeps 2 x 2 heads x 8 per token
+    assert (
+        alternatives.decode_memory_bytes(hybrid, 1, 1000)
+        < alternatives.decode_memory_bytes(dense, 1, 1000) / 2
+    )
 
 
 @pytest.mark.parametrize("name", ["lstm", "gru", "ssm", "linear-elu"])

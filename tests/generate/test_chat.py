@@ -83,3 +83,35 @@ def test_chat_refuses_a_model_without_a_template(tiny_run):
     model, tokenizer = flashformer.load(tiny_run)
     with pytest.raises(ValueError, match="no chat template"):
         Chat(model, tokenizer)
+
+
+def hybrid_model():
+    """A random LFM2-shaped model (conv layers beside attention) of SmolLM2's vocabulary."""
+    torch.manual_seed(0)
+    config = flashformer.ModelConfig(
+        vocab_size=49152, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, position="rope",
+        norm="rmsnorm", gated_ffn=True, activation="silu", qk_norm=True, attention_bias=False, ffn_bias=False,
+        layer_types=("conv", "full_attention", "conv"), max_seq_len=512,
+    )  # fmt: skip
+    return flashformer.build(config).eval()
+
+
+@pytest.mark.parametrize("rewrite_question", [False, True], ids=["continues", "runs-again"])
+def test_a_hybrids_chat_continues_its_conv_states_only_where_they_fit(rewrite_question):
+    """A conv state cannot rewind: turn 2 continues it when the prompt extends exactly what it
+    holds, else runs the prompt again; either way the answer is a fresh computation's. (Turn 1's
+    answer is steered to "RomeRome", which re-tokenizes as it was generated: a random model's
+    own answer may not, and then no chat could continue its state.)"""
+    model, tokenizer = hybrid_model(), smollm2_tokenizer()
+    (rome,) = tokenizer.encode("Rome")
+    chat = Chat(model, tokenizer, do_sample=False, max_new_tokens=2, logit_bias={rome: 100})
+    assert "".join(chat.send("What is the capital of Italy?")) == "RomeRome"
+    held = chat.caches[0].length
+    del chat.settings["logit_bias"]  # turn 2 is the model's own
+    if rewrite_question:  # the history no longer extends what the states hold
+        chat.messages[0]["content"] = "What is the capital of France?"
+    second = "".join(chat.send("And of Spain?"))
+    assert chat.reused == (0 if rewrite_question else held) and held > 10
+    prompt = torch.tensor([tokenizer.apply_chat_template(chat.messages[:-1], add_generation_prompt=True)])
+    fresh = model.generate(prompt, max_new_tokens=2, eos_token_id=tokenizer.stop_token_ids)
+    assert second == tokenizer.decode(fresh[0, prompt.shape[1] :].tolist())

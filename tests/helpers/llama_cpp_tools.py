@@ -26,6 +26,10 @@ def llama_cpp_tool(name: str) -> Path | None:
     return None
 
 
+def llama_perplexity() -> Path | None:
+    return llama_cpp_tool("llama-perplexity")
+
+
 def run_llama_perplexity(binary: Path, model: Path, *options: str) -> str:
     """Its output, over chunks of 32 tokens. llama-perplexity prints its closing statistics
     through llama.cpp's asynchronous logger, which sometimes exits before writing them (half of

@@ -16,6 +16,7 @@ from __future__ import annotations
 from flashformer.checkpoints.gguf.gemma import Gemma
 from flashformer.checkpoints.gguf.gpt2 import GPT2, GPT2Writer
 from flashformer.checkpoints.gguf.gpt_oss import GptOss
+from flashformer.checkpoints.gguf.lfm2 import Lfm2
 from flashformer.checkpoints.gguf.llama import Llama, LlamaWriter
 from flashformer.checkpoints.gguf.phi3 import Phi3
 from flashformer.checkpoints.gguf.qwen2 import Qwen2, Qwen2Writer
@@ -33,6 +34,7 @@ ARCHITECTURES = {
         Qwen3(),
         Qwen3Moe(),
         GptOss(),
+        Lfm2(),
         Gemma("gemma", 1),
         Gemma("gemma2", 2),
         Gemma("gemma3", 3),

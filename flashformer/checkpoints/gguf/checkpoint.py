@@ -83,10 +83,10 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
         disable=not show_progress,
     ):
         rows = rope_row_permutation(raw.shape[0], spec.rope_heads) if spec.rope_heads else None
-        if raw.is_quantized and spec.plus_one:
+        if raw.is_quantized and (spec.plus_one or spec.hf_shape):
             raise GGUFError(
                 f"{file.path}: tensor {spec.gguf!r} is stored as {raw.ggml_type}; a norm stored as 1 + w "
-                f"must be F32, F16 or BF16 (llama.cpp writes norms as floats)"
+                f"or a convolution's filter must be F32, F16 or BF16 (llama.cpp writes them as floats)"
             )
         if raw.is_quantized:
             if rows is None:
@@ -102,6 +102,8 @@ def read_gguf(path: str | Path, dequantize: bool = True, show_progress: bool = T
             values = values - 1  # transformers' w (as its GGUF loader subtracts it)
         if rows is not None:
             values = values[rows]
+        if spec.hf_shape is not None:
+            values = values.reshape(spec.hf_shape)
         tensors[hf_name] = values.t().contiguous() if spec.conv1d else values  # Conv1D: (in, out)
     return GGUFCheckpoint(file.path, name, config, tensors, quantized, file.metadata, file.mapping)
 

@@ -42,6 +42,9 @@ class TensorSpec:
     # (or a 2-D one of biases, (experts, out): gpt-oss), transformers' name for each with the
     # expert's index in place of "{expert}"
     experts: int = 0
+    # transformers' shape where it differs from the file's by axes of 1 (LFM2's conv (d, 1, K),
+    # stored (d, K)): the float values are reshaped to it; such a tensor must be stored as floats
+    hf_shape: tuple[int, ...] | None = None
 
 
 def rope_row_permutation(rows: int, heads: int) -> Tensor:

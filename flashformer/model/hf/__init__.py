@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: bert, gpt2, t5 (v1.0 and v1.1), llama, qwen2, phi3,
-qwen3, qwen3_moe, gemma, gemma2, gemma3_text.
+qwen3, qwen3_moe, gpt_oss, lfm2, gemma, gemma2, gemma3_text.
 
     config, state = read_pretrained("path/to/folder")      # config.json + weights, in our names
     save_pretrained(model, "path/to/out")                  # transformers loads it back
@@ -33,13 +33,14 @@ unsupported head is an error, never a silently different model. The traps:
   rotary inv_freq buffers. Qwen2: LLaMA with q/k/v biases and none on o_proj.
   Phi-3: q, k, v fused in qkv_proj, gate and up in gate_up_proj, partial rotary.
   Qwen3 MoE: a router and one tensor per expert and projection in the folder, which
-  transformers fuses in memory.
+  transformers fuses in memory. LFM2: conv layers (a short convolution's in_proj, conv and
+  out_proj) beside attention layers, its final norm named embedding_norm.
 
 A config option whose value changes the computation and that flashformer
 does not implement raises a ValueError naming it.
 
 The room: families.py (the table of families, a module each: bert.py, gpt2.py, t5.py, llama.py,
-qwen2.py, phi3.py, qwen3.py, qwen3_moe.py, gemma.py; their naming rules in mapping.py), convert.py (reading
+qwen2.py, phi3.py, qwen3.py, qwen3_moe.py, gpt_oss.py, lfm2.py, gemma.py; their naming rules in mapping.py), convert.py (reading
 and writing through a family's rules), weight_files.py (the weight files of a folder).
 """
 

@@ -9,6 +9,7 @@ from flashformer.model.hf.bert import Bert
 from flashformer.model.hf.gemma import Gemma
 from flashformer.model.hf.gpt2 import GPT2
 from flashformer.model.hf.gpt_oss import GptOss
+from flashformer.model.hf.lfm2 import Lfm2
 from flashformer.model.hf.llama import Llama
 from flashformer.model.hf.mapping import Family
 from flashformer.model.hf.phi3 import Phi3
@@ -31,6 +32,7 @@ FAMILIES: dict[str, Family] = {
         Qwen3(),
         Qwen3Moe(),
         GptOss(),
+        Lfm2(),
         Gemma("gemma", 1),
         Gemma("gemma2", 2),
         Gemma("gemma3_text", 3),
@@ -80,6 +82,14 @@ def names_table() -> str:
             n_expert_used=1,
             expert_gating="topk_softmax",
             expert_router_bias=True,
+        ),
+        "lfm2": preset(
+            "llama-tiny",
+            n_layers=2,
+            qk_norm=True,
+            attention_bias=False,
+            layer_types=("conv", "full_attention"),
+            hf_model_type="lfm2",
         ),
     }
     gemma = dict(
