@@ -9,8 +9,10 @@ Gemma 3's q/k head norms, RoPE (one table for the model, one of its own for Gemm
 layers), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
 final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
-a mixture of experts (qwen3moe, gpt-oss) and gpt-oss's attention sinks, YaRN factor and clamped
-SwiGLU: they have no native form yet, and native_unsupported says so.
+a mixture of experts (qwen3moe, gpt-oss), gpt-oss's attention sinks, YaRN factor and clamped
+SwiGLU, and Gemma 4's per-layer inputs, shared keys and values, wider full-layer heads,
+proportional RoPE, value norm and layer scales: they have no native form yet, and
+native_unsupported says so.
 
 A model's decoder is built once and kept beside the model (a weak map: copying or pickling the model
 never meets it), with the identity and memory
@@ -116,6 +118,18 @@ def _check_shape(model) -> None:
         raise Unsupported("linear attention or global tokens")
     if config.attention_sinks:
         raise Unsupported("attention sinks (gpt-oss): the native decoder's attention has no sink term")
+    gemma4 = {
+        "per-layer inputs (per_layer_input_dim)": config.per_layer_input_dim,
+        "keys and values shared across layers (kv_shared_layers)": config.kv_shared_layers,
+        "a head width of its own on the full layers (global_head_dim)": config.global_head_dim
+        not in (None, config.head_dim),
+        "proportional RoPE (rope_proportional)": config.rope_proportional,
+        "a value norm (v_norm)": config.v_norm,
+        "per-layer output scales (layer_scale)": config.layer_scale,
+    }
+    missing = [name for name, present in gemma4.items() if present]
+    if missing:
+        raise Unsupported(f"Gemma 4's {', '.join(missing)}: the native decoder has no such step yet")
     if isinstance(decoder.positions, RotaryEmbedding) and decoder.positions.cos_sin_factor != 1.0:
         raise Unsupported(
             f"YaRN's attention factor ({decoder.positions.cos_sin_factor:.4f} on RoPE's cos and sin): "
