@@ -58,7 +58,7 @@ def test_config_reads_every_layer_difference(folder):
     assert (config.head_dim, config.global_head_dim, config.attention_scale) == (32, 512, 1.0)
     assert (config.rope_theta, config.rotary_fraction, config.rope_proportional) == (1e6, 0.25, True)
     assert (config.rope_local_theta, config.sliding_window, config.final_logit_softcap) == (10000.0, 5, 3.0)
-    assert config.kv_shared_layers == 2 and [config.kv_source(i) for i in range(6)] == [None] * 4 + [3, 2]
+    assert config.kv_shared_layers == 2 and [config.kv_source(i) for i in range(6)] == [None] * 4 + [2, 3]
     assert config.layer_d_ff == (96,) * 4 + (192,) * 2
     assert config.per_layer_input_dim == 8 and config.v_norm and config.layer_scale
 
@@ -109,4 +109,6 @@ def test_attention_backends_take_heads_of_512(backend):
         expected = attention(q, k, v, backend="eager", **args)
         if backend == "cpu" and q_len > 1:
             continue  # the C++ kernel serves decode steps
-        torch.testing.assert_close(attention(q, k, v, backend=backend, **args), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            attention(q, k, v, backend=backend, **args), expected, atol=1e-5, rtol=1e-5
+        )
