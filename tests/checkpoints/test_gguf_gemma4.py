@@ -28,6 +28,7 @@ from helpers.gemma4 import (
     tiny_gemma4,
 )
 from helpers.gguf import write_gguf
+from transformers import AutoTokenizer
 
 import flashformer
 from flashformer.checkpoints.gguf import GGUFError
@@ -109,10 +110,29 @@ def base_logits(converted):
     """llama-perplexity's base logits of the F32 file (chunks of 32 tokens of a short text)."""
     folder, _, f32 = converted
     text = folder / "text.txt"
-    words = "the quick brown fox jumps over the lazy dog in the garden where there are trees".split()
-    text.write_text(" ".join(words[(7 * i) % len(words)] for i in range(160)))
+    text.write_text(TEXT)
     perplexity(f32, "-f", str(text), "--kl-divergence-base", str(folder / "base.kld"))
     return folder / "base.kld"
+
+
+WORDS = "the quick brown fox jumps over the lazy dog in the garden where there are trees. Ünï 日本".split()
+TEXT = " ".join(WORDS[(7 * i) % len(WORDS)] + "\n" * (i % 13 == 0) * (1 + i % 3) for i in range(160))
+
+
+@needs_llama_cpp
+def test_the_files_tokenizer_encodes_as_transformers_does(converted):
+    folder, _, f32 = converted
+    ours = flashformer.load(f32)[1]
+    theirs = AutoTokenizer.from_pretrained(folder / "hf")
+    assert ours.encode(TEXT) == [2, *theirs.encode(TEXT, add_special_tokens=False)]  # the file adds BOS
+    assert ours.decode(ours.encode(TEXT), skip_special_tokens=True) == TEXT
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_the_files_tokenizer_encodes_as_llama_cpp_does(converted, base_logits):
+    tokens = read_base_logits(base_logits).tokens.reshape(-1).tolist()  # llama-perplexity's
+    assert flashformer.load(converted[2])[1].encode(TEXT)[: len(tokens)] == tokens
 
 
 @needs_llama_cpp
@@ -122,6 +142,9 @@ def test_the_converters_file_gives_transformers_logits(converted):
     assert ours.config.layer_d_ff == (96,) * 4 + (192,) * 2 and ours.config.kv_shared_layers == 2
     with torch.no_grad():
         assert relative_error(ours(ids(model)).logits, model(ids(model)).logits) < 1e-4
+        prompt = ids(model, 6)[:1]
+        theirs = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert ours.generate(prompt, max_new_tokens=12, do_sample=False)[0].tolist() == theirs[0].tolist()
 
 
 @needs_llama_cpp
