@@ -112,3 +112,25 @@ def test_attention_backends_take_heads_of_512(backend):
         torch.testing.assert_close(
             attention(q, k, v, backend=backend, **args), expected, atol=1e-5, rtol=1e-5
         )
+
+
+def test_the_text_model_of_a_gemma4_for_conditional_generation_folder(folder, tmp_path):
+    """The released checkpoints' class: its language model's weights and text_config are read,
+    the vision tower left aside; the logits are the text model's."""
+    import transformers
+
+    path, reference = folder
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16
+    )
+    config = transformers.Gemma4Config(
+        text_config=reference.config.to_dict(), vision_config=vision.to_dict(), audio_config=None
+    )
+    multimodal = transformers.Gemma4ForConditionalGeneration(config).eval()
+    multimodal.model.language_model.load_state_dict(reference.model.state_dict())
+    multimodal.save_pretrained(tmp_path)
+    ours = flashformer.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert relative(ours(ids).logits, multimodal(input_ids=ids).logits) < 1e-4
+    assert ours.config.hf_model_type == "gemma4_text"

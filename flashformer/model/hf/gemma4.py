@@ -306,3 +306,29 @@ class Gemma4(Family):
 
     def tied_aliases(self, config):
         return {"lm_head.weight": "embed_tokens.weight"}
+
+
+class Gemma4Multimodal(Gemma4):
+    """gemma4 (Gemma4ForConditionalGeneration, the released checkpoints): its text model only.
+    config.json's text_config is a gemma4_text config; the language model's weights sit under
+    model.language_model.; the vision and audio towers and their projections into the text
+    model's space are left aside (text in, text out). Saved back as gemma4_text."""
+
+    model_type = "gemma4"
+    ignored = (r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.",)
+
+    def strip_prefix(self, weights):
+        return {name.removeprefix("model.language_model."): t for name, t in weights.items()}
+
+    def add_prefix(self, weights, config):  # where the names table finds them in such a folder
+        prefix = "model.language_model."
+        return {(name if name.startswith("lm_head.") else prefix + name): t for name, t in weights.items()}
+
+    def config_from_hf(self, hf, weights):
+        text = dict(hf.get("text_config") or {})
+        if not text:
+            raise ValueError(
+                "config.json: a gemma4 (Gemma4ForConditionalGeneration) config needs its text_config"
+            )
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        return super().config_from_hf(text, weights)
