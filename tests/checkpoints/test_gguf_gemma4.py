@@ -169,3 +169,24 @@ def test_quantized_files_are_within_twice_llama_cpps_own_divergence(converted, b
     print(f"{mix}: KLD ours {ours:.6f}, llama.cpp {theirs:.6f}; float {float_kld:.2e}")
     assert float_kld < 1e-4  # llama.cpp's float model is ours (the base file keeps 16 bits)
     assert 0 < ours <= 2 * theirs
+
+
+def test_quantized_per_layer_table_and_projections_run_on_their_blocks(tmp_path):
+    """Q8_0 wherever a row splits into blocks of 32 (the per-layer table of 6 x 16 columns too):
+    those layers hold the file's blocks, and with float32 activations the logits are the float
+    load's (the same dequantized weights) within float32 rounding."""
+    from flashformer.kernels.quantized import QuantizedEmbedding, QuantizedLinear
+
+    reference = tiny_gemma4(hidden_size_per_layer_input=16)
+    tensors = {
+        name: (values, "Q8_0" if values.ndim == 2 and values.shape[1] % 32 == 0 else "F32")
+        for name, (values, _) in gemma4_tensors(reference).items()
+    }
+    path = write_gguf(tmp_path / "q8.gguf", "gemma4", gemma4_metadata(reference), tensors)
+    floats = flashformer.from_pretrained(path, quantize=None)
+    blocks = flashformer.from_pretrained(path, activations="float32")  # quantize="gguf": the default
+    assert isinstance(blocks.per_layer_inputs.tokens, QuantizedEmbedding)
+    assert isinstance(blocks.per_layer_inputs.projection, QuantizedLinear)
+    assert isinstance(blocks.decoder.blocks[5].per_layer.gate, QuantizedLinear)
+    with torch.no_grad():
+        assert relative_error(blocks(ids(reference)).logits, floats(ids(reference)).logits) < 1e-4
