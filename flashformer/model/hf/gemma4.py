@@ -17,7 +17,8 @@
 - Final logits soft-capped (final_logit_softcapping), no attention softcap.
 
 Refused by name: the mixture of experts (enable_moe_block: 26B-A4B), keys as values
-(attention_k_eq_v: 31B), bidirectional attention.
+(attention_k_eq_v: 31B), bidirectional attention over text ("all"; "vision" concerns image
+tokens only, which a text model never sees).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Gemma4(Family):
             FAMILY,
             enable_moe_block=(False, None),
             attention_k_eq_v=(False, None),
-            use_bidirectional_attention=(None,),
+            use_bidirectional_attention=(None, "vision"),  # "vision": only image tokens look ahead
             attention_bias=(False,),
         )
         n_layers = hf.get("num_hidden_layers", 30)
