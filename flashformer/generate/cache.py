@@ -236,7 +236,7 @@ def make_caches(
                 batch,
                 config.n_kv_heads,
                 max_len,
-                config.head_dim,
+                config.layer_head_dim(index),  # Gemma 4's full layers are wider
                 dtype=dtype,
                 device=device,
                 k_type=k_type,

@@ -79,7 +79,7 @@ class PreTrainedModel(nn.Module):
         return super().train(mode)
 
     def init_weights(self) -> None:
-        """GPT-2's scheme: weights N(0, init_std), biases 0, norms 1; the
+        """GPT-2's scheme: weights N(0, init_std), biases 0, norms (and Gemma 4's layer scales) 1; the
         projections that write into the residual stream (attn.out, a conv layer's attn.out_proj,
         ffn.down, each expert's down)
         get std / sqrt(2 * layers), so the stream's variance does not grow
@@ -91,7 +91,7 @@ class PreTrainedModel(nn.Module):
             self.config.n_decoder_layers if self.config.arch == "encoder-decoder" else 0
         )
         for name, parameter in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "layer_scale")):
                 nn.init.ones_(parameter)
             elif parameter.dim() == 1:
                 nn.init.zeros_(parameter)

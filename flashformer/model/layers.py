@@ -35,7 +35,12 @@ from flashformer.generate.cache import RecurrentState
 from flashformer.kernels.cpu import Linear
 from flashformer.model.config import ModelConfig
 from flashformer.model.experts import MixtureOfExperts
-from flashformer.model.feed_forward import FeedForward, FusedGatedFeedForward, gated_feed_forward
+from flashformer.model.feed_forward import (
+    ACTIVATIONS,
+    FeedForward,
+    FusedGatedFeedForward,
+    gated_feed_forward,
+)
 from flashformer.model.positional import apply_rotary
 from flashformer.model.short_conv import ShortConv
 
@@ -62,6 +67,17 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class UnitRMSNorm(nn.Module):
+    """RMSNorm without a weight (Gemma 4's value heads): x / sqrt(mean(x^2) + eps)."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, eps=config.norm_eps)
@@ -74,9 +90,9 @@ def make_output_norm(config: ModelConfig) -> nn.Module:
     return make_norm(config) if config.sandwich_norm else nn.Identity()
 
 
-def make_head_norm(config: ModelConfig) -> nn.Module:
+def make_head_norm(config: ModelConfig, head_dim: int) -> nn.Module:
     """qk_norm (Qwen3, Gemma 3): an RMSNorm over each head's head_dim channels, or nothing."""
-    return RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+    return RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
 
 
 class Softcap(nn.Module):
@@ -105,14 +121,32 @@ def attention_window(config: ModelConfig, index: int, causal: bool) -> tuple[int
 # ---- feed-forward ----
 
 
-def make_feed_forward(config: ModelConfig) -> nn.Module:
-    """The block's feed-forward: a mixture of experts (config.n_expert), or one dense MLP."""
+def make_feed_forward(config: ModelConfig, index: int = 0) -> nn.Module:
+    """Block `index`'s feed-forward: a mixture of experts (config.n_expert), or one dense MLP."""
     if config.n_expert:
         return MixtureOfExperts(config)
+    width = config.layer_ffn_width(index)
     if config.gated_ffn and not config.fused_gate_up:
-        return gated_feed_forward(config, config.d_ff, config.ffn_bias)  # clamped or plain
+        return gated_feed_forward(config, width, config.ffn_bias)  # clamped or plain
     kind = FusedGatedFeedForward if config.gated_ffn else FeedForward
-    return kind(config.d_model, config.d_ff, config.activation, config.ffn_bias, config.activation_dropout)
+    return kind(config.d_model, width, config.activation, config.ffn_bias, config.activation_dropout)
+
+
+class PerLayerGate(nn.Module):
+    """x + norm(up(act(gate(x)) * per_layer_input)): Gemma 4's per-layer input (per_layer.py),
+    gated by the layer's output, added back to the residual stream."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Linear(config.d_model, config.per_layer_input_dim, bias=False)
+        self.act = ACTIVATIONS[config.activation]()
+        self.projection = Linear(config.per_layer_input_dim, config.d_model, bias=False)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
+
+    def forward(self, x: Tensor, per_layer_input: Tensor) -> Tensor:
+        """x (B, L, d_model), per_layer_input (B, L, width) -> (B, L, d_model)."""
+        gated = self.act(self.gate(x)) * per_layer_input  # (B, L, width)
+        return x + self.norm(self.projection(gated))
 
 
 # ---- attention ----
@@ -208,22 +242,37 @@ class MultiHeadAttention(nn.Module):
     (see the module docstring).
 
     What differs between layers of one model (Gemma's sliding-window layers) is fixed here,
-    at construction: `window` (attention_window), the softcap, the q/k head norms, and the
-    global tokens a windowed layer adds (config.global_tokens: Longformer / BigBird).
+    at construction: `window` (attention_window), the softcap, the q/k head norms, the head
+    width (config.layer_head_dim: Gemma 4's wider full layers), and the global tokens a
+    windowed layer adds (config.global_tokens: Longformer / BigBird). A layer whose keys and
+    values later layers read (config.kv_sharers: Gemma 4) leaves them in the `shared_kv` dict the
+    stack hands every layer, under its layer type.
     """
 
-    def __init__(self, config: ModelConfig, causal: bool, window: tuple[int, int | None] | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        causal: bool,
+        window: tuple[int, int | None] | None = None,
+        index: int = 0,
+        kv_projections: bool = True,
+    ):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.layer_head_dim(index)
         self.causal, self.window, self.softcap = causal, window, config.attention_softcap
         self.global_tokens = config.global_tokens if window is not None else 0
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout
         self.backend = config.attention_backend
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.split_sizes = (q_width, kv_width, kv_width)
-        self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attention_bias)
-        self.q_norm, self.k_norm = make_head_norm(config), make_head_norm(config)
+        self.split_sizes = (q_width, kv_width, kv_width) if kv_projections else (q_width,)
+        self.qkv = Linear(config.d_model, sum(self.split_sizes), bias=config.attention_bias)
+        self.q_norm = make_head_norm(config, self.head_dim)
+        if kv_projections:
+            self.k_norm = make_head_norm(config, self.head_dim)
+            self.v_norm = UnitRMSNorm(config.norm_eps) if config.v_norm else nn.Identity()
+        self.shares_kv_as = config.kv_sharers().get(index)  # a layer type, or None
         self.out = Linear(q_width, config.d_model, bias=config.attention_out_bias)
         # gpt-oss's attention sinks: a logit per query head in every softmax's denominator
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if config.attention_sinks else None
@@ -238,18 +287,21 @@ class MultiHeadAttention(nn.Module):
         alibi_slopes: Tensor | None = None,
         kv_cache=None,
         cache_position: int = 0,
+        shared_kv: dict | None = None,
     ) -> Tensor:
         """x (B, L, d_model) -> (B, L, d_model).
 
         key_padding_mask: (B, cache_position + L) bool, True = a real token.
+        shared_kv: layer type -> (k, v) of every position so far, for the layers that read them.
         """
         batch, length, _ = x.shape
         q, k, v = self.project(x, rotary)
         if getattr(kv_cache, "paged", False):  # a paged cache attends over each row's own blocks
-            if self.global_tokens or self.sinks is not None:
+            if self.global_tokens or self.sinks is not None or self.shares_kv_as is not None:
                 raise NotImplementedError(
-                    "a paged KV cache does not serve global tokens (config.global_tokens) "
-                    "or attention sinks (config.attention_sinks)"
+                    "a paged KV cache does not serve global tokens (config.global_tokens), "
+                    "attention sinks (config.attention_sinks) or keys and values shared across "
+                    "layers (config.kv_shared_layers)"
                 )
             out = kv_cache.attend(
                 q, k, v, scale=self.scale, window=self.window, softcap=self.softcap
@@ -257,6 +309,12 @@ class MultiHeadAttention(nn.Module):
             return self.out(out.transpose(1, 2).reshape(batch, length, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, cache_position)  # (B, Hk, cache_position + L, D)
+        if self.shares_kv_as is not None:
+            shared_kv[self.shares_kv_as] = (k, v)
+        return self.attend_over(q, k, v, batch, length, key_padding_mask, bias, alibi_slopes)
+
+    def attend_over(self, q, k, v, batch, length, key_padding_mask, bias, alibi_slopes) -> Tensor:
+        """q (B, Hq, L, D) over k, v (B, Hk, Lk, D), then the output projection -> (B, L, d_model)."""
         out = attend(
             q,
             k,
@@ -283,9 +341,34 @@ class MultiHeadAttention(nn.Module):
         k = k.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
         q, k = self.q_norm(q), self.k_norm(k)  # per head, over D (qk_norm), before RoPE
         v = v.view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, L, D)
+        v = self.v_norm(v)  # v_norm (Gemma 4): unit RMS per head
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         return q, k, v
+
+
+class SharedKVAttention(MultiHeadAttention):
+    """Self-attention over the keys and values of an earlier layer (config.kv_source: Gemma 4's
+    last layers): its own queries (their norm and RoPE), and no key or value projection. The
+    earlier layer left its keys and values of every position so far in `shared_kv`."""
+
+    def __init__(self, config: ModelConfig, window: tuple[int, int | None] | None, index: int):
+        super().__init__(config, causal=True, window=window, index=index, kv_projections=False)
+        self.reads_kv_of = config.layer_type(index)
+
+    def forward(self, x: Tensor, *, key_padding_mask=None, rotary=None, shared_kv=None, **cache) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model); its own kv_cache (in `cache`) is left untouched."""
+        if getattr(cache.get("kv_cache"), "paged", False):
+            raise NotImplementedError(
+                "a paged KV cache does not serve keys and values shared across layers (config.kv_shared_layers)"
+            )
+        batch, length, _ = x.shape
+        (q,) = self.qkv(x).split(self.split_sizes, dim=-1)
+        q = self.q_norm(q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2))  # (B, Hq, L, D)
+        if rotary is not None:
+            q = apply_rotary(q, *rotary)
+        k, v = shared_kv[self.reads_kv_of]  # (B, Hk, cache_position + L, D)
+        return self.attend_over(q, k, v, batch, length, key_padding_mask, None, None)
 
 
 class LinearSelfAttention(MultiHeadAttention):
@@ -334,13 +417,17 @@ class LinearSelfAttention(MultiHeadAttention):
 
 
 def make_self_attention(config: ModelConfig, index: int, causal: bool) -> nn.Module:
-    """Layer `index`'s token mixer: exact self-attention (with its window and global tokens),
-    linear attention, or a conv layer's short convolution (LFM2: short_conv.py)."""
+    """Layer `index`'s token mixer: exact self-attention (with its window and global tokens; over an
+    earlier layer's keys and values where config.kv_source says so), linear attention, or a conv
+    layer's short convolution (LFM2: short_conv.py)."""
     if config.layer_type(index) == "conv":
         return ShortConv(config)
     if config.attention_kind == "linear":
         return LinearSelfAttention(config, index)
-    return MultiHeadAttention(config, causal=causal, window=attention_window(config, index, causal))
+    window = attention_window(config, index, causal)
+    if config.kv_source(index) is not None:
+        return SharedKVAttention(config, window, index)
+    return MultiHeadAttention(config, causal=causal, window=window, index=index)
 
 
 class CrossAttention(nn.Module):
@@ -417,10 +504,12 @@ class EncoderBlock(nn.Module):
     def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.attn = MultiHeadAttention(config, causal=False, window=attention_window(config, index, False))
+        self.attn = MultiHeadAttention(
+            config, causal=False, window=attention_window(config, index, False), index=index
+        )
         self.attn_out_norm = make_output_norm(config)
         self.ffn_norm = make_norm(config)
-        self.ffn = make_feed_forward(config)
+        self.ffn = make_feed_forward(config, index)
         self.ffn_out_norm = make_output_norm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.residual = pre_norm_residual if config.prenorm else post_norm_residual
@@ -441,7 +530,9 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     """Causal self-attention, then (in an encoder-decoder) cross-attention to
     the encoder's output, then the feed-forward. index: the layer's place in its stack.
-    With sandwich_norm each sub-layer's output is normalized before the residual add."""
+    With sandwich_norm each sub-layer's output is normalized before the residual add.
+    Gemma 4 then gates in the layer's per-layer input (per_layer.PerLayerGate) and multiplies
+    the block's output by a learned scalar (layer_scale)."""
 
     def __init__(self, config: ModelConfig, cross_attention: bool = False, index: int = 0):
         super().__init__()
@@ -453,10 +544,12 @@ class DecoderBlock(nn.Module):
             self.cross_norm = make_norm(config)
             self.cross_attn = CrossAttention(config)
         self.ffn_norm = make_norm(config)
-        self.ffn = make_feed_forward(config)
+        self.ffn = make_feed_forward(config, index)
         self.ffn_out_norm = make_output_norm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.residual = pre_norm_residual if config.prenorm else post_norm_residual
+        self.per_layer = PerLayerGate(config) if config.per_layer_input_dim else None
+        self.layer_scale = nn.Parameter(torch.ones(1)) if config.layer_scale else None
 
     def forward(
         self,
@@ -467,12 +560,15 @@ class DecoderBlock(nn.Module):
         memory_kv: tuple[Tensor, Tensor] | None = None,
         kv_cache=None,
         cache_position: int = 0,
+        per_layer_input: Tensor | None = None,
         **position_args,
     ) -> Tensor:
         """x (B, L, d_model) -> (B, L, d_model).
 
         padding_mask: (B, cache_position + L) bool over the self-attention keys.
         memory, memory_padding_mask: the encoder's output (B, M, d_model) and its (B, M) mask.
+        per_layer_input: (B, L, per_layer_input_dim), this layer's (Gemma 4), or None.
+        position_args: the positional arguments of attention, and shared_kv where layers share.
         """
 
         def self_attention(h: Tensor) -> Tensor:
@@ -494,4 +590,7 @@ class DecoderBlock(nn.Module):
         x = self.residual(x, self.attn_norm, self_attention, self.dropout)
         if self.has_cross_attention:
             x = self.residual(x, self.cross_norm, cross_attention, self.dropout)
-        return self.residual(x, self.ffn_norm, feed_forward, self.dropout)
+        x = self.residual(x, self.ffn_norm, feed_forward, self.dropout)
+        if self.per_layer is not None:
+            x = self.per_layer(x, per_layer_input)
+        return x if self.layer_scale is None else x * self.layer_scale.to(x.dtype)

@@ -33,6 +33,7 @@ from flashformer.model.config import ModelConfig
 from flashformer.model.heads import MaskedLMHead, Pooler, make_task_head
 from flashformer.model.layers import Softcap, recording_attention
 from flashformer.model.native import native_decoder
+from flashformer.model.per_layer import PerLayerInputs
 from flashformer.model.presets import preset
 from flashformer.model.recurrent import GRUModel, LSTMModel
 from flashformer.model.ssm import SSMModel
@@ -111,6 +112,7 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         check_arch(config, "decoder")
         self.config = config
         self.embeddings = Embeddings(config)
+        self.per_layer_inputs = PerLayerInputs(config) if config.per_layer_input_dim else None
         self.decoder = Decoder(config, config.n_layers)
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
@@ -152,9 +154,15 @@ class DecoderModel(GenerationMixin, PreTrainedModel):
         positions = self._positions("input_ids", length, position_ids, cache_position, input_ids.device)
 
         hidden = self.embeddings(input_ids, positions, token_type_ids)  # (B, L, d_model)
+        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, hidden)
         with recording_attention(output_attentions) as maps:
             hidden = self.decoder(
-                hidden, padding_mask, positions, kv_caches=kv_caches, cache_position=cache_position
+                hidden,
+                padding_mask,
+                positions,
+                kv_caches=kv_caches,
+                cache_position=cache_position,
+                per_layer_inputs=per_layer,
             )
         logits = self.project(hidden[:, -logits_to_keep:])  # (B, L or logits_to_keep, vocab)
         loss = None

@@ -10,8 +10,10 @@ layers, none in SmolLM3's NoPE layers; YaRN's and LongRoPE's factor on cos and s
 LongRoPE's long table, chosen per sequence as the modules choose it), the attention's scale, softcap and window, the output projection, and the plain or gated
 feed-forward with its activation; then the final norm, the head (tied or its own) and Gemma 2's
 final-logit softcap. The models of every GGUF architecture flashformer reads have this shape, but
-a mixture of experts (qwen3moe, gpt-oss), gpt-oss's attention sinks and clamped SwiGLU, and
-LFM2's short convolutions: they have no native form yet, and native_unsupported says so.
+a mixture of experts (qwen3moe, gpt-oss), gpt-oss's attention sinks and clamped SwiGLU, LFM2's
+short convolutions, and Gemma 4's per-layer inputs, shared keys and values, wider full-layer
+heads, proportional RoPE, value norm and layer scales: they have no native form yet, and
+native_unsupported says so.
 
 A model's decoder is built once and kept beside the model (a weak map: copying or pickling the model
 never meets it), with the identity and memory
@@ -122,6 +124,18 @@ def _check_shape(model) -> None:
         )
     if config.attention_sinks:
         raise Unsupported("attention sinks (gpt-oss): the native decoder's attention has no sink term")
+    gemma4 = {
+        "per-layer inputs (per_layer_input_dim)": config.per_layer_input_dim,
+        "keys and values shared across layers (kv_shared_layers)": config.kv_shared_layers,
+        "a head width of its own on the full layers (global_head_dim)": config.global_head_dim
+        not in (None, config.head_dim),
+        "proportional RoPE (rope_proportional)": config.rope_proportional,
+        "a value norm (v_norm)": config.v_norm,
+        "per-layer output scales (layer_scale)": config.layer_scale,
+    }
+    missing = [name for name, present in gemma4.items() if present]
+    if missing:
+        raise Unsupported(f"Gemma 4's {', '.join(missing)}: the native decoder has no such step yet")
     if config.swiglu_limit is not None:
         raise Unsupported(
             "the clamped SwiGLU (swiglu_limit, gpt-oss): the native decoder has no such activation"

@@ -284,18 +284,30 @@ class RotaryEmbedding(nn.Module):
     written before the switch keep their short rotation, as they do in transformers. llama.cpp
     decides once from the context size instead (n_ctx > original: long for every position): the two
     agree wherever the context is within the original one.
+    proportional (Gemma 4's "proportional" RoPE): the partial rotary keeps the whole head's
+    pairing (i with i + head_dim/2) and frequencies (theta^(-2i/head_dim)), and only the first
+    fraction * head_dim / 2 pairs turn: the others get frequency 0 (cos 1, sin 0).
     """
 
     def __init__(
-        self, head_dim: int, fraction: float = 1.0, theta: float = 10000.0, scaling: RopeScaling | None = None
+        self,
+        head_dim: int,
+        fraction: float = 1.0,
+        theta: float = 10000.0,
+        scaling: RopeScaling | None = None,
+        proportional: bool = False,
     ):
         super().__init__()
-        self.rotary_dim = int(head_dim * fraction)
+        self.rotary_dim = head_dim if proportional else int(head_dim * fraction)
         if not 0 < fraction <= 1 or self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
             raise ValueError(
                 f"the rotary part of a head (head_dim * fraction = {head_dim} * {fraction}) must be an even "
                 f"number of channels > 0"
             )
+        if proportional and scaling is not None and scaling.kind != "linear":
+            raise ValueError(f"proportional RoPE takes a linear scaling only; got {scaling.kind!r}")
+        # the channel pairs that turn (proportional: the first ones; all others are kept as they are)
+        self.turning_pairs = int(fraction * head_dim // 2) if proportional else self.rotary_dim // 2
         self.theta, self.scaling = theta, scaling
         self.cos_sin_factor = 1.0 if scaling is None else scaling.cos_sin_factor
         self.reset_buffers()
@@ -305,6 +317,7 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):  # computed on the CPU, then moved: on the meta device (a model
             # built to receive its weights) these ops run torch's Python kernels, seconds to import
             inv_freq = rope_inverse_frequencies(self.rotary_dim, self.theta, self.scaling)
+            inv_freq[self.turning_pairs :] = 0.0  # proportional: the pairs past these stand still
         device = torch.get_default_device() if device is None else device
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # (rotary_dim/2,)
         long = None  # LongRoPE's frequencies past the original context (rotary_dim/2,), else None

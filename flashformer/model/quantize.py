@@ -106,11 +106,19 @@ def quantize(model, mode: str, checkpoint=None, activations: str = DEFAULT_ACTIV
     make = (
         _from_gguf(model, checkpoint, activations_of) if mode == "gguf" else _from_float(mode, activations_of)
     )
-    embedding = make.embedding(model.embeddings.tokens)
+    embedding = make.embedding(model.embeddings.tokens, "embeddings.tokens")
     if embedding is not None:
         model.embeddings.tokens = embedding
+    per_layer = getattr(model, "per_layer_inputs", None)  # Gemma 4's second table: one row a token
+    if (
+        per_layer is not None
+        and (table := make.embedding(per_layer.tokens, "per_layer_inputs.tokens")) is not None
+    ):
+        per_layer.tokens = table
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and (name.startswith("decoder.") or name == HEAD):
+        if isinstance(module, nn.Linear) and (
+            name.startswith(("decoder.", "per_layer_inputs.")) or name == HEAD
+        ):
             quantized = make.linear(name, module)
             if quantized is not None:
                 _replace(model, name, quantized)
@@ -134,7 +142,7 @@ class _from_float:
     def __init__(self, mode: str, activations_of):
         self.mode, self.activations_of = mode, activations_of
 
-    def embedding(self, embedding: nn.Embedding):
+    def embedding(self, embedding: nn.Embedding, name: str):
         return QuantizedEmbedding.from_float(embedding, self.mode)
 
     def linear(self, name: str, linear: nn.Linear):
@@ -151,9 +159,6 @@ class _from_gguf:
         layout = hf.family(model.config.hf_model_type)
         self.blocks = layout.strip_prefix(dict(checkpoint.quantized))  # their name -> QuantizedTensor
         self.rules = {rule.ours: rule for rule in layout.rules(model.config)}
-        self.embedding_name = next(
-            r.theirs[0] for r in self.rules.values() if r.ours == "embeddings.tokens.weight"
-        )
         self.activations_of, self.source, self.kept = activations_of, checkpoint.path, set()
 
     def _usable(self, names) -> list | None:
@@ -168,8 +173,8 @@ class _from_gguf:
             )
         return None
 
-    def embedding(self, embedding: nn.Embedding):
-        tensors = self._usable([self.embedding_name])
+    def embedding(self, embedding: nn.Embedding, name: str):
+        tensors = self._usable(self.rules[f"{name}.weight"].theirs)
         if tensors is None:
             return None
         (t,) = tensors

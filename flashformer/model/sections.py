@@ -37,6 +37,7 @@ HF_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
     "smollm3",
+    "gemma4_text",
 )
 EXPERT_GATINGS = ("softmax", "topk_softmax")
 LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
@@ -124,11 +125,22 @@ class EmbeddingFields(Section):
     embedding_norm: a norm right after the embeddings (BERT).
     scale_embeddings: the token embeddings are multiplied by sqrt(d_model), rounded to their
         dtype first (Gemma).
+    per_layer_input_dim: Gemma 4's per-layer inputs (model/per_layer.py): a second token table of
+        n_layers * per_layer_input_dim, mixed with a projection of the embeddings, gives every layer
+        a vector of this width that it gates into its output; 0 = none.
+    per_layer_vocab_size: the rows of that table; None = vocab_size.
     """
 
     type_vocab_size: int = 0
     embedding_norm: bool = False
     scale_embeddings: bool = False
+    per_layer_input_dim: int = 0
+    per_layer_vocab_size: int | None = None
+
+    def _check(self) -> None:
+        _at_least(self, 0, "per_layer_input_dim")
+        self._derive("per_layer_vocab_size", self.vocab_size)
+        _at_least(self, 1, "per_layer_vocab_size")
 
 
 @dataclass
@@ -139,9 +151,14 @@ class PositionFields(Section):
         (T5's bucketed bias), "none".
     rope_theta, rotary_fraction (partial rotary), rope_scaling.
     rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's local 10,000 beside a
-        global 1e6), which take no rope_scaling; None = the same RoPE as every other layer.
+        global 1e6), which turn whole heads and take no rope_scaling; None = the same RoPE as every
+        other layer.
     nope_layers: the indices of the layers whose queries and keys are not rotated at all (NoPE:
         SmolLM3's every fourth layer); () = RoPE in every layer.
+    rope_proportional: partial rotary as Gemma 4's "proportional" RoPE: channel i still pairs with
+        i + head_dim/2 and turns at theta^(-2i/head_dim), but only the first
+        rotary_fraction * head_dim / 2 pairs turn (the others' frequency is 0); False = the first
+        rotary_fraction * head_dim channels form a rotary part of their own (GPT-NeoX).
     relative_buckets, relative_max_distance: T5's bucketing.
     """
 
@@ -151,6 +168,7 @@ class PositionFields(Section):
     rope_scaling: RopeScaling | None = None
     rope_local_theta: float | None = None
     nope_layers: tuple[int, ...] = ()
+    rope_proportional: bool = False
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
@@ -158,7 +176,11 @@ class PositionFields(Section):
         if isinstance(self.rope_scaling, dict):  # as read back from config.json
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         _choice("position", self.position, POSITIONS)
-        if self.position == "rope" and int(self.head_dim * self.rotary_fraction) % 2 != 0:
+        if (
+            self.position == "rope"
+            and not self.rope_proportional
+            and int(self.head_dim * self.rotary_fraction) % 2 != 0
+        ):
             raise ValueError(
                 f"RoPE rotates channel pairs: head_dim * rotary_fraction = {self.head_dim} * "
                 f"{self.rotary_fraction} must be even"
@@ -184,6 +206,7 @@ class AttentionFields(Section):
         (Qwen2 has q/k/v biases and none on the output).
     attention_scale: None = 1/sqrt(head_dim); T5 uses 1.0.
     qk_norm: an RMSNorm over head_dim on every query and key head before RoPE (Qwen3, Gemma 3).
+    v_norm: an RMSNorm without a weight over every value head (Gemma 4).
     attention_softcap: attention scores become c * tanh(scores / c) (Gemma 2); None = off.
     attention_kind: "softmax" (exact attention) or "linear" (kernelized linear attention,
         attention/linear.py: phi(q) (sum phi(k) v^T), O(n) time and an O(1) decoding state).
@@ -197,6 +220,7 @@ class AttentionFields(Section):
     attention_out_bias: bool | None = None
     attention_scale: float | None = None
     qk_norm: bool = False
+    v_norm: bool = False
     attention_softcap: float | None = None
     attention_kind: str = "softmax"
     linear_feature_map: str = "elu"
@@ -238,12 +262,21 @@ class LayerPatternFields(Section):
         sliding_attention layers, where they widen what the window sees.
     share_layers: one block's weights for all layers of a stack (ALBERT).
     (A conv layer's sizes are StateSpaceFields'.)
+    global_head_dim: the head width of the full_attention layers (Gemma 4: 512 beside the sliding
+        layers' 256); None = head_dim.
+    kv_shared_layers: the last kv_shared_layers layers compute no keys and values: each attends
+        over those of the last earlier layer of its type (Gemma 4); 0 = none.
+    layer_d_ff: each layer's feed-forward width (Gemma 4 doubles it on the KV-shared layers);
+        None = d_ff everywhere.
     """
 
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     global_tokens: int = 0
     share_layers: bool = False
+    global_head_dim: int | None = None
+    kv_shared_layers: int = 0
+    layer_d_ff: tuple[int, ...] | None = None
 
     def _check(self) -> None:
         if self.layer_types is not None:
@@ -268,6 +301,29 @@ class LayerPatternFields(Section):
                     f"arch={self.arch!r}, attention_kind={self.attention_kind!r}"
                 )
         _at_least(self, 0, "global_tokens")
+        if self.global_head_dim is not None:
+            _at_least(self, 1, "global_head_dim")
+        _at_least(self, 0, "kv_shared_layers")
+        if self.layer_d_ff is not None:
+            self.layer_d_ff = tuple(self.layer_d_ff)
+            widths = self.layer_d_ff
+            if len(widths) != self.n_layers or not all(isinstance(w, int) and w >= 1 for w in widths):
+                raise ValueError(
+                    f"ModelConfig.layer_d_ff must give an int >= 1 for each of the n_layers={self.n_layers} "
+                    f"layers; got {self.layer_d_ff!r}"
+                )
+        if self.kv_shared_layers:
+            if self.kv_shared_layers >= self.n_layers or self.arch != "decoder":
+                raise ValueError(
+                    f"ModelConfig.kv_shared_layers={self.kv_shared_layers} needs a decoder with more layers "
+                    f"(n_layers={self.n_layers}, arch={self.arch!r})"
+                )
+            for index in range(self.n_layers - self.kv_shared_layers, self.n_layers):
+                if self.kv_source(index) is None:
+                    raise ValueError(
+                        f"ModelConfig.kv_shared_layers={self.kv_shared_layers}: layer {index} "
+                        f"({self.layer_type(index)}) has no earlier layer of its type to share keys and values with"
+                    )
         if self.global_tokens and "sliding_attention" not in (self.layer_types or ()):
             raise ValueError(
                 f"ModelConfig.global_tokens={self.global_tokens} widens sliding-window layers, but "
@@ -277,6 +333,30 @@ class LayerPatternFields(Section):
     def layer_type(self, index: int) -> str:
         """ "full_attention" or "sliding_attention": what layer `index` attends to."""
         return "full_attention" if self.layer_types is None else self.layer_types[index]
+
+    def layer_head_dim(self, index: int) -> int:
+        """The head width of layer `index` (global_head_dim on full layers, where given)."""
+        if self.global_head_dim is not None and self.layer_type(index) == "full_attention":
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_ffn_width(self, index: int) -> int:
+        """The feed-forward width of layer `index` (layer_d_ff, else d_ff)."""
+        return self.d_ff if self.layer_d_ff is None else self.layer_d_ff[index]
+
+    def kv_source(self, index: int) -> int | None:
+        """The layer whose keys and values layer `index` attends over, or None where it computes its
+        own: the last layer before the shared ones with the same layer type."""
+        first_shared = self.n_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or index < first_shared:
+            return None
+        kind = self.layer_type(index)
+        return next((j for j in reversed(range(first_shared)) if self.layer_type(j) == kind), None)
+
+    def kv_sharers(self) -> dict[int, str]:
+        """The layers whose keys and values later layers read, each with its layer type."""
+        sources = {self.kv_source(i) for i in range(self.n_layers)} - {None}
+        return {j: self.layer_type(j) for j in sorted(sources)}
 
 
 @dataclass
@@ -385,12 +465,15 @@ class NormFields(Section):
         after the residual add (BERT).
     sandwich_norm: a norm on each sub-layer's output too, before the residual add (Gemma 2 and 3:
         x + norm(attn(norm(x)))).
+    layer_scale: each block's output is multiplied by a learned scalar of its own (Gemma 4's
+        layer_scalar).
     """
 
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     prenorm: bool = True
     sandwich_norm: bool = False
+    layer_scale: bool = False
 
     def _check(self) -> None:
         _choice("norm", self.norm, NORMS)

@@ -79,9 +79,13 @@ def _absolute_positions(config: ModelConfig) -> nn.Module | None:
 
 def _attention_positions(config: ModelConfig, bidirectional: bool) -> nn.Module:
     """The positional module a stack shares among its layers' self-attention."""
-    if config.position == "rope":
+    if config.position == "rope":  # the full layers' (all of them but for a sliding RoPE below)
         return RotaryEmbedding(
-            config.head_dim, config.rotary_fraction, config.rope_theta, config.rope_scaling
+            config.global_head_dim or config.head_dim,
+            config.rotary_fraction,
+            config.rope_theta,
+            config.rope_scaling,
+            config.rope_proportional,
         )
     if config.position == "relative":
         return RelativePositionBias(
@@ -93,11 +97,18 @@ def _attention_positions(config: ModelConfig, bidirectional: bool) -> nn.Module:
 
 
 def _sliding_positions(config: ModelConfig) -> nn.Module | None:
-    """The sliding-window layers' own RoPE (Gemma 3: base rope_local_theta, no scaling), or None
-    where they share the stack's positional module."""
-    if config.position != "rope" or config.rope_local_theta is None:
+    """The sliding-window layers' own RoPE (Gemma 3 and 4: base rope_local_theta, whole heads, no
+    scaling; Gemma 4's heads narrower than the full layers'), or None where they share the
+    stack's positional module."""
+    if config.position != "rope" or (
+        config.rope_local_theta is None and config.global_head_dim in (None, config.head_dim)
+    ):
         return None
-    return RotaryEmbedding(config.head_dim, config.rotary_fraction, config.rope_local_theta, None)
+    if config.rope_local_theta is None:  # only the head width differs
+        return RotaryEmbedding(
+            config.head_dim, config.rotary_fraction, config.rope_theta, config.rope_scaling
+        )
+    return RotaryEmbedding(config.head_dim, 1.0, config.rope_local_theta, None)
 
 
 # ---- stacks ----
@@ -123,6 +134,7 @@ class Stack(nn.Module):
         self.sliding_positions = _sliding_positions(config)
         self.layer_types = [config.layer_type(i) for i in range(n_layers)]
         self.nope_layers = frozenset(config.nope_layers)  # no RoPE there (SmolLM3)
+        self.shares_kv = bool(config.kv_shared_layers)
         self.final_norm = make_norm(config) if config.prenorm else nn.Identity()
         self.final_dropout = nn.Dropout(config.dropout if config.dropout_after_final_norm else 0.0)
         self.activation_checkpointing = config.activation_checkpointing
@@ -185,14 +197,23 @@ class Decoder(Stack):
         memory_padding_mask: Tensor | None = None,
         kv_caches: list | None = None,
         cache_position: int = 0,
+        per_layer_inputs: Tensor | None = None,
     ) -> Tensor:
         """x (B, L, d_model) -> (B, L, d_model).
 
         padding_mask: (B, cache_position + L) bool or None, over all keys so far.
         kv_caches: one cache per layer (flashformer.generate.cache.KVCache, or any object
             with its update() and memory_kv), or None.
+        per_layer_inputs: (B, L, n_layers, per_layer_input_dim), Gemma 4's (per_layer.py), or None.
         """
         position_args = self.layer_position_args(positions, cache_position)
+        layer_args = [{} for _ in range(self.n_layers)]
+        if self.shares_kv:  # one dict for the pass: layer type -> the keys and values to read
+            shared_kv: dict = {}
+            layer_args = [{"shared_kv": shared_kv} for _ in range(self.n_layers)]
+        if per_layer_inputs is not None:
+            for index, args in enumerate(layer_args):
+                args["per_layer_input"] = per_layer_inputs[:, :, index]  # (B, L, per_layer_input_dim)
         for index in range(self.n_layers):
             cache = None if kv_caches is None else kv_caches[index]
             x = self.run_block(
@@ -205,6 +226,7 @@ class Decoder(Stack):
                 kv_cache=cache,
                 cache_position=cache_position,
                 **position_args[index],
+                **layer_args[index],
             )
         return self.finish(x)
 

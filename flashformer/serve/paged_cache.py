@@ -365,6 +365,12 @@ def make_paged_caches(
             "convolutions, lfm2, layer_types 'conv') keep a state per sequence, which the server has no "
             "pool for yet; it runs with generate() and chat, not served yet"
         )
+    if config.kv_shared_layers or config.global_head_dim not in (None, config.head_dim):
+        raise ValueError(
+            "paged attention keeps one block shape and each layer's own keys and values: this model has "
+            f"kv_shared_layers={config.kv_shared_layers} and global_head_dim={config.global_head_dim} "
+            f"beside head_dim={config.head_dim} (Gemma 4); it runs with generate() and chat, not served yet"
+        )
     device = next(model.parameters()).device
     k_type, v_type = kv_types(model, device, cache_type_k, cache_type_v)
     windows = layer_windows(model) if window_pool is not None else [None] * config.n_layers

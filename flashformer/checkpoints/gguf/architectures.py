@@ -14,6 +14,7 @@ a row below (two rows if it can be written).
 from __future__ import annotations
 
 from flashformer.checkpoints.gguf.gemma import Gemma
+from flashformer.checkpoints.gguf.gemma4 import Gemma4
 from flashformer.checkpoints.gguf.gpt2 import GPT2, GPT2Writer
 from flashformer.checkpoints.gguf.gpt_oss import GptOss
 from flashformer.checkpoints.gguf.lfm2 import Lfm2
@@ -39,6 +40,7 @@ ARCHITECTURES = {
         Gemma("gemma2", 2),
         Gemma("gemma3", 3),
         SmolLM3(),
+        Gemma4(),
     )
 }
 

@@ -119,11 +119,11 @@ def tokenizer_from_metadata(metadata: dict, source: str = "the GGUF metadata") -
         )
     if kind == "gpt2":
         backend = _byte_level_bpe(metadata, tokens, source)
-    elif kind == "llama":
+    elif kind in ("llama", "gemma4"):  # gemma4: SentencePiece-style BPE with merges, no space prefix
         backend = _compact_sentencepiece_bpe(metadata, tokens, source)
     else:
         raise ValueError(
-            f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', 'llama')"
+            f"{source}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', 'llama', 'gemma4')"
         )
 
     # Control tokens are matched whole in text and skipped in decode; user-defined ones (<think>)

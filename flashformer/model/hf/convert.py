@@ -125,13 +125,15 @@ def to_hf(model: torch.nn.Module) -> tuple[dict, dict[str, Tensor]]:
 
 def fused_part_rows(layout: Family, config: ModelConfig) -> dict[str, int]:
     """Rows of each fused part (their q_proj's rows in our qkv...), to split our fused projections
-    back (saving) and to place an adapter of one part in its rows (adapters/)."""
-    q_rows = config.n_heads * config.head_dim
-    kv_rows = config.n_kv_heads * config.head_dim
+    back (saving) and to place an adapter of one part in its rows (adapters/); a layer's own head
+    width: Gemma 4's full layers are wider, its KV-shared layers have q alone."""
     sizes = {}
     for rule in layout.rules(config):
         if rule.kind != "cat":
             continue
-        parts = [q_rows, kv_rows, kv_rows] if len(rule.theirs) == 3 else [kv_rows, kv_rows]
+        layer = re.search(r"blocks\.(\d+)\.", rule.ours)
+        head_dim = config.head_dim if layer is None else config.layer_head_dim(int(layer.group(1)))
+        q_rows, kv_rows = config.n_heads * head_dim, config.n_kv_heads * head_dim
+        parts = {1: [q_rows], 2: [kv_rows, kv_rows], 3: [q_rows, kv_rows, kv_rows]}[len(rule.theirs)]
         sizes.update(zip(rule.theirs, parts))
     return sizes

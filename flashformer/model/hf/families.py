@@ -7,6 +7,7 @@ from __future__ import annotations
 from flashformer.formatting import markdown_table
 from flashformer.model.hf.bert import Bert
 from flashformer.model.hf.gemma import Gemma
+from flashformer.model.hf.gemma4 import Gemma4, Gemma4Multimodal
 from flashformer.model.hf.gpt2 import GPT2
 from flashformer.model.hf.gpt_oss import GptOss
 from flashformer.model.hf.lfm2 import Lfm2
@@ -37,6 +38,8 @@ FAMILIES: dict[str, Family] = {
         Gemma("gemma2", 2),
         Gemma("gemma3_text", 3),
         SmolLM3(),
+        Gemma4(),
+        Gemma4Multimodal(),
     )
 }
 
@@ -103,6 +106,9 @@ def names_table() -> str:
     gemma.update(sandwich_norm=True, sliding_window=4, layer_types=("sliding_attention",))
     configs["gemma2"] = preset("llama-tiny", **dict(gemma, hf_model_type="gemma2"))
     configs["gemma3_text"] = preset("llama-tiny", **dict(gemma, qk_norm=True, hf_model_type="gemma3_text"))
+    gemma.update(qk_norm=True, v_norm=True, layer_scale=True, attention_scale=1.0, per_layer_input_dim=4)
+    configs["gemma4_text"] = preset("llama-tiny", **dict(gemma, hf_model_type="gemma4_text"))
+    configs["gemma4"] = configs["gemma4_text"]  # its text model, under model.language_model.
     for family, config in configs.items():
         layout = FAMILIES[family]
         rules = layout.rules(config)

@@ -175,13 +175,20 @@ PLAIN_LAYERS = dict(
     swiglu_limit=None,
     expert_gating="softmax",
     expert_router_bias=False,
+    v_norm=False,
+    layer_scale=False,
+    rope_proportional=False,
+    kv_shared_layers=0,
+    layer_d_ff=None,
+    per_layer_input_dim=0,
 )
 
 
 def plain_layers(config: ModelConfig, family: str, **allowed) -> None:
     """Raise for a layer variant (PLAIN_LAYERS) that the family cannot express; `allowed`
-    overrides the values a family takes (Qwen3: qk_norm=True)."""
-    require(config, family, **{**PLAIN_LAYERS, **allowed})
+    overrides the values a family takes (Qwen3: qk_norm=True); heads of one width unless
+    global_head_dim is allowed."""
+    require(config, family, **{"global_head_dim": None, **PLAIN_LAYERS, **allowed})
 
 
 def standard_heads(config: ModelConfig, family: str) -> None:
