@@ -52,7 +52,7 @@ def gguf_blocks(blocks: Tensor, scales: Tensor) -> Tensor:
     return torch.cat((scales.unsqueeze(-1), packed), dim=-1).reshape(rows, nb * (1 + BLOCK // 2))
 
 
-def read_mxfp4_folder(folder: str | Path, weights: dict[str, Tensor] | None = None) -> GGUFCheckpoint:
+def read_mxfp4_folder(folder: str | Path) -> GGUFCheckpoint:
     """A gpt-oss folder of MXFP4 experts (the module docstring) as a GGUFCheckpoint: `quantized`
     holds each expert's gate, up and down projection as GGUF MXFP4 blocks under the per-expert names
     the gpt_oss family maps (model.layers.{i}.mlp.experts.{e}.gate_proj.weight, ...), `tensors` every
@@ -70,7 +70,7 @@ def read_mxfp4_folder(folder: str | Path, weights: dict[str, Tensor] | None = No
             f"got model_type {config.get('model_type')!r}"
         )
     config = {key: value for key, value in config.items() if key != "quantization_config"}
-    weights = dict(hf.load_weights(folder) if weights is None else weights)
+    weights = hf.load_weights(folder)
     packed: dict[str, dict[str, Tensor]] = {}
     for name in [name for name in weights if _PACKED.match(name)]:
         prefix, projection, part = _PACKED.match(name).groups()
@@ -81,8 +81,8 @@ def read_mxfp4_folder(folder: str | Path, weights: dict[str, Tensor] | None = No
             f"(mlp.experts.gate_up_proj_blocks / _scales, down_proj_blocks / _scales)"
         )
     quantized = {}
-    for fused, parts in packed.items():
-        blocks, scales = _checked(folder, fused, parts)
+    for fused in list(packed):  # each stored tensor dropped once repacked: the peak is one more
+        blocks, scales = _checked(folder, fused, packed.pop(fused))
         prefix, projection = fused.rsplit(".", 1)
         for e in range(blocks.shape[0]):
             matrix = gguf_blocks(blocks[e], scales[e])  # (out, in / 32 * 17)
