@@ -37,6 +37,7 @@ from flashformer.checkpoints import checkpoint as ckpt
 from flashformer.checkpoints.checkpoint import CheckpointError
 from flashformer.checkpoints.gguf import GGUFCheckpoint, QuantizedTensor, read_gguf
 from flashformer.checkpoints.gguf.tokenizer import read_tokenizer, tokenizer_from_metadata
+from flashformer.checkpoints.mxfp4_folder import dequantized, is_mxfp4_folder, read_mxfp4_folder
 from flashformer.files import publish_folder
 from flashformer.kernels.huge_pages import use_huge_pages
 from flashformer.model import hf
@@ -47,22 +48,26 @@ from flashformer.startup import paused_gc
 from flashformer.text.bpe import read_saved_tokenizer
 
 AUTO = "auto"  # quantize's default: a GGUF file's own blocks, a folder's weights as stored
+# the kinds of source whose weights are stored as blocks a quantized kernel runs as they are
+BLOCK_SOURCES = ("gguf", "mxfp4")
 # what quantize takes, as typed on a command line: "none" (or None) is the float path
 QUANTIZE_CHOICES = (AUTO, "none", *MODES)
 
 
 def resolve_quantize(quantize: str | None, kind: str, dtype: torch.dtype | None = None) -> str | None:
-    """quantize as the loader applies it to a source of this kind ("gguf", "hf", "checkpoint"):
-    "auto" is "gguf" for a GGUF file, None (as stored) for a folder; "none" is None; the rest as given."""
+    """quantize as the loader applies it to a source of this kind ("gguf", "mxfp4", "hf",
+    "checkpoint"): "auto" is "gguf" for a GGUF file and a folder of MXFP4 experts (their blocks as
+    stored), None (as stored) for another folder; "none" is None; the rest as given."""
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES} or None; got {quantize!r}")
     if quantize != AUTO:
         return None if quantize == "none" else quantize
-    if kind != "gguf":
+    if kind not in BLOCK_SOURCES:
         return None
     if dtype not in (None, torch.float32):
+        source = "a GGUF file" if kind == "gguf" else "a folder of MXFP4 experts"
         raise ValueError(
-            f"dtype={dtype}: a GGUF file runs on its own quantized blocks by default, whose layers take "
+            f"dtype={dtype}: {source} runs on its own quantized blocks by default, whose layers take "
             f"float32 activations; pass quantize=None for the float path in {dtype}"
         )
     return "gguf"
@@ -74,8 +79,8 @@ def quantize_mode(path: str | Path, quantize: str | None = AUTO) -> str | None:
 
 
 def locate(path: str | Path) -> tuple[str, Path]:
-    """("gguf" | "hf" | "checkpoint", the file or folder to read) for a GGUF file or a run,
-    checkpoint or Hugging Face folder."""
+    """("gguf" | "hf" | "mxfp4" | "checkpoint", the file or folder to read) for a GGUF file or a
+    run, checkpoint or Hugging Face folder ("mxfp4": one whose experts are MXFP4 blocks)."""
     folder = Path(path)
     if folder.is_file() and _starts_like_gguf(folder):
         return "gguf", folder
@@ -85,8 +90,9 @@ def locate(path: str | Path) -> tuple[str, Path]:
         )
     if (folder / ckpt.MANIFEST).is_file():
         return "checkpoint", folder
-    if "model_type" in _read_config(folder):
-        return "hf", folder
+    config = _read_config(folder)
+    if "model_type" in config:
+        return ("mxfp4" if is_mxfp4_folder(config) else "hf"), folder
     steps = ckpt.list_checkpoints(folder)
     if not steps:
         raise CheckpointError(
@@ -124,6 +130,8 @@ def from_pretrained(
     quantize = resolve_quantize(quantize, kind, dtype)
     if kind == "gguf":
         return _load_gguf(where, dtype, quantize, activations, with_tokenizer=False, adapters=adapters)[0]
+    if kind == "mxfp4":
+        return _with_adapters(_load_mxfp4_folder(where, dtype, quantize, activations), adapters)
     if kind == "hf":
         model = build_with_weights(*hf.read_pretrained(where))
     else:
@@ -169,7 +177,7 @@ def load(
     try:
         model = from_pretrained(folder, dtype, quantize, activations, adapters)
     except (ValueError, OSError, SafetensorError) as error:
-        if kind != "hf":
+        if kind not in ("hf", "mxfp4"):
             raise
         raise CheckpointError(f"cannot load the Hugging Face model in {folder}: {error}") from None
     return model, _load_tokenizer(folder)
@@ -293,6 +301,19 @@ def _load_gguf(
     del checkpoint  # the blocks' copies, before the heap is trimmed
     _return_freed_memory()
     return _with_adapters(model, adapters), tokenizer
+
+
+def _load_mxfp4_folder(folder: Path, dtype, quantize_mode: str | None, activations: str) -> PreTrainedModel:
+    """A gpt-oss folder of MXFP4 experts (checkpoints/mxfp4_folder.py): with quantize="gguf" its
+    experts run as the file's blocks run (repacked into GGUF's layout, never dequantized), the rest
+    float32; otherwise the float model (experts dequantized exactly), then quantize_mode's."""
+    checkpoint = read_mxfp4_folder(folder)
+    if quantize_mode == "gguf":
+        checkpoint.tensors = {name: tensor.float() for name, tensor in checkpoint.tensors.items()}
+        with _one_thread():
+            return _quantized_model_from_gguf(checkpoint, dtype, activations)
+    state = hf.state_from_hf(checkpoint.config, dequantized(checkpoint), str(folder))
+    return _finish(build_with_weights(*state), dtype, quantize_mode, activations, None)
 
 
 def _return_freed_memory() -> None:

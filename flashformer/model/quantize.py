@@ -98,7 +98,8 @@ def quantize(model, mode: str, checkpoint=None, activations: str = DEFAULT_ACTIV
         )
     if mode == "gguf" and checkpoint is None:
         raise ValueError(
-            "quantize='gguf' uses a GGUF file's own blocks: give a .gguf file (or quantize='int8'/'int4')"
+            "quantize='gguf' uses a GGUF file's own blocks: give a .gguf file or a folder of MXFP4 experts "
+            "(or quantize='int8'/'int4')"
         )
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("quantize: the model must be float32 (quantized layers take float32 activations)")

@@ -131,3 +131,78 @@ def gpt_oss_metadata(model) -> dict:
         "gpt-oss.expert_feed_forward_length": config.intermediate_size,
         **tiny_vocabulary(),
     }
+
+
+# e2m1's 16 codes' values (bit 3 the sign), as the OCP Microscaling spec defines them
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4_quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float (..., rows, K) -> MXFP4 as transformers' folders store it (openai's layout):
+    blocks uint8 (..., rows, K / 32, 16), byte j holding value 2j in its low nibble and 2j + 1 in
+    its high, and scales uint8 (..., rows, K / 32), the e8m0 exponent e of 2^(e - 127). Written
+    from the spec: a block's scale is 2^(floor(log2(amax)) - 2) (e2m1's largest exponent is 2),
+    each value rounded to the nearest e2m1 value, those past 6 times the scale to 6 (the spec's
+    conversion clamps them)."""
+    *lead, k = weight.shape
+    groups = weight.reshape(*lead, k // 32, 32).astype(np.float32)
+    amax = np.abs(groups).max(-1)  # (..., K / 32)
+    exponent = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127).astype(np.int32)
+    exponent = np.clip(exponent, -127, 127)
+    scaled = groups / np.ldexp(np.float32(1), exponent)[..., None]
+    codes = np.abs(np.abs(scaled)[..., None] - E2M1[:8]).argmin(-1).astype(np.uint8)  # nearest magnitude
+    codes |= np.where((scaled < 0) & (codes > 0), 8, 0).astype(np.uint8)  # the sign bit
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # (..., K / 32, 16)
+    # C order: safetensors.numpy writes an array's buffer as it lies, strides ignored
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(exponent + 127, np.uint8)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The inverse of mxfp4_quantize's layout: (..., rows, K / 32, 16), (..., rows, K / 32) ->
+    float32 (..., rows, K)."""
+    codes = np.stack((blocks & 15, blocks >> 4), -1).reshape(*blocks.shape[:-1], 32)
+    values = E2M1[codes] * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    return values.reshape(*blocks.shape[:-2], -1).astype(np.float32)
+
+
+def save_mxfp4_folder(model, folder) -> dict[str, np.ndarray]:
+    """`model` saved as openai's gpt-oss checkpoints are: config.json with quantization_config
+    {quant_method: mxfp4}, every expert projection as mlp.experts.{gate_up,down}_proj_blocks and
+    _scales (the (out, in) matrix of each expert, (experts, out, in / 32, 16) and (experts, out,
+    in / 32)), their biases and every other tensor as the model holds them (its dtype). Returns the
+    dequantized expert weights in transformers' in-memory layout ({name: (experts, in, out)}
+    float32), the float weights the folder means."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    tensors, meant = {}, {}
+    for name, tensor in model.state_dict().items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensor.detach().contiguous()
+            continue
+        matrices = tensor.detach().float().numpy().transpose(0, 2, 1)  # (experts, out, in)
+        blocks, scales = mxfp4_quantize(matrices)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = (
+            torch.from_numpy(blocks),
+            torch.from_numpy(scales),
+        )
+        meant[name] = mxfp4_dequantize(blocks, scales).transpose(0, 2, 1)  # (experts, in, out)
+    for old in folder.glob("model*.safetensors*"):
+        old.unlink()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return meant

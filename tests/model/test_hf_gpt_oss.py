@@ -1,8 +1,8 @@
 """flashformer.model.hf's gpt_oss family: a folder transformers writes from a random
 GptOssForCausalLM (sinks, biases and router nudged from init) loads into its logits within 1e-4
 of the largest logit, over 24 tokens, more than the sliding window of 8, and into its greedy
-tokens; it saves back into a folder transformers reads; the native decoder declines it and
-MXFP4 experts are refused by name."""
+tokens; it saves back into a folder transformers reads; the native decoder declines it, and
+experts quantized otherwise than MXFP4 (tests/checkpoints/test_mxfp4_folder.py) are refused by name."""
 
 from __future__ import annotations
 
@@ -95,13 +95,17 @@ def test_a_paged_cache_refuses_sinks(tmp_path):
         attn(torch.zeros(1, 1, 64), kv_cache=Paged())
 
 
-def test_mxfp4_experts_are_refused_by_name(tmp_path):
+def test_other_quantized_experts_are_refused_by_name(tmp_path):
     tiny_gpt_oss().save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     hf = json.loads(path.read_text())
     hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     path.write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match="gpt_oss experts quantized as mxfp4 .* are not supported"):
+    with pytest.raises(ValueError, match="says quant_method 'mxfp4', but the weights hold no MXFP4 experts"):
+        flashformer.from_pretrained(tmp_path)
+    hf["quantization_config"] = {"quant_method": "fp8"}
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="gpt_oss experts quantized as fp8 .* are not supported"):
         flashformer.from_pretrained(tmp_path)
 
 

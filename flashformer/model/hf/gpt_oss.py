@@ -11,8 +11,9 @@ columns), gate_up_proj_bias likewise, down_proj (experts, intermediate, d_model)
 down_proj_bias. Reading splits them into one matrix per expert and projection under per-expert
 names (`split_experts`), which the rules map; saving fuses them back (`fuse_experts`).
 
-Not implemented, refused by name: MXFP4 experts (the released checkpoints' gate_up_proj_blocks /
-_scales, quantization_config mxfp4): dequantize them to bfloat16 first.
+MXFP4 experts (the released checkpoints' gate_up_proj_blocks / _scales, quantization_config
+mxfp4) are read by checkpoints/mxfp4_folder.py, which gives this family per-expert names (blocks
+or float); experts quantized any other way are refused by name.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class GptOss(Llama):
             raise ValueError(
                 f"config.json: gpt_oss experts quantized as {quantization or 'MXFP4'} "
                 f"({mxfp4[:2] or 'quantization_config'}) are not supported: flashformer reads float experts "
-                f"(dequantize them first, e.g. transformers' Mxfp4Config(dequantize=True), then save_pretrained)"
+                f"and MXFP4 ones (quantization_config.quant_method 'mxfp4', with _blocks and _scales)"
             )
         if rope_fraction(hf) != 1.0:
             raise ValueError(
