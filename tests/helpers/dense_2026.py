@@ -65,17 +65,18 @@ def longrope_factors(half: int, seed: int = 5) -> dict:
     }
 
 
-def tiny_phi4_mini(partial_rotary_factor: float = 0.75, seed: int = 0, **rope):
+def tiny_phi4_mini(
+    partial_rotary_factor: float = 0.75, seed: int = 0, head_dim: int = 16, vocab_size: int = VOCAB, **rope
+):
     """Phi-4-mini's shape in small: LongRoPE over 3/4 of a head (heads of 16: 12 channels, 6
-    factors each), tied embeddings, a context 8x the original one."""
+    factors each), tied embeddings, a context 8x the original one. Heads of 32 hold a q8_0 block."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(seed)
-    head_dim = 16
     half = int(head_dim * partial_rotary_factor) // 2
     config = Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
+        vocab_size=vocab_size,
+        hidden_size=4 * head_dim,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
