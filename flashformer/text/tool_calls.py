@@ -16,6 +16,8 @@ The formats (what each model family is taught to write):
                  <|python_tag|>, several joined by ";" (Llama 3.1-3.3)
     mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (the marker is a special
                  token: a server that skips special tokens sees the bare array)
+    phi4_mini_json  <|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|> as
+                 the whole answer (Phi-4-mini; the tags are special tokens: the bare array too)
     generic      {"name": ..., "arguments": {...}} as the whole answer, or an array of them
                  (the format flashformer's server teaches a template without tool support,
                  and the shape of a call generated under a JSON-schema constraint)
@@ -313,7 +315,7 @@ class JsonCallsParser(ToolCallParser):
                 self._content(self.text[self.at :])
                 self.at = len(self.text)
                 return
-            step = {"start": self._start, "calls": self._call, "between": self._between}[self.stage]
+            step = getattr(self, "_" + self.stage)  # _start, _calls, _between (a subclass's own)
             if not step(final):
                 return
 
@@ -345,7 +347,7 @@ class JsonCallsParser(ToolCallParser):
         self.opened_at, self.at, self.stage = self.at, i, "calls"
         return True
 
-    def _call(self, final: bool) -> bool:
+    def _calls(self, final: bool) -> bool:
         result = self._read_call(final)
         if result == MORE:
             return False
@@ -393,8 +395,36 @@ class MistralParser(JsonCallsParser):
     markers = ("[TOOL_CALLS]",)
 
 
+class Phi4MiniParser(JsonCallsParser):
+    """Phi-4-mini's <|tool_call|>[calls]<|/tool_call|>: both tags are special tokens, so a
+    server that skips them sees the bare array; the closing tag, where it is seen, is dropped."""
+
+    name = "phi4_mini_json"
+    markers = ("<|tool_call|>",)
+    close_tag = "<|/tool_call|>"
+
+    def _between(self, final: bool) -> bool:
+        progressed = super()._between(final)
+        if self.stage == "text":  # the calls ended: their closing tag first
+            self.stage = "close"
+        return progressed
+
+    def _close(self, final: bool) -> bool:
+        """Past the closing tag, if the text has one there (then content), or the start of one
+        that the text's end cut (max_tokens); False while a tail may still become it."""
+        i = skip_ws(self.text, self.at)
+        found = literal(self.text, i, self.close_tag) if i < len(self.text) else MORE
+        if found == MORE and not final:
+            return False
+        if found != NO:
+            self.at = len(self.text) if found == MORE else found
+        self.stage = "text"
+        return True
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, JsonCallsParser)
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, Phi4MiniParser, JsonCallsParser)
 }
 
 
@@ -407,11 +437,14 @@ def parser_for(name: str) -> ToolCallParser:
 
 def format_of_template(template: str) -> str:
     """The tool-call format a chat template teaches, from the markers it writes: hermes for
-    <tool_call>, mistral for [TOOL_CALLS], llama3_json for Llama 3's headers, else generic."""
+    <tool_call>, mistral for [TOOL_CALLS], phi4_mini_json for Phi-4-mini's <|tool_call|> or its
+    tools' <|tool|>, llama3_json for Llama 3's headers, else generic."""
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<|tool_call|>" in template or "<|tool|>" in template:
+        return "phi4_mini_json"
     if "<|python_tag|>" in template or "<|start_header_id|>" in template:
         return "llama3_json"
     return "generic"

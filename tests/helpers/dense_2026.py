@@ -172,3 +172,30 @@ TOOLS = [
         },
     }
 ]
+
+
+# ---- Phi-4-mini's chat ----
+
+# A template of Phi-4-mini's shape, written here after it (not copied): <|role|> turns closed by
+# <|end|>, the tools as JSON between <|tool|> and <|/tool|> in the system turn, an assistant's
+# calls as a JSON array between <|tool_call|> and <|/tool_call|>.
+PHI4_MINI_SHAPED = """
+{%- set system = messages[0].content if messages and messages[0].role == "system" else "" -%}
+{%- if system or tools -%}
+  {{- "<|system|>" + (system or "You are a helpful assistant.") -}}
+  {%- if tools -%}{{- "<|tool|>" + (tools | tojson) + "<|/tool|>" -}}{%- endif -%}
+  {{- "<|end|>" -}}
+{%- endif -%}
+{%- for message in messages if message.role != "system" -%}
+  {%- if message.role == "assistant" and message.tool_calls -%}
+    {%- set ns = namespace(calls=[]) -%}
+    {%- for call in message.tool_calls -%}
+      {%- set ns.calls = ns.calls + [{"name": call.function.name, "arguments": call.function.arguments}] -%}
+    {%- endfor -%}
+    {{- "<|assistant|><|tool_call|>" + (ns.calls | tojson) + "<|/tool_call|><|end|>" -}}
+  {%- else -%}
+    {{- "<|" + message.role + "|>" + (message.content if message.content is string else "") + "<|end|>" -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- "<|assistant|>" -}}{%- endif -%}
+"""

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 from helpers import perturbed, relative_error
-from helpers.dense_2026 import ORIGINAL_CONTEXT, VOCAB, tiny_phi4_mini, tiny_smollm3
+from helpers.dense_2026 import ORIGINAL_CONTEXT, PHI4_MINI_SHAPED, VOCAB, tiny_phi4_mini, tiny_smollm3
 from helpers.engine import run_requests
 from helpers.gguf import tiny_vocabulary
 from test_serve import openai_client, serving
@@ -213,3 +213,58 @@ def test_a_json_schema_holds_the_answer_through_the_openai_client(family, tmp_pa
     for reply in replies:
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_phi4_mini_s_tools_render_and_required_calls_validate(tmp_path):
+    """Through a template of Phi-4-mini's shape (helpers/dense_2026.py): the prompt is the
+    template's own rendering of the tools (as transformers renders it), the format of its free
+    answers Phi-4-mini's, and `required` gives calls that validate, streamed as whole."""
+    from transformers import AutoTokenizer
+
+    from flashformer.checkpoints.gguf.packaged_models import smollm2_path
+    from flashformer.checkpoints.gguf.tokenizer import read_tokenizer
+    from flashformer.text.tool_calls import format_of_template
+
+    assert format_of_template(PHI4_MINI_SHAPED) == "phi4_mini_json"
+    tokenizer = read_tokenizer(smollm2_path())
+    build("phi4-mini", vocab_size=tokenizer.vocab_size).save_pretrained(tmp_path)
+    tokenizer.chat_template = PHI4_MINI_SHAPED
+    tokenizer.save(tmp_path)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    expected = theirs.apply_chat_template(
+        question, tools=[CITY], add_generation_prompt=True, return_dict=False
+    )
+    assert "<|tool|>" in theirs.decode(expected)
+    kwargs = dict(model=tmp_path.name, messages=question, tools=[CITY], tool_choice="required", max_tokens=120,
+                  temperature=0)  # fmt: skip
+    with serving(tmp_path, "--max-batch", "4", "--kv-blocks", "64") as url:
+        client = openai_client(url)
+        whole = client.chat.completions.create(**kwargs)
+        streamed: dict[int, list[str]] = {}
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for piece in chunk.choices[0].delta.tool_calls or []:
+                call = streamed.setdefault(piece.index, ["", ""])
+                call[0] += piece.function.name or ""
+                call[1] += piece.function.arguments or ""
+    assert whole.usage.prompt_tokens == len(expected)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    for name, arguments in calls:
+        assert name == "weather"
+        jsonschema.validate(json.loads(arguments), CITY["function"]["parameters"])
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
