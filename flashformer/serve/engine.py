@@ -119,6 +119,7 @@ class Engine(ModelLoop):
             rows_alone=rows_alone,
             window_pool=self.window_pool,
             window=self.window,
+            long_rope_after=self.runner.long_rope_after,
         )
         self.counts = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
         self.kv_bytes_peak = 0  # the most bytes of KV blocks sequences held at a step's start or end
@@ -240,7 +241,7 @@ class Engine(ModelLoop):
     def _separate_step(self) -> None:
         """Prompt chunks one forward each (a batch of one), then one decode step for all."""
         for sequence, start, end in self.scheduler.prefill_plan(self.scheduler.budget()):
-            self.scheduler.prepare_windows([(sequence, start, end)])
+            self.scheduler.before_forward([(sequence, start, end)])
             logits = self.runner.prefill(sequence, start, end)
             self.scheduler.remember([sequence])
             self.counts["prompt_tokens"] += end - start
@@ -252,7 +253,7 @@ class Engine(ModelLoop):
         """One decode step (runner.decode) for every decoding sequence with room for its token."""
         decoding = self._make_room(self.scheduler.decoding())
         if decoding:
-            self.scheduler.prepare_windows([(s, s.computed, s.computed + 1) for s in decoding])
+            self.scheduler.before_forward([(s, s.computed, s.computed + 1) for s in decoding])
             logits = self.runner.decode(decoding)  # (N, vocab)
             self.scheduler.remember(decoding)
             # the sequences caught up get a new token (a replay's rows are not sampled)
@@ -272,7 +273,7 @@ class Engine(ModelLoop):
         work += plan  # (sequence, start, end)
         if not work:
             return
-        self.scheduler.prepare_windows(work)
+        self.scheduler.before_forward(work)
         ready, logits = self.runner.packed(work, every_row=set(drafts))
         for sequence, guesses in drafts.items():  # unverified: neither tokens nor computed yet
             del sequence.tokens[-len(guesses) :]
@@ -290,7 +291,7 @@ class Engine(ModelLoop):
         """This step's drafts per sequence, with blocks to hold them (speculation.py)."""
         if self.speculator is None:
             return {}
-        return self.speculator.step_drafts(decoding, self.pool, self.context)
+        return self.speculator.step_drafts(decoding, self.pool, self.context, self.scheduler.long_rope_after)
 
     def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
         """The decoding sequences that have a slot for their next token (scheduler.make_room);

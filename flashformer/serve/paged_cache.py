@@ -180,6 +180,12 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     return digest.digest()
 
 
+def side_tagged(digest: bytes, short: int) -> bytes:
+    """A LongRoPE block's key: its chain hash and how many of its tokens were turned by the short
+    table (scheduler.py: the same tokens written long are other keys and values)."""
+    return hashlib.sha256(digest + short.to_bytes(4, "little")).digest()
+
+
 def extend_hashes(hashes: list[bytes], tokens: list[int], block_size: int, count: int) -> list[bytes]:
     """`hashes` (the chain hashes of the first full blocks of `tokens`) extended, in place, to
     the first `count` blocks (count * block_size <= len(tokens)); returns it."""

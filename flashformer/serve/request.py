@@ -122,6 +122,7 @@ class Sequence:
         self.registered = 0  # its first blocks registered in (or found in) the prefix cache
         self.window_blocks: list[int] = []  # the window group's table (paged_cache.py), if any
         self.window_registered = 0
+        self.long_from: int | None = None  # LongRoPE: its first key written long (scheduler.py)
         self.cached_tokens: int | None = None  # tokens reused at its first admission
         self.detokenizer: Detokenizer | None = None  # set by Engine.submit (it has the tokenizer)
         # its choice of tokens: its grammar's matcher, penalties' history, reasoning (Engine.submit)

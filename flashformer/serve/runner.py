@@ -215,14 +215,22 @@ class ModelRunner:
             logits = self._eager_packed(work, tokens, positions, starts, rows)
         return ready, logits
 
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original context (a forward ending past it turns by the long table); None
+        for every other model."""
+        rope = getattr(getattr(self.model, "decoder", None), "positions", None)
+        if not isinstance(rope, RotaryEmbedding) or rope.long_inv_freq is None:
+            return None
+        return rope.scaling.original_max_seq_len
+
     def _rope_groups(self, work) -> list[list]:
         """`work` split by the side of LongRoPE's switch its sequences are on (the native decoder
         chooses per sequence itself; the modules' RotaryEmbedding, per row of a forward, would
         give every packed sequence the long table once one passes the original context)."""
-        rope = getattr(getattr(self.model, "decoder", None), "positions", None)
-        if self.native is not None or not isinstance(rope, RotaryEmbedding) or rope.long_inv_freq is None:
+        original = self.long_rope_after
+        if self.native is not None or original is None:
             return [work]
-        original = rope.scaling.original_max_seq_len
         sides = [[item for item in work if (item[2] > original) == long] for long in (False, True)]
         return [side for side in sides if side]
 

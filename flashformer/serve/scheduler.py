@@ -30,6 +30,11 @@ its keys and values are what this sequence would compute itself:
   registered, and reuse stops at a multiple of prefill_chunk (and of block_size): the chunks
   computed after it are the very chunks the sequence computes without the cache.
 A preempted or finished sequence's blocks stay cached for others, a cancelled one's too.
+LongRoPE (long_rope_after: the original context): a forward that ends past it turns every key it
+writes by the long table, so a block's keys depend on the forwards that wrote it, not its tokens
+alone. Its hash is tagged with how many of its tokens were written short (a sequence's tokens
+turn long from one position on: long_from), and a sequence reuses only blocks tagged as its own
+chunks and decode steps would write them (expected_long_from).
 
 The window group (paged_cache.py; a model whose sliding-window layers have a pool of their own):
 before each forward, a sequence's window blocks that its queries can no longer see are released
@@ -44,7 +49,7 @@ finish_reason, in_prefill and request.cancelled; for the prefix cache block_hash
 blocks' chain hashes, grown as needed), registered (its first blocks that are registered or
 were found cached) and cached_tokens (the tokens reused at its first admission; None before);
 for the window group window_blocks (its window table, NO_BLOCK where released) and
-window_registered.
+window_registered; for LongRoPE long_from.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from flashformer.serve.paged_cache import NO_BLOCK, BlockPool, extend_hashes
+from flashformer.serve.paged_cache import NO_BLOCK, BlockPool, extend_hashes, side_tagged
 
 # A step's prompt tokens when no sequence is decoding (nobody's next token waits for them), as a
 # multiple of prefill_budget: more prompts start at once, and a step still ends soon enough for
@@ -65,8 +70,8 @@ class Scheduler:
     """The queue, the batch and the blocks they hold; see the module docstring.
 
     on_waiting(change) is told each time the waiting queue grows or shrinks (the loop's waiting
-    count, which submit() reads to answer Busy). prefix_cache and rows_alone: see the module
-    docstring."""
+    count, which submit() reads to answer Busy). prefix_cache, rows_alone and long_rope_after:
+    see the module docstring."""
 
     def __init__(
         self,
@@ -80,6 +85,7 @@ class Scheduler:
         rows_alone: bool = False,
         window_pool: BlockPool | None = None,
         window: int | None = None,
+        long_rope_after: int | None = None,
     ):
         if (window_pool is None) != (window is None):
             raise ValueError(
@@ -90,6 +96,7 @@ class Scheduler:
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.on_waiting = on_waiting
         self.prefix_cache, self.rows_alone = prefix_cache, rows_alone
+        self.long_rope_after = long_rope_after
         # reuse stops at a multiple of this many tokens (see the module docstring)
         self.reuse_step = pool.block_size if rows_alone else math.lcm(pool.block_size, prefill_chunk)
         self.waiting: deque = deque()
@@ -121,6 +128,8 @@ class Scheduler:
             sequence.blocks = reused + self.pool.allocate(need)
             sequence.computed = len(reused) * self.pool.block_size
             sequence.registered = len(reused)
+            expected = self.expected_long_from(sequence)
+            sequence.long_from = expected if expected is not None and expected < sequence.computed else None
             if sequence.cached_tokens is None:
                 sequence.cached_tokens = sequence.computed
             if self.prefix_cache:
@@ -136,7 +145,8 @@ class Scheduler:
             return []
         size = self.pool.block_size
         full = len(sequence.tokens) // size
-        found = self.pool.lookup(extend_hashes(sequence.block_hashes, sequence.tokens, size, full))
+        hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, full)
+        found = self.pool.lookup(self._keys(hashes, self.expected_long_from(sequence)))
         limit = len(sequence.tokens) - 1
         if not self.rows_alone:
             limit = min(limit, self._full_chunks(sequence))
@@ -153,7 +163,8 @@ class Scheduler:
         tokens = len(reused) * size
         while tokens > 0:
             first, end = max(0, tokens - self.window) // size, tokens // size
-            found = self.window_pool.lookup(sequence.block_hashes[first:end])
+            keys = self._keys(sequence.block_hashes[:end], self.expected_long_from(sequence))
+            found = self.window_pool.lookup(keys[first:end])
             if len(found) == end - first:
                 return reused[:end], first, found
             tokens -= self.reuse_step
@@ -179,7 +190,9 @@ class Scheduler:
             count = min(computed // size, len(sequence.blocks))
             if count <= sequence.registered:
                 continue
-            hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, count)
+            hashes = self._keys(
+                extend_hashes(sequence.block_hashes, sequence.tokens, size, count), sequence.long_from
+            )
             for i in range(sequence.registered, count):
                 self.pool.register(sequence.blocks[i], hashes[i])
             sequence.registered = count
@@ -189,6 +202,35 @@ class Scheduler:
                     if table[i] != NO_BLOCK:
                         self.window_pool.register(table[i], hashes[i])
                 sequence.window_registered = count
+
+    def expected_long_from(self, sequence) -> int | None:
+        """LongRoPE: the first position this sequence's own forwards turn by the long table (None:
+        no LongRoPE). Its prompt's chunks (fixed multiples of prefill_chunk) past the original
+        context are long; a prompt within it is short, and so are its decode steps till then."""
+        after = self.long_rope_after
+        if after is None:
+            return None
+        return after // self.prefill_chunk * self.prefill_chunk if sequence.prompt_len > after else after
+
+    def _keys(self, hashes: list[bytes], long_from: int | None) -> list[bytes]:
+        """The pool's keys of blocks with these chain hashes, written short before long_from."""
+        if self.long_rope_after is None:
+            return hashes
+        size = self.pool.block_size
+        short = [
+            size if long_from is None else min(max(long_from - i * size, 0), size) for i in range(len(hashes))
+        ]
+        return [side_tagged(digest, n) for digest, n in zip(hashes, short)]
+
+    def before_forward(self, work: list[tuple[object, int, int]]) -> None:
+        """Before a forward over work's (sequence, start, end): the window group's blocks
+        (prepare_windows) and, for LongRoPE, where each sequence's keys turn long (a forward that
+        ends past the original context writes its keys long)."""
+        if self.long_rope_after is not None:
+            for sequence, start, end in work:
+                if end > self.long_rope_after and (sequence.long_from is None or start < sequence.long_from):
+                    sequence.long_from = start
+        self.prepare_windows(work)
 
     def prepare_windows(self, work: list[tuple[object, int, int]]) -> None:
         """Before a forward over work's (sequence, start, end): each sequence's window blocks left

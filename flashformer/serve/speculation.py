@@ -137,10 +137,12 @@ class Speculator:
         k = min(room, sequence.draft_length.next(batch, sequence.draft_match))
         return sequence.proposer.draft(sequence.tokens, k)[0] if k > 0 else []
 
-    def step_drafts(self, decoding: list, pool, context: int) -> dict:
+    def step_drafts(self, decoding: list, pool, context: int, long_rope_after: int | None = None) -> dict:
         """A step's drafts per decoding sequence, each with the blocks of `pool` to hold them: none
         past disable_by_batch_size sequences, nor beyond a sequence's max_tokens, the `context` or
-        the free blocks (drafts never preempt)."""
+        the free blocks (drafts never preempt). With LongRoPE (long_rope_after: its original
+        context) a verify never crosses the switch to the long table: a forward ending past it
+        would turn the sequence's last token by the long table, where a plain step turns it short."""
         if len(decoding) > self.config.disable_by_batch_size:
             return {}
         found = {}
@@ -151,6 +153,8 @@ class Speculator:
                 sequence.request.params.max_tokens - len(sequence.generated) - 1,
                 context - len(sequence.tokens),
             )
+            if long_rope_after is not None and len(sequence.tokens) <= long_rope_after:
+                room = min(room, long_rope_after - len(sequence.tokens))
             guesses = self.drafts(sequence, room, len(decoding))
             while guesses and pool.blocks_for(len(sequence.tokens) + len(guesses)) > len(sequence.blocks):
                 block = pool.allocate(1)

@@ -16,6 +16,8 @@ The formats (what each model family is taught to write):
                  <|python_tag|>, several joined by ";" (Llama 3.1-3.3)
     mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (the marker is a special
                  token: a server that skips special tokens sees the bare array)
+    phi4_mini_json  <|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|> as
+                 the whole answer (Phi-4-mini; the tags are special tokens: the bare array too)
     generic      {"name": ..., "arguments": {...}} as the whole answer, or an array of them
                  (the format flashformer's server teaches a template without tool support,
                  and the shape of a call generated under a JSON-schema constraint)
@@ -36,8 +38,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-WHITESPACE = " \t\n\r"
-ARGUMENT_KEYS = ('"arguments"', '"parameters"')
+from flashformer.text.tool_call_json import (
+    MORE,
+    NO,
+    WHITESPACE,
+    ValueScanner,
+    call_head,
+    literal,
+    skip_ws,
+    value_end,
+)
 
 
 @dataclass
@@ -54,140 +64,6 @@ class CallDelta:
 class ToolCall:
     name: str
     arguments: str  # JSON text, as the model wrote it
-
-
-# ---- scanning JSON text that may still be arriving ----
-
-MORE = "more"  # the text so far cannot decide: wait for more
-NO = "no"  # the text cannot be what was looked for
-
-
-def _skip_ws(text: str, at: int) -> int:
-    while at < len(text) and text[at] in WHITESPACE:
-        at += 1
-    return at
-
-
-def _literal(text: str, at: int, word: str):
-    """The position after `word` at `at`, MORE if the text ends inside a prefix of it, else NO."""
-    piece = text[at : at + len(word)]
-    if piece == word:
-        return at + len(word)
-    return MORE if word.startswith(piece) and len(piece) < len(word) else NO
-
-
-def _string_end(text: str, at: int) -> int | None:
-    """The position after the JSON string starting at text[at] == '"', None while unfinished."""
-    i = at + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text[i] == '"':
-            return i + 1
-        else:
-            i += 1
-    return None
-
-
-def _value_end(text: str, at: int) -> int | None:
-    """The position after the JSON value starting at `at` (an object, array, string, or a bare
-    word / number), None while it may go on."""
-    if text[at] == '"':
-        return _string_end(text, at)
-    if text[at] not in "{[":
-        i = at
-        while i < len(text) and text[i] not in WHITESPACE + ",}]":
-            i += 1
-        return i if i < len(text) else None
-    depth, i = 0, at
-    while i < len(text):
-        char = text[i]
-        if char == '"':
-            end = _string_end(text, i)
-            if end is None:
-                return None
-            i = end
-            continue
-        if char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
-
-
-class _ValueScanner:
-    """Finds where an object or array ends, a character at a time, remembering where it stopped
-    (so a long argument costs O(its length) over the whole stream, not per delta)."""
-
-    def __init__(self, depth: int = 0):
-        self.depth, self.in_string, self.escaped = depth, False, False
-
-    def scan(self, text: str, start: int) -> tuple[int, bool]:
-        """(where scanning stopped, whether the value closed there: just past its last bracket)."""
-        i = start
-        while i < len(text):
-            char = text[i]
-            i += 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i, True
-        return i, False
-
-
-def _call_head(text: str, at: int):
-    """A call object's beginning, `{"name": "...", "arguments": ` (or "parameters"), at `at`:
-    (name, where its arguments' value starts, False), (name, just past the object, True) for an
-    object that closes after its name, MORE, or NO (keys in another order, or not a call)."""
-    i = _literal(text, at, "{")
-    if i in (MORE, NO):
-        return i
-    i = _literal(text, _skip_ws(text, i), '"name"')
-    if i in (MORE, NO):
-        return i
-    i = _literal(text, _skip_ws(text, i), ":")
-    if i in (MORE, NO):
-        return i
-    i = _skip_ws(text, i)
-    if i >= len(text):
-        return MORE
-    if text[i] != '"':
-        return NO
-    end = _string_end(text, i)
-    if end is None:
-        return MORE
-    name = json.loads(text[i:end])
-    i = _skip_ws(text, end)
-    if i >= len(text):
-        return MORE
-    if text[i] == "}":
-        return name, i + 1, True
-    if text[i] != ",":
-        return NO
-    i = _skip_ws(text, i + 1)
-    found = [_literal(text, i, key) for key in ARGUMENT_KEYS]
-    after = next((f for f in found if f not in (MORE, NO)), None)
-    if after is None:
-        return MORE if MORE in found else NO
-    i = _literal(text, _skip_ws(text, after), ":")
-    if i in (MORE, NO):
-        return i
-    i = _skip_ws(text, i)
-    return MORE if i >= len(text) else (name, i, False)
 
 
 def _whole_call(text: str) -> ToolCall | None:
@@ -265,7 +141,7 @@ class ToolCallParser:
         """Read the call object at self.at: "done" once it closed (self.at after it), MORE while
         it goes on, NO if the text there is not a call (self.at unchanged)."""
         if self._reading is None:
-            head = _call_head(self.text, self.at)
+            head = call_head(self.text, self.at)
             if head == MORE and not final:
                 return MORE
             if head in (MORE, NO):
@@ -275,7 +151,7 @@ class ToolCallParser:
 
     def _read_whole_call(self, final: bool):
         """A call whose keys come in another order: read once its object has closed."""
-        end = _value_end(self.text, self.at) if self.text[self.at] == "{" else None
+        end = value_end(self.text, self.at) if self.text[self.at] == "{" else None
         if end is None:
             return MORE if not final and self.text[self.at] == "{" else NO
         call = _whole_call(self.text[self.at : end])
@@ -311,7 +187,7 @@ class _CallReader:
             self.stage = "done"
         else:
             self.stage = "arguments"  # arguments | streaming | rest | done
-        self.scanner = _ValueScanner()
+        self.scanner = ValueScanner()
 
     def advance(self, final: bool):
         parser = self.parser
@@ -320,7 +196,7 @@ class _CallReader:
             if text[parser.at] in "{[":  # an object or array: streamed as it comes
                 self.stage = "streaming"
             else:  # a string (JSON-encoded arguments) or a bare word: read whole
-                end = _value_end(text, parser.at)
+                end = value_end(text, parser.at)
                 if end is None:
                     if not final:
                         return MORE
@@ -331,14 +207,14 @@ class _CallReader:
                 except ValueError:
                     value = raw
                 parser._arguments(value if isinstance(value, str) else "{}" if value is None else raw)
-                parser.at, self.stage, self.scanner = end, "rest", _ValueScanner(depth=1)
+                parser.at, self.stage, self.scanner = end, "rest", ValueScanner(depth=1)
         if self.stage == "streaming":
             end, closed = self.scanner.scan(text, parser.at)
             parser._arguments(text[parser.at : end])
             parser.at = end
             if not closed:
                 return self._cut(final)
-            self.stage, self.scanner = "rest", _ValueScanner(depth=1)
+            self.stage, self.scanner = "rest", ValueScanner(depth=1)
         if self.stage == "rest":  # other keys, up to the object's "}"
             end, closed = self.scanner.scan(text, parser.at)
             parser.at = end
@@ -391,7 +267,7 @@ class HermesParser(ToolCallParser):
 
     def _call(self, final: bool) -> bool:
         if self._reading is None:
-            start = _skip_ws(self.text, self.at)
+            start = skip_ws(self.text, self.at)
             if start >= len(self.text):
                 if final:  # a tag and nothing after it
                     self._content(self.text[self.tag_at :])
@@ -409,8 +285,8 @@ class HermesParser(ToolCallParser):
         return True
 
     def _close(self, final: bool) -> bool:
-        start = _skip_ws(self.text, self.at)
-        found = _literal(self.text, start, self.close_tag) if start < len(self.text) else MORE
+        start = skip_ws(self.text, self.at)
+        found = literal(self.text, start, self.close_tag) if start < len(self.text) else MORE
         if found == MORE and not final:
             return False
         if found not in (MORE, NO):
@@ -439,18 +315,18 @@ class JsonCallsParser(ToolCallParser):
                 self._content(self.text[self.at :])
                 self.at = len(self.text)
                 return
-            step = {"start": self._start, "calls": self._call, "between": self._between}[self.stage]
+            step = getattr(self, "_" + self.stage)  # _start, _calls, _between (a subclass's own)
             if not step(final):
                 return
 
     def _start(self, final: bool) -> bool:
-        i = _skip_ws(self.text, self.at)
+        i = skip_ws(self.text, self.at)
         for marker in self.markers:
-            found = _literal(self.text, i, marker) if i < len(self.text) else MORE
+            found = literal(self.text, i, marker) if i < len(self.text) else MORE
             if found == MORE and not final:
                 return False
             if found not in (MORE, NO):
-                i = _skip_ws(self.text, found)
+                i = skip_ws(self.text, found)
                 break
         if i >= len(self.text):
             if final:
@@ -459,7 +335,7 @@ class JsonCallsParser(ToolCallParser):
             return False
         if self.text[i] == "[":
             self.in_array = True
-            i = _skip_ws(self.text, i + 1)
+            i = skip_ws(self.text, i + 1)
             if i >= len(self.text):
                 if final:
                     self.stage = "text"
@@ -471,7 +347,7 @@ class JsonCallsParser(ToolCallParser):
         self.opened_at, self.at, self.stage = self.at, i, "calls"
         return True
 
-    def _call(self, final: bool) -> bool:
+    def _calls(self, final: bool) -> bool:
         result = self._read_call(final)
         if result == MORE:
             return False
@@ -484,7 +360,7 @@ class JsonCallsParser(ToolCallParser):
         return True
 
     def _between(self, final: bool) -> bool:
-        i = _skip_ws(self.text, self.at)
+        i = skip_ws(self.text, self.at)
         if i >= len(self.text):
             if final:
                 self.at, self.stage = i, "text"
@@ -495,7 +371,7 @@ class JsonCallsParser(ToolCallParser):
             self.at, self.stage = i + 1, "text"
             return True
         if char in self.separators:
-            i = _skip_ws(self.text, i + 1)
+            i = skip_ws(self.text, i + 1)
             if i >= len(self.text):
                 if final:
                     self.at, self.stage = i, "text"
@@ -519,8 +395,36 @@ class MistralParser(JsonCallsParser):
     markers = ("[TOOL_CALLS]",)
 
 
+class Phi4MiniParser(JsonCallsParser):
+    """Phi-4-mini's <|tool_call|>[calls]<|/tool_call|>: both tags are special tokens, so a
+    server that skips them sees the bare array; the closing tag, where it is seen, is dropped."""
+
+    name = "phi4_mini_json"
+    markers = ("<|tool_call|>",)
+    close_tag = "<|/tool_call|>"
+
+    def _between(self, final: bool) -> bool:
+        progressed = super()._between(final)
+        if self.stage == "text":  # the calls ended: their closing tag first
+            self.stage = "close"
+        return progressed
+
+    def _close(self, final: bool) -> bool:
+        """Past the closing tag, if the text has one there (then content), or the start of one
+        that the text's end cut (max_tokens); False while a tail may still become it."""
+        i = skip_ws(self.text, self.at)
+        found = literal(self.text, i, self.close_tag) if i < len(self.text) else MORE
+        if found == MORE and not final:
+            return False
+        if found != NO:
+            self.at = len(self.text) if found == MORE else found
+        self.stage = "text"
+        return True
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, JsonCallsParser)
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, Phi4MiniParser, JsonCallsParser)
 }
 
 
@@ -533,11 +437,14 @@ def parser_for(name: str) -> ToolCallParser:
 
 def format_of_template(template: str) -> str:
     """The tool-call format a chat template teaches, from the markers it writes: hermes for
-    <tool_call>, mistral for [TOOL_CALLS], llama3_json for Llama 3's headers, else generic."""
+    <tool_call>, mistral for [TOOL_CALLS], phi4_mini_json for Phi-4-mini's <|tool_call|> or its
+    tools' <|tool|>, llama3_json for Llama 3's headers, else generic."""
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<|tool_call|>" in template or "<|tool|>" in template:
+        return "phi4_mini_json"
     if "<|python_tag|>" in template or "<|start_header_id|>" in template:
         return "llama3_json"
     return "generic"

@@ -65,17 +65,18 @@ def longrope_factors(half: int, seed: int = 5) -> dict:
     }
 
 
-def tiny_phi4_mini(partial_rotary_factor: float = 0.75, seed: int = 0, **rope):
+def tiny_phi4_mini(
+    partial_rotary_factor: float = 0.75, seed: int = 0, head_dim: int = 16, vocab_size: int = VOCAB, **rope
+):
     """Phi-4-mini's shape in small: LongRoPE over 3/4 of a head (heads of 16: 12 channels, 6
-    factors each), tied embeddings, a context 8x the original one."""
+    factors each), tied embeddings, a context 8x the original one. Heads of 32 hold a q8_0 block."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(seed)
-    head_dim = 16
     half = int(head_dim * partial_rotary_factor) // 2
     config = Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
+        vocab_size=vocab_size,
+        hidden_size=4 * head_dim,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -171,3 +172,30 @@ TOOLS = [
         },
     }
 ]
+
+
+# ---- Phi-4-mini's chat ----
+
+# A template of Phi-4-mini's shape, written here after it (not copied): <|role|> turns closed by
+# <|end|>, the tools as JSON between <|tool|> and <|/tool|> in the system turn, an assistant's
+# calls as a JSON array between <|tool_call|> and <|/tool_call|>.
+PHI4_MINI_SHAPED = """
+{%- set system = messages[0].content if messages and messages[0].role == "system" else "" -%}
+{%- if system or tools -%}
+  {{- "<|system|>" + (system or "You are a helpful assistant.") -}}
+  {%- if tools -%}{{- "<|tool|>" + (tools | tojson) + "<|/tool|>" -}}{%- endif -%}
+  {{- "<|end|>" -}}
+{%- endif -%}
+{%- for message in messages if message.role != "system" -%}
+  {%- if message.role == "assistant" and message.tool_calls -%}
+    {%- set ns = namespace(calls=[]) -%}
+    {%- for call in message.tool_calls -%}
+      {%- set ns.calls = ns.calls + [{"name": call.function.name, "arguments": call.function.arguments}] -%}
+    {%- endfor -%}
+    {{- "<|assistant|><|tool_call|>" + (ns.calls | tojson) + "<|/tool_call|><|end|>" -}}
+  {%- else -%}
+    {{- "<|" + message.role + "|>" + (message.content if message.content is string else "") + "<|end|>" -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- "<|assistant|>" -}}{%- endif -%}
+"""

@@ -257,3 +257,34 @@ def test_smollm2_from_its_gguf_file_reuses_prefixes_exactly():
     assert again[0][2]["prompt_tokens_details"]["cached_tokens"] >= 64
     reference = alone(model, tokenizer, batch + [turn_2], params, max_batch=4, num_blocks=64)
     assert same(together + again, reference)
+
+
+def test_long_rope_blocks_are_keyed_by_the_side_their_keys_were_written_on():
+    """LongRoPE (original context 16, chunks of 12): a forward ending past 16 writes long, so a
+    prompt of 30 turns long from its second chunk (12) and one of 10 from position 16 on; blocks
+    of the same tokens written on different sides are different keys, the same side the same."""
+    from types import SimpleNamespace
+
+    from flashformer.serve.scheduler import Scheduler
+
+    pool = BlockPool(num_blocks=8, block_size=4)
+    scheduler = Scheduler(
+        pool, max_batch=2, prefill_chunk=12, prefill_budget=64, rows_alone=True, long_rope_after=16
+    )
+    long, short = (
+        SimpleNamespace(prompt_len=30, long_from=None),
+        SimpleNamespace(prompt_len=10, long_from=None),
+    )
+    assert scheduler.expected_long_from(long) == 12 and scheduler.expected_long_from(short) == 16
+    scheduler.before_forward([(long, 0, 12), (short, 0, 10)])
+    assert long.long_from is None and short.long_from is None
+    scheduler.before_forward([(long, 12, 24), (short, 15, 16)])
+    assert long.long_from == 12 and short.long_from is None
+    scheduler.before_forward([(short, 16, 17)])
+    assert short.long_from == 16
+    hashes = extend_hashes([], list(range(20)), 4, 5)
+    as_long, as_short = scheduler._keys(hashes, 12), scheduler._keys(hashes, 16)
+    assert as_long[:3] == as_short[:3] and as_long[3] != as_short[3] and as_long[4] == as_short[4]
+    assert scheduler._keys(hashes, None)[:4] == as_short[:4]  # none long yet: as the short side's
+    plain = Scheduler(pool, max_batch=2, prefill_chunk=12, prefill_budget=64, rows_alone=True)
+    assert plain._keys(hashes, None) == hashes and plain.expected_long_from(long) is None

@@ -49,6 +49,15 @@ FIXTURES = [
      '"arguments": {"n": -1.5e3}}]', "", [("get_weather", WEATHER), ("b", '{"n": -1.5e3}')]),
     ("mistral", f'[{{"name": "get_weather", "arguments": {WEATHER}}}]', "", [("get_weather", WEATHER)]),
     ("mistral", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    # Phi-4-mini: an array between special tokens, which a detokenizer may skip
+    ("phi4_mini_json", f'<|tool_call|>[{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "t", '
+     '"arguments": {}}]<|/tool_call|>', "", [("get_weather", WEATHER), ("t", "{}")]),
+    ("phi4_mini_json", f'<|tool_call|> [{{"name": "get_weather", "arguments": {WEATHER}}}] <|/tool_call|>\nDone.',
+     "Done.", [("get_weather", WEATHER)]),
+    ("phi4_mini_json", f'[{{"name": "get_weather", "arguments": {WEATHER}}}]', "", [("get_weather", WEATHER)]),
+    ("phi4_mini_json", '<|tool_call|>{"name": "now"}<|/tool', "", [("now", "{}")]),  # cut in the tag
+    ("phi4_mini_json", "[1, 2] <|/tool_call|> are", "[1, 2] <|/tool_call|> are", []),
+    ("phi4_mini_json", "<|tool_c", "<|tool_c", []),
     # the generic format (and a call generated under a JSON-schema constraint)
     ("generic", f'{{"name": "get_weather", "arguments": {WEATHER}}}', "", [("get_weather", WEATHER)]),
     ("generic", f'{{"name": "get_weather", "arguments": {WEATHER}}}\n{{"name": "get_time", "arguments": '
@@ -128,6 +137,7 @@ def test_formats_of_templates():
     assert format_of_template("<|start_header_id|>{{ tools }}") == "llama3_json"
     assert format_of_template("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
     assert format_of_template("{{ tools }}") == "generic"
-    assert sorted(PARSERS) == ["generic", "hermes", "llama3_json", "mistral"]
+    assert format_of_template("<|system|>{{ tools }}<|tool|>") == "phi4_mini_json"
+    assert sorted(PARSERS) == ["generic", "hermes", "llama3_json", "mistral", "phi4_mini_json"]
     with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
         parser_for("xml")
