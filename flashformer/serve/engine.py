@@ -156,9 +156,17 @@ class Engine(ModelLoop):
 
     # ---- the other threads' side ----
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded beside the model, by name: a request's params.adapter."""
+        return self.runner.adapters
+
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe). Raises Busy past max_waiting and ValueError for a
-        prompt that can never fit (the context, or the whole pool)."""
+        prompt that can never fit (the context, or the whole pool) or an adapter not loaded."""
+        adapter = request.params.adapter
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter {adapter!r} is not loaded; loaded: {list(self.adapters)}")
         check_prompt_fits(len(request.prompt_ids), self.context, self.pool.capacity * self.pool.block_size)
         request.process = LogitsProcessor(request.settings, self.device)
         constraint, thinking = request.params.constraint, request.params.thinking
@@ -197,7 +205,8 @@ class Engine(ModelLoop):
         params = request.params
         try:
             if params.prompt_logprobs is not None:
-                scored = score_prompt(self.model, request.prompt_ids, params.prompt_logprobs)
+                with self.runner.adapted([params.adapter]):
+                    scored = score_prompt(self.model, request.prompt_ids, params.prompt_logprobs)
                 first = TokenLogprob(request.prompt_ids[0], None, None)
                 entries = [first] + [TokenLogprob(s.token, s.logprob, s.top) for s in scored[1:]]
                 request.emit(Event("prompt", logprobs=entries))

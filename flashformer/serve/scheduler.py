@@ -136,7 +136,8 @@ class Scheduler:
             return []
         size = self.pool.block_size
         full = len(sequence.tokens) // size
-        found = self.pool.lookup(extend_hashes(sequence.block_hashes, sequence.tokens, size, full))
+        hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, full, sequence.cache_salt)
+        found = self.pool.lookup(hashes)
         limit = len(sequence.tokens) - 1
         if not self.rows_alone:
             limit = min(limit, self._full_chunks(sequence))
@@ -179,7 +180,7 @@ class Scheduler:
             count = min(computed // size, len(sequence.blocks))
             if count <= sequence.registered:
                 continue
-            hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, count)
+            hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, count, sequence.cache_salt)
             for i in range(sequence.registered, count):
                 self.pool.register(sequence.blocks[i], hashes[i])
             sequence.registered = count

@@ -53,7 +53,7 @@ def add_messages_routes(app: FastAPI, engine, model_name: str, server: ServerOpt
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, http: Request):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         translation = chat_request(body, thinks)
         turn = await prepare_chat(engine, translation.chat, server, thinking_budget=translation.budget)
         request, events = submit(engine, turn.prompt, turn.params)
@@ -65,7 +65,7 @@ def add_messages_routes(app: FastAPI, engine, model_name: str, server: ServerOpt
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBase):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         prompt, _ = render_prompt(engine, chat_request(body, thinks).chat, server)
         return {"input_tokens": len(prompt)}
 

@@ -101,7 +101,7 @@ def add_responses_routes(app: FastAPI, engine, model_name: str, server: ServerOp
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: Request):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         refuse_unsupported(body, NO_EFFECT, NO_OP_VALUES)
         history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
         conversation = history + _input_messages(body.input)
