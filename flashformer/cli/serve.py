@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a PEFT LoRA adapter folder served beside MODEL as the model NAME: a request whose `model` "
         "is NAME runs with it, MODEL's name without any (repeat for several; one batch mixes them)",
     )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="run eagerly, as with --lora, so that POST /v1/load_lora_adapter can load adapters while "
+        "serving (without it and without --lora, the native decoder runs, which runs no adapter)",
+    )
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
     parser.add_argument(
         "--no-webui", dest="webui", action="store_false", help="no chat page at / (only the API)"
@@ -158,7 +164,11 @@ def main_from_args(args) -> None:
         what = f"sentence embeddings ({encoder.dimension} dimensions, max batch {args.max_batch})"
     else:
         engine = Engine(
-            model, tokenizer, **engine_options(args, speculative), draft_model=draft_model(speculative, args)
+            model,
+            tokenizer,
+            **engine_options(args, speculative),
+            draft_model=draft_model(speculative, args),
+            native=not args.enable_lora,
         )
         runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
         caches = engine.runner.caches[0]
@@ -221,8 +231,8 @@ def engine_options(args, speculative) -> dict:
 def serve_replicas(args, speculative) -> None:
     """--replicas N: the engines on Ray Serve (serve/cluster/launch.py), the only path that
     imports Ray."""
-    if args.lora:
-        raise SystemExit("--lora is served by one engine; --replicas does not load adapters yet")
+    if args.lora or args.enable_lora:
+        raise SystemExit("--lora and --enable-lora are served by one engine; --replicas loads no adapter yet")
     if args.replicas is None:
         raise SystemExit(
             f"--ray-address {args.ray_address} needs --replicas N (how many engines to run there)"

@@ -193,14 +193,15 @@ def extend_hashes(
     return hashes
 
 
-def adapter_salt(adapter: str | None) -> bytes | None:
+def adapter_salt(adapter: str | None, load: int = 0) -> bytes | None:
     """The parent of the first block of a sequence run with a LoRA adapter: the same tokens give
     other keys and values under another adapter, so its blocks must never be found by the base's
-    or another adapter's sequences (vLLM keys its blocks by the LoRA the same way). None: the
+    or another adapter's sequences (vLLM keys its blocks by the LoRA the same way). load: which
+    loading of that name (an adapter loaded again at run time may be another one). None: the
     base, whose hashes stay as they were. A 32-byte digest, as a parent block's hash is."""
     if adapter is None:
         return None
-    return hashlib.sha256(b"flashformer lora adapter\0" + adapter.encode()).digest()
+    return hashlib.sha256(f"flashformer lora adapter\0{load}\0{adapter}".encode()).digest()
 
 
 def layer_windows(model) -> list[int | None]:

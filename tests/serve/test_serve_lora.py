@@ -6,6 +6,7 @@ same prompt under two adapters gives each its own answer."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -15,8 +16,9 @@ from helpers.engine import run_requests
 from test_serve import http, openai_client, serving, start_server
 
 import flashformer
+from flashformer.cli.serve import served_adapters
 from flashformer.serve.engine import Engine
-from flashformer.serve.request import SamplingParams
+from flashformer.serve.request import Request, SamplingParams
 
 pytest.importorskip("peft")
 
@@ -162,5 +164,85 @@ def test_a_bad_adapter_is_refused_at_start_by_name(folders, tmp_path):
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(RuntimeError, match="--lora bad=.*broken.*cannot be read as safetensors"):
         start_server(base, "--lora", f"bad={broken}")
-    with pytest.raises(RuntimeError, match="the adapter's name is the base model's"):
-        start_server(base, "--lora", f"{base.name}={adapters['math']}")
+    args = argparse.Namespace(lora=[f"{base.name}={adapters['math']}"])
+    with pytest.raises(SystemExit, match="the adapter's name is the base model's"):
+        served_adapters(args, base.name)
+
+
+# ---- adapters loaded and unloaded while serving ----
+
+
+def answer(engine: Engine, prompt: list[int], adapter: str | None) -> list[int]:
+    """A greedy request through the engine's own inbox (its _accept, as the loop takes it)."""
+    done = []
+    request = Request(prompt, greedy(adapter), 1, lambda event: done.append(event.kind == "done"))
+    engine.submit(request)
+    while engine._inbox.qsize():
+        engine._accept(engine._inbox.get())
+    while not any(done):
+        engine.step()
+    return request.sequences[0].generated
+
+
+def change(engine: Engine, name: str, path=None):
+    """An adapter loaded (or unloaded, path None) as the loop makes it: the exception, or None."""
+    future = engine.change_adapter(name, None if path is None else str(path))
+    engine._accept(engine._inbox.get())
+    return future.exception()
+
+
+def test_a_name_loaded_again_never_reuses_the_earlier_adapters_blocks(folders):
+    base, adapters = folders
+    model, tokenizer = flashformer.load(base, adapters={"math": adapters["math"]})
+    engine = Engine(model, tokenizer, max_batch=4, num_blocks=64, block_size=4, prefill_chunk=4)
+    prompt = list(range(1, 14)) + [504, 2931, 314]
+    assert answer(engine, prompt, "math") == library_greedy(base, adapters, "math", prompt)
+    assert change(engine, "poem", adapters["poem"]) is None and engine.adapters == ("math", "poem")
+    assert answer(engine, prompt, "poem") == library_greedy(base, adapters, "poem", prompt)
+    assert change(engine, "math") is None and engine.adapters == ("poem",)
+    hits = engine.scheduler.cache_hits
+    assert change(engine, "math", adapters["poem"]) is None  # the name again, another adapter
+    assert answer(engine, prompt, "math") == library_greedy(base, adapters, "poem", prompt)
+    assert engine.scheduler.cache_hits == hits  # the earlier math's blocks and poem's are not its own
+    assert isinstance(change(engine, "gone"), LookupError)
+    assert "loaded already" in str(change(engine, "poem", adapters["poem"]))
+
+
+def test_the_native_decoder_refuses_to_load_an_adapter(folders):
+    base, adapters = folders
+    model, tokenizer = flashformer.load(base)
+    engine = Engine(model, tokenizer, max_batch=2, num_blocks=16)
+    if engine.runner.native is not None:  # it would run no adapter: refused, naming the flag
+        assert "--enable-lora" in str(change(engine, "math", adapters["math"]))
+        assert engine.adapters == ()
+    eager = Engine(model, tokenizer, max_batch=2, num_blocks=16, native=False)  # --enable-lora
+    assert change(eager, "math", adapters["math"]) is None and eager.adapters == ("math",)
+
+
+def test_load_and_unload_lora_adapter_endpoints(served, folders):
+    base, adapters = folders
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+
+    def post(path, **body):
+        return http("POST", served + path, json.dumps(body).encode(), headers)
+
+    client = openai_client(served, "k")
+    assert post("/v1/load_lora_adapter", lora_name="late", lora_path=str(adapters["poem"])) == (
+        200,
+        "Success: LoRA adapter 'late' added successfully.",
+    )
+    assert [m.id for m in client.models.list().data] == [base.name, "math", "poem", "late"]
+    reply = client.completions.create(model="late", prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0)
+    _, tokenizer = flashformer.load(base)
+    assert reply.choices[0].text == tokenizer.decode(library_greedy(base, adapters, "poem", PROMPTS[1]))
+    status, text = post("/v1/load_lora_adapter", lora_name="late", lora_path=str(adapters["math"]))
+    assert status == 400 and "loaded already" in text
+    status, text = post("/v1/load_lora_adapter", lora_name="x", lora_path=str(base))
+    assert status == 400 and "lora_path" in text and "adapter_config.json" in text
+    status, text = post("/v1/load_lora_adapter", lora_name=base.name, lora_path=str(adapters["math"]))
+    assert status == 400 and "base model's name" in text
+    assert post("/v1/unload_lora_adapter", lora_name="late")[0] == 200
+    assert "late" not in [m.id for m in client.models.list().data]
+    assert post("/v1/unload_lora_adapter", lora_name="late")[0] == 404
+    status, _ = post("/v1/completions", model="late", prompt="hi", max_tokens=2)
+    assert status == 404
