@@ -246,3 +246,22 @@ def test_load_and_unload_lora_adapter_endpoints(served, folders):
     assert post("/v1/unload_lora_adapter", lora_name="late")[0] == 404
     status, _ = post("/v1/completions", model="late", prompt="hi", max_tokens=2)
     assert status == 404
+
+
+def test_chat_and_messages_take_the_adapters_name(served, folders):
+    base, adapters = folders
+    _, tokenizer = flashformer.load(base)
+    question = [{"role": "user", "content": "Hello!"}]
+    ids = tokenizer.apply_chat_template(question, add_generation_prompt=True)
+    expected = tokenizer.decode(library_greedy(base, adapters, "poem", ids))
+    chat = openai_client(served, "k").chat.completions.create(
+        model="poem", messages=question, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert (chat.model, chat.choices[0].message.content) == ("poem", expected)
+    body = {"model": "poem", "max_tokens": NEW_TOKENS, "temperature": 0, "messages": question}
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+    status, text = http("POST", served + "/v1/messages", json.dumps(body).encode(), headers)
+    assert status == 200
+    message = json.loads(text)
+    assert (message["model"], message["content"][0]["text"]) == ("poem", expected)
+    assert expected != tokenizer.decode(library_greedy(base, adapters, None, ids))
