@@ -14,6 +14,7 @@ from flashformer.adapters.lora import (
     adapter_per_row,
     lora_layers,
     merge_adapters,
+    remove_adapter,
     set_active,
 )
 from flashformer.adapters.peft import AdapterError, add_lora, load_adapters, load_peft, save_peft
@@ -28,6 +29,7 @@ __all__ = [
     "load_peft",
     "lora_layers",
     "merge_adapters",
+    "remove_adapter",
     "save_peft",
     "set_active",
 ]

@@ -192,6 +192,17 @@ def set_active(model: nn.Module, names: list[str] | tuple[str, ...]) -> None:
         layer.active = tuple(n for n in names if n in layer.adapters)
 
 
+def remove_adapter(model: nn.Module, name: str) -> None:
+    """Take adapter `name` off every projection (a server unloading it); the wrappers stay, as
+    plain projections while no adapter is left on them."""
+    layers = [layer for layer in lora_layers(model).values() if name in layer.adapters]
+    if not layers:
+        raise ValueError(f"no adapter named {name!r} is loaded on this model")
+    for layer in layers:
+        del layer.adapters[name]
+        layer.active = tuple(n for n in layer.active if n != name)
+
+
 @contextlib.contextmanager
 def adapter_per_row(model: nn.Module, names: tuple[str, ...], row_adapter: Tensor) -> Iterator[None]:
     """Within the block, batch row b uses adapter names[row_adapter[b]] (-1: the base alone): one

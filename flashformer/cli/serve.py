@@ -25,7 +25,7 @@ import argparse
 from pathlib import Path
 
 from flashformer.checkpoints.loading import load_draft_model
-from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments
+from flashformer.cli.arguments import add_cache_type_arguments, add_model_arguments, lora_from_args
 from flashformer.formatting import format_bytes
 from flashformer.generate.proposers import PROPOSERS
 from flashformer.startup import paused_gc
@@ -39,6 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--served-model-name", help="the model's id in the API (default: the file or folder name)"
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter folder served beside MODEL as the model NAME: a request whose `model` "
+        "is NAME runs with it, MODEL's name without any (repeat for several; one batch mixes them)",
+    )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="run eagerly, as with --lora, so that POST /v1/load_lora_adapter can load adapters while "
+        "serving (without it and without --lora, the native decoder runs, which runs no adapter)",
     )
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
     parser.add_argument(
@@ -115,6 +128,7 @@ def main_from_args(args) -> None:
         import torch
         import uvicorn
 
+        from flashformer.adapters import AdapterError, load_peft
         from flashformer.checkpoints.loading import load
         from flashformer.encoders.sentence_embeddings import Pooling, SentenceEncoder, read_pooling
         from flashformer.kernels.machine import process_seconds
@@ -134,14 +148,27 @@ def main_from_args(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     where, pooling = read_pooling(args.model)
+    name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
+    adapters = served_adapters(args, name)
     model, tokenizer = load(where, quantize=args.quantize, activations=args.activations)
+    if isinstance(model, EncoderModel) and adapters:
+        raise SystemExit("--lora: adapters are served for text generation; this model is an encoder")
+    for adapter, folder in (adapters or {}).items():  # beside the finished (quantized) base, as load does
+        try:
+            load_peft(model, folder, adapter)
+        except AdapterError as error:  # a bad adapter is refused by name, before anything is served
+            raise SystemExit(f"--lora {adapter}={folder}: {error}") from None
     if isinstance(model, EncoderModel):
         encoder = SentenceEncoder(model, tokenizer, pooling or Pooling())
         engine = EmbeddingEngine(encoder, max_batch=args.max_batch, max_waiting=args.max_waiting)
         what = f"sentence embeddings ({encoder.dimension} dimensions, max batch {args.max_batch})"
     else:
         engine = Engine(
-            model, tokenizer, **engine_options(args, speculative), draft_model=draft_model(speculative, args)
+            model,
+            tokenizer,
+            **engine_options(args, speculative),
+            draft_model=draft_model(speculative, args),
+            native=not args.enable_lora,
         )
         runs = "natively" if engine.runner.native is not None else "eagerly (PyTorch's modules)"
         caches = engine.runner.caches[0]
@@ -152,7 +179,8 @@ def main_from_args(args) -> None:
     started = process_seconds()
     if isinstance(engine, Engine):
         engine.start_seconds = started
-    name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
+        if engine.adapters:
+            what += f"; LoRA adapters {', '.join(engine.adapters)}"
     app = create_app(
         engine,
         name,
@@ -170,6 +198,17 @@ def main_from_args(args) -> None:
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     if not run_beside(engine, http):
         raise SystemExit(f"the HTTP server on {args.host}:{args.port} stopped (see the error above)")
+
+
+def served_adapters(args, name: str) -> dict[str, str] | None:
+    """--lora's {name: folder}, each name unlike the base's (a request's `model` says which)."""
+    try:
+        adapters = lora_from_args(args)
+    except ValueError as error:  # a name given twice
+        raise SystemExit(str(error)) from None
+    if adapters and name in adapters:
+        raise SystemExit(f"--lora {name}=...: the adapter's name is the base model's; give it another NAME")
+    return adapters
 
 
 def engine_options(args, speculative) -> dict:
@@ -192,6 +231,8 @@ def engine_options(args, speculative) -> dict:
 def serve_replicas(args, speculative) -> None:
     """--replicas N: the engines on Ray Serve (serve/cluster/launch.py), the only path that
     imports Ray."""
+    if args.lora or args.enable_lora:
+        raise SystemExit("--lora and --enable-lora are served by one engine; --replicas loads no adapter yet")
     if args.replicas is None:
         raise SystemExit(
             f"--ray-address {args.ray_address} needs --replicas N (how many engines to run there)"

@@ -9,6 +9,7 @@ APIs, which translate into serve/http/ and never import each other or this modul
     POST /v1/responses          OpenAI's Responses API (openai/responses_api.py)
     POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API (anthropic/)
     POST /tokenize, /detokenize, GET /tokenizer_info (openai/tokenize.py)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters while serving (openai/lora_adapters.py)
     GET  /v1/models, /health, /metrics (Prometheus text) (http/status.py)
     GET  /                      the chat page (http/page.py), unless webui=False
 Requests and responses have OpenAI's shapes, so the `openai` client (and
@@ -46,6 +47,7 @@ from flashformer.serve.http.tools import check_parser
 from flashformer.serve.openai.chat_completions import add_chat_routes
 from flashformer.serve.openai.completions import add_completion_routes
 from flashformer.serve.openai.embeddings import add_embedding_routes
+from flashformer.serve.openai.lora_adapters import add_lora_adapter_routes
 from flashformer.serve.openai.responses_api import add_responses_routes
 from flashformer.serve.openai.tokenize import add_tokenizer_routes
 
@@ -74,6 +76,7 @@ def create_app(
     add_embedding_routes(app, engine, model_name)
     if isinstance(engine, Engine):
         add_tokenizer_routes(app, engine, model_name)
+        add_lora_adapter_routes(app, engine, model_name)
         add_messages_routes(app, engine, model_name, server)
         add_responses_routes(app, engine, model_name, server)
         describe_vocabulary_soon(engine)

@@ -30,15 +30,19 @@ events out), speculation.py (drafts and their check); this one, the Engine and i
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
+from flashformer.adapters import load_peft, remove_adapter, set_active
 from flashformer.eval.loglikelihood import token_logprobs as score_prompt
 from flashformer.generate.sampling import LogitsProcessor, RowChooser, choose_tokens
 from flashformer.serve import output
 from flashformer.serve.loop import Busy, ModelLoop
-from flashformer.serve.paged_cache import BlockPool, window_pool_for
+from flashformer.serve.paged_cache import BlockPool, adapter_salt, window_pool_for
 from flashformer.serve.request import (
     Event,
     Request,
@@ -52,7 +56,17 @@ from flashformer.serve.scheduler import Scheduler
 from flashformer.serve.speculation import SpeculativeConfig, Speculator
 from flashformer.text.detokenizer import Detokenizer
 
-__all__ = ["Busy", "Engine"]
+__all__ = ["AdapterChange", "Busy", "Engine"]
+
+
+@dataclass
+class AdapterChange:
+    """A LoRA adapter to load (path) or unload (path None), made by the loop between two steps
+    (only the loop touches the model); `done` holds its outcome for the thread that asked."""
+
+    name: str
+    path: str | None
+    done: Future
 
 
 class Engine(ModelLoop):
@@ -130,6 +144,9 @@ class Engine(ModelLoop):
             self.counts.update(speculative_drafted_tokens=0, speculative_accepted_tokens=0)
         self._step = self._separate_step if self.runner.pad_decode else self._packed_step
         self.start_seconds = 0.0  # from the process's start to serving (set by `flashformer serve`)
+        # each adapter's prefix-cache salt: those loaded at start are load 0 (as Sequence assumes)
+        self._salts = {name: adapter_salt(name) for name in self.adapters}
+        self._loads = itertools.count(1)
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -157,9 +174,17 @@ class Engine(ModelLoop):
 
     # ---- the other threads' side ----
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded beside the model, by name: a request's params.adapter."""
+        return self.runner.adapters
+
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe). Raises Busy past max_waiting and ValueError for a
-        prompt that can never fit (the context, or the whole pool)."""
+        prompt that can never fit (the context, or the whole pool) or an adapter not loaded."""
+        adapter = request.params.adapter
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter {adapter!r} is not loaded; loaded: {list(self.adapters)}")
         check_prompt_fits(len(request.prompt_ids), self.context, self.pool.capacity * self.pool.block_size)
         request.process = LogitsProcessor(request.settings, self.device)
         constraint, thinking = request.params.constraint, request.params.thinking
@@ -168,6 +193,14 @@ class Engine(ModelLoop):
             matcher = None if constraint is None else constraint.matcher()  # its own place in the grammar
             sequence.chooser = RowChooser(request.process, sequence.generator, matcher, thinking)
         self._enqueue(request, len(request.sequences))
+
+    def change_adapter(self, name: str, path: str | None = None) -> Future:
+        """Load the PEFT adapter at `path` as `name` (path None: unload `name`) between two steps
+        (thread-safe). The Future's result is None, or its exception: AdapterError (a bad folder),
+        LookupError (unloading a name not loaded), ValueError (a name taken, or in use)."""
+        done: Future = Future()
+        self._inbox.put(AdapterChange(name, path, done))
+        return done
 
     def metrics(self) -> dict:
         return {
@@ -185,7 +218,20 @@ class Engine(ModelLoop):
 
     # ---- the loop ----
 
-    def _accept(self, request: Request) -> None:
+    def _accept(self, request: Request | AdapterChange) -> None:
+        if isinstance(request, AdapterChange):
+            self._change_adapter(request)
+            return
+        adapter = request.params.adapter
+        if adapter is not None:
+            if adapter not in self._salts:  # unloaded since it was submitted
+                self._count_waiting(-len(request.sequences))
+                for sequence in request.sequences:
+                    sequence.finish_reason = "error"
+                request.emit(Event("error", message=f"adapter {adapter!r} was unloaded"))
+                return
+            for sequence in request.sequences:
+                sequence.cache_salt = self._salts[adapter]
         if request.params.prompt_logprobs is not None or request.params.max_tokens == 0:
             if not self._score_prompt(request):
                 return
@@ -198,7 +244,8 @@ class Engine(ModelLoop):
         params = request.params
         try:
             if params.prompt_logprobs is not None:
-                scored = score_prompt(self.model, request.prompt_ids, params.prompt_logprobs)
+                with self.runner.adapted([params.adapter]):
+                    scored = score_prompt(self.model, request.prompt_ids, params.prompt_logprobs)
                 first = TokenLogprob(request.prompt_ids[0], None, None)
                 entries = [first] + [TokenLogprob(s.token, s.logprob, s.top) for s in scored[1:]]
                 request.emit(Event("prompt", logprobs=entries))
@@ -216,6 +263,41 @@ class Engine(ModelLoop):
             sequence.finish_reason = "length"
             output.announce(sequence)
         return False
+
+    def _change_adapter(self, change: AdapterChange) -> None:
+        """An AdapterChange, on the loop's thread: the model, the runner's names and the salts."""
+        try:
+            if change.path is None:
+                self._unload(change.name)
+            else:
+                self._load(change.name, change.path)
+        except Exception as error:  # the client is told; the loop goes on
+            change.done.set_exception(error)
+        else:
+            change.done.set_result(None)
+
+    def _load(self, name: str, path: str) -> None:
+        if self.runner.native is not None:
+            raise ValueError(
+                "this server runs the native decoder, which runs no adapter: start it with --enable-lora "
+                "(or a --lora) to load adapters at run time"
+            )
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} is loaded already")
+        load_peft(self.model, path, name)  # AdapterError, the model unchanged, if it does not fit
+        set_active(self.model, ())  # each row chooses its own
+        self.runner.adapters = (*self.adapters, name)
+        self._salts[name] = adapter_salt(name, next(self._loads))  # never a block of an earlier `name`
+
+    def _unload(self, name: str) -> None:
+        if name not in self.adapters:
+            raise LookupError(f"no adapter named {name!r} is loaded; loaded: {list(self.adapters)}")
+        using = [s for s in (*self.running, *self.waiting) if s.request.params.adapter == name]
+        if using:
+            raise ValueError(f"adapter {name!r} is in use by {len(using)} sequences; unload it when they end")
+        remove_adapter(self.model, name)
+        self.runner.adapters = tuple(n for n in self.adapters if n != name)
+        del self._salts[name]
 
     def _has_work(self) -> bool:
         return bool(self.running or self.waiting)

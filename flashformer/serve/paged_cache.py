@@ -186,14 +186,28 @@ def side_tagged(digest: bytes, short: int) -> bytes:
     return hashlib.sha256(digest + short.to_bytes(4, "little")).digest()
 
 
-def extend_hashes(hashes: list[bytes], tokens: list[int], block_size: int, count: int) -> list[bytes]:
+def extend_hashes(
+    hashes: list[bytes], tokens: list[int], block_size: int, count: int, salt: bytes | None = None
+) -> list[bytes]:
     """`hashes` (the chain hashes of the first full blocks of `tokens`) extended, in place, to
-    the first `count` blocks (count * block_size <= len(tokens)); returns it."""
+    the first `count` blocks (count * block_size <= len(tokens)); returns it. salt: the first
+    block's parent (adapter_salt: a LoRA adapter's blocks chain apart from the base's)."""
     for i in range(len(hashes), count):
         hashes.append(
-            block_hash(hashes[-1] if hashes else None, tokens[i * block_size : (i + 1) * block_size])
+            block_hash(hashes[-1] if hashes else salt, tokens[i * block_size : (i + 1) * block_size])
         )
     return hashes
+
+
+def adapter_salt(adapter: str | None, load: int = 0) -> bytes | None:
+    """The parent of the first block of a sequence run with a LoRA adapter: the same tokens give
+    other keys and values under another adapter, so its blocks must never be found by the base's
+    or another adapter's sequences (vLLM keys its blocks by the LoRA the same way). load: which
+    loading of that name (an adapter loaded again at run time may be another one). None: the
+    base, whose hashes stay as they were. A 32-byte digest, as a parent block's hash is."""
+    if adapter is None:
+        return None
+    return hashlib.sha256(f"flashformer lora adapter\0{load}\0{adapter}".encode()).digest()
 
 
 def layer_windows(model) -> list[int | None]:

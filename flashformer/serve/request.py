@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from flashformer.generate.constraints import Constraint
 from flashformer.generate.sampling import GenerationSettings, LogitsProcessor, RowChooser, Thinking
 from flashformer.generate.sampling_options import RequestSamplingValues, settings_of_request
+from flashformer.serve.paged_cache import adapter_salt
 from flashformer.text.detokenizer import Detokenizer
 
 __all__ = [
@@ -52,6 +53,7 @@ class SamplingParams(RequestSamplingValues):
     constraint: Constraint | None = None  # structured output: the grammar each choice follows
     speculative: bool = True  # False: never drafts, even on a server with a speculative config
     thinking: Thinking | None = None  # the constraint and the budget wait for the reasoning's end
+    adapter: str | None = None  # the LoRA adapter it runs with, by its served name (None: the base)
 
 
 @dataclass
@@ -119,6 +121,8 @@ class Sequence:
         self.blocks: list[int] = []
         self.computed = 0  # tokens whose keys and values are in the blocks
         self.block_hashes: list[bytes] = []  # the prefix cache's chain hashes of its full blocks
+        # what the chain starts from: an adapter's keys and values are its own (paged_cache.adapter_salt)
+        self.cache_salt = adapter_salt(request.params.adapter)
         self.registered = 0  # its first blocks registered in (or found in) the prefix cache
         self.window_blocks: list[int] = []  # the window group's table (paged_cache.py), if any
         self.window_registered = 0

@@ -18,14 +18,22 @@ Either way attention reads each sequence's own blocks only (attention.paged, or 
 decoder's own attention over the same pools), and sampling draws from the sequence's own
 generator (engine.py).
 
+LoRA adapters (adapters/): a model with adapters loaded runs each row with its sequence's adapter
+(its request's `adapter`, or none: the base), one forward for a batch that mixes them
+(adapters.adapter_per_row: a decode step's index per row, a packed step's per token). The native
+decoder declines an adapted model, so it runs eagerly.
+
 Row r of a forward feeds token `computed` of its sequence: the newest one, or after a
 preemption one it had generated before (a replay); each forward moves `computed` on.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from flashformer.adapters.lora import adapter_per_row, lora_layers, set_active
 from flashformer.attention.paged import kv_slots
 from flashformer.kernels.native_decoder import NativeBatch, NativeCache
 from flashformer.kernels.quantized import QuantizedLinear
@@ -87,6 +95,26 @@ class ModelRunner:
         }
         self.max_blocks = pool.blocks_for(context)
         self.device = next(model.parameters()).device
+        # the LoRA adapters loaded beside the model (none active: each row chooses its own)
+        self.adapters = tuple(
+            dict.fromkeys(n for layer in lora_layers(model).values() for n in layer.adapters)
+        )
+        if self.adapters:
+            set_active(model, ())
+
+    def adapted(self, adapters: list[str | None], packed: bool = False):
+        """The forward's rows each with its adapter (adapters: a name or None, the base, per batch
+        row; packed: per token of the one packed row), a no-op without adapters loaded."""
+        if not self.adapters:
+            return contextlib.nullcontext()
+        index = {name: i for i, name in enumerate(self.adapters)}
+        rows = torch.tensor([-1 if a is None else index[a] for a in adapters], device=self.device)  # (B,)
+        return adapter_per_row(self.model, self.adapters, rows[None] if packed else rows)  # (1, T) packed
+
+    def _rows_adapted(self, sequences: list, rows: int):
+        """adapted() for a batch of `rows` rows, row r < len(sequences) sequence r's."""
+        chosen = [s.request.params.adapter for s in sequences]
+        return self.adapted(chosen + [None] * (rows - len(sequences)))
 
     @property
     def kv_bytes(self) -> int:
@@ -129,7 +157,10 @@ class ModelRunner:
         tokens = torch.tensor([sequence.tokens[start:end]], device=self.device)  # (1, C)
         positions = torch.arange(start, end, device=self.device)[None]  # (1, C)
         self._set_batch([sequence], [end], [list(range(start, end))])
-        logits = self.model(tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1).logits
+        with self._rows_adapted([sequence], 1):
+            logits = self.model(
+                tokens, position_ids=positions, kv_caches=self.caches, logits_to_keep=1
+            ).logits
         sequence.computed = end
         return logits[0, -1]
 
@@ -166,12 +197,13 @@ class ModelRunner:
             self.window_batch.set(
                 tables.to(device), lengths, torch.tensor(window_slots, device=device)[:, None]
             )
-        out = self.model(
-            torch.tensor(tokens, device=device)[:, None],
-            position_ids=torch.tensor(positions, device=device)[:, None],
-            kv_caches=self.caches,
-            logits_to_keep=1,
-        )
+        with self._rows_adapted(sequences, rows):
+            out = self.model(
+                torch.tensor(tokens, device=device)[:, None],
+                position_ids=torch.tensor(positions, device=device)[:, None],
+                kv_caches=self.caches,
+                logits_to_keep=1,
+            )
         for sequence in sequences:
             sequence.computed += 1
         return out.logits[: len(sequences), -1].float()
@@ -284,12 +316,14 @@ class ModelRunner:
                 window_slots.view(1, -1).to(device),
                 q_starts=self.batch.q_starts,
             )
-        out = self.model(
-            torch.tensor([tokens], device=device),  # (1, T)
-            position_ids=torch.tensor([positions], device=device),
-            kv_caches=self.caches,
-            logits_to_keep=1,
-        )
+        per_token = [sequences[i].request.params.adapter for i in owners]  # a packed row's adapter per token
+        with self.adapted(per_token, packed=True):
+            out = self.model(
+                torch.tensor([tokens], device=device),  # (1, T)
+                position_ids=torch.tensor([positions], device=device),
+                kv_caches=self.caches,
+                logits_to_keep=1,
+            )
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, device=device)
         rows = torch.tensor(rows, dtype=torch.long, device=device)

@@ -145,7 +145,7 @@ class Scheduler:
             return []
         size = self.pool.block_size
         full = len(sequence.tokens) // size
-        hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, full)
+        hashes = extend_hashes(sequence.block_hashes, sequence.tokens, size, full, sequence.cache_salt)
         found = self.pool.lookup(self._keys(hashes, self.expected_long_from(sequence)))
         limit = len(sequence.tokens) - 1
         if not self.rows_alone:
@@ -191,7 +191,8 @@ class Scheduler:
             if count <= sequence.registered:
                 continue
             hashes = self._keys(
-                extend_hashes(sequence.block_hashes, sequence.tokens, size, count), sequence.long_from
+                extend_hashes(sequence.block_hashes, sequence.tokens, size, count, sequence.cache_salt),
+                sequence.long_from,
             )
             for i in range(sequence.registered, count):
                 self.pool.register(sequence.blocks[i], hashes[i])

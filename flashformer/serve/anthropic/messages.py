@@ -53,19 +53,19 @@ def add_messages_routes(app: FastAPI, engine, model_name: str, server: ServerOpt
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, http: Request):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         translation = chat_request(body, thinks)
         turn = await prepare_chat(engine, translation.chat, server, thinking_budget=translation.budget)
         request, events = submit(engine, turn.prompt, turn.params)
         ident = "msg_" + uuid.uuid4().hex[:24]
-        shape = MessageShape(ident, model_name, len(turn.prompt), turn.answer, translation.one_call)
+        shape = MessageShape(ident, body.model, len(turn.prompt), turn.answer, translation.one_call)
         if body.stream:
             return StreamingResponse(stream_message(request, events, shape), media_type="text/event-stream")
         return await whole_message(request, events, http, shape)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBase):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         prompt, _ = render_prompt(engine, chat_request(body, thinks).chat, server)
         return {"input_tokens": len(prompt)}
 

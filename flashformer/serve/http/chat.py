@@ -231,6 +231,7 @@ def params_of(
         constraint=constraint,
         speculative=body.speculative is not False,
         thinking=thinking,
+        adapter=body.model if body.model in getattr(engine, "adapters", ()) else None,
     )
 
 

@@ -175,11 +175,15 @@ def refuse_unsupported(
 # ---- checks every endpoint makes ----
 
 
-def check_model(name: str, served: str) -> None:
-    if name != served:
+def check_model(name: str, served: str, engine=None) -> None:
+    """404 unless `name` is the served model or one of the engine's LoRA adapters (vLLM's
+    convention: a request names its adapter as its model)."""
+    adapters = tuple(getattr(engine, "adapters", ()))
+    if name != served and name not in adapters:
+        also = f" and the adapters {list(adapters)}" if adapters else ""
         raise APIError(
             404,
-            f"the model {name!r} does not exist; this server serves {served!r}",
+            f"the model {name!r} does not exist; this server serves {served!r}{also}",
             param="model",
             code="model_not_found",
         )

@@ -1,4 +1,5 @@
-"""What a client or a monitor asks of the server itself: GET /v1/models (the one model served),
+"""What a client or a monitor asks of the server itself: GET /v1/models (the model served and its
+LoRA adapters, each with the base as its `parent`, as vLLM lists them),
 /health, and /metrics (the engine's counters in Prometheus' text format)."""
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ def add_status_routes(app: FastAPI, engine, model_name: str) -> None:
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "flashformer"}
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {**card, "id": name, "root": name, "parent": model_name}
+            for name in getattr(engine, "adapters", ())
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/metrics")
     async def metrics():

@@ -18,10 +18,10 @@ from flashformer.serve.openai.bodies import respond
 def add_chat_routes(app: FastAPI, engine, model_name: str, server: ServerOptions) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         check_generates(engine, model_name)
         refuse_unsupported(body)
         turn = await prepare_chat(engine, body, server)
         return await respond(
-            engine, http, body, turn.prompt, turn.params, model_name, chat=True, answer=turn.answer
+            engine, http, body, turn.prompt, turn.params, body.model, chat=True, answer=turn.answer
         )

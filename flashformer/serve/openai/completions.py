@@ -21,7 +21,7 @@ from flashformer.serve.openai.bodies import respond
 def add_completion_routes(app: FastAPI, engine, model_name: str) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         check_generates(engine, model_name)
         refuse_unsupported(body)
         if body.echo and body.stream:
@@ -36,7 +36,7 @@ def add_completion_routes(app: FastAPI, engine, model_name: str) -> None:
             echo = (
                 prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
             )
-        return await respond(engine, http, body, ids, params, model_name, chat=False, echo=echo)
+        return await respond(engine, http, body, ids, params, body.model, chat=False, echo=echo)
 
 
 def _one_prompt(prompt):

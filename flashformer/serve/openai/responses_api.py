@@ -101,7 +101,7 @@ def add_responses_routes(app: FastAPI, engine, model_name: str, server: ServerOp
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: Request):
-        check_model(body.model, model_name)
+        check_model(body.model, model_name, engine)
         refuse_unsupported(body, NO_EFFECT, NO_OP_VALUES)
         history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
         conversation = history + _input_messages(body.input)
@@ -109,7 +109,7 @@ def add_responses_routes(app: FastAPI, engine, model_name: str, server: ServerOp
         chat = _chat_request(body, system + conversation)
         turn = await prepare_chat(engine, chat, server)
         request, events = submit(engine, turn.prompt, turn.params)
-        shape = ResponseShape(body, model_name, turn.answer, engine.tokenizer)
+        shape = ResponseShape(body, body.model, turn.answer, engine.tokenizer)
         keep = (
             (lambda response, output: store.put(response["id"], response, conversation + output))
             if body.store

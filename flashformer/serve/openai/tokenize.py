@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashformer.serve.http.protocol import APIError
+from flashformer.serve.http.protocol import APIError, check_model
 
 
 class TokenizeRequest(BaseModel):
@@ -45,9 +45,8 @@ def add_tokenizer_routes(app: FastAPI, engine, model_name: str) -> None:
     tokenizer = engine.tokenizer
 
     def check(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+        if name is not None:  # an adapter's tokenizer is the base's
+            check_model(name, model_name, engine)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
