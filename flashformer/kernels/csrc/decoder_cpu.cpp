@@ -346,16 +346,21 @@ class NativeDecoder : public torch::CustomClassHolder {
     });
     project(w, kHead, head_, head_x, twice ? a.head_out.data() : c.logits, V, isa);
     if (!twice && logit_softcap_ <= 0.f) return;
-    w.each(kHead, R, [&](int64_t r) {
+    // spans of a row's logits, shared by the threads: a large vocabulary's sum is no one thread's
+    constexpr int64_t kSpan = 8192;
+    const int64_t spans = (V + kSpan - 1) / kSpan;
+    w.each(kHead, R * spans, [&](int64_t unit) {
+      const int64_t r = unit / spans, lo = unit % spans * kSpan, hi = std::min(V, lo + kSpan);
       float* logits = c.logits + r * V;
       if (twice) {  // x's part + the residual's, then the biases
         const float *x_part = a.head_out.data() + r * V, *residual_part = x_part + R * V;
-        for (int64_t i = 0; i < V; ++i) logits[i] = x_part[i] + residual_part[i];
+        for (int64_t i = lo; i < hi; ++i) logits[i] = x_part[i] + residual_part[i];
         for (const Part& p : head_.parts) {
-          if (p.bias) rows::add(logits + p.column, p.bias, p.w.n);
+          const int64_t first = std::max(lo, p.column), last = std::min(hi, p.column + p.w.n);
+          if (p.bias && first < last) rows::add(logits + first, p.bias + (first - p.column), last - first);
         }
       }
-      if (logit_softcap_ > 0.f) rows::softcap(logits, logit_softcap_, V);
+      if (logit_softcap_ > 0.f) rows::softcap(logits + lo, logit_softcap_, hi - lo);
     });
   }
 
