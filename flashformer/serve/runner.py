@@ -113,6 +113,8 @@ class ModelRunner:
 
     def _rows_adapted(self, sequences: list, rows: int):
         """adapted() for a batch of `rows` rows, row r < len(sequences) sequence r's."""
+        if not self.adapters:  # (a sequence's request is not read without them)
+            return contextlib.nullcontext()
         chosen = [s.request.params.adapter for s in sequences]
         return self.adapted(chosen + [None] * (rows - len(sequences)))
 
@@ -316,7 +318,8 @@ class ModelRunner:
                 window_slots.view(1, -1).to(device),
                 q_starts=self.batch.q_starts,
             )
-        per_token = [sequences[i].request.params.adapter for i in owners]  # a packed row's adapter per token
+        # a packed row's adapter per token (none read without adapters loaded)
+        per_token = [sequences[i].request.params.adapter for i in owners] if self.adapters else []
         with self.adapted(per_token, packed=True):
             out = self.model(
                 torch.tensor([tokens], device=device),  # (1, T)
