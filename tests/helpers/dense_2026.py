@@ -173,6 +173,19 @@ TOOLS = [
     }
 ]
 
+# a random model's free strings run to max_tokens: a closed set keeps its calls short
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+
 
 # ---- Phi-4-mini's chat ----
 

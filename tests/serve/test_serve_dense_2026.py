@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 from helpers import perturbed, relative_error
-from helpers.dense_2026 import ORIGINAL_CONTEXT, PHI4_MINI_SHAPED, VOCAB, tiny_phi4_mini, tiny_smollm3
+from helpers.dense_2026 import CITY, ORIGINAL_CONTEXT, PHI4_MINI_SHAPED, VOCAB, tiny_phi4_mini, tiny_smollm3
 from helpers.engine import run_requests
 from helpers.gguf import tiny_vocabulary
 from test_serve import openai_client, serving
@@ -213,19 +213,6 @@ def test_a_json_schema_holds_the_answer_through_the_openai_client(family, tmp_pa
     for reply in replies:
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
-
-
-CITY = {
-    "type": "function",
-    "function": {
-        "name": "weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-        },
-    },
-}
 
 
 def test_phi4_mini_s_tools_render_and_required_calls_validate(tmp_path):

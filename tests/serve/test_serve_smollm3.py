@@ -12,22 +12,10 @@ import json
 import pytest
 import torch
 from helpers import perturbed
-from helpers.dense_2026 import SMOLLM3_SHAPED, TOOLS
+from helpers.dense_2026 import CITY, SMOLLM3_SHAPED, TOOLS
 from test_serve import openai_client, serving
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-# a random model's free strings run to max_tokens: a closed set keeps its calls short
-CITY = {
-    "type": "function",
-    "function": {
-        "name": "weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")

@@ -15,27 +15,20 @@ llama.cpp's own table calls a fix for a wrong name), the head tied unless output
 
 from __future__ import annotations
 
-from flashformer.checkpoints.gguf.common import TensorSpec, refuse_unread_keys, special_token_ids, vocab_size
+from flashformer.checkpoints.gguf.common import (
+    LLAMA_SHAPED_KEYS,
+    TensorSpec,
+    refuse_unread_keys,
+    special_token_ids,
+    vocab_size,
+)
 from flashformer.checkpoints.gguf.reader import GGUFError, GGUFFile
 
 
 class Lfm2:
     name = "lfm2"
-    keys = (
-        "block_count",
-        "context_length",
-        "embedding_length",
-        "feed_forward_length",
-        "vocab_size",
-        "attention.head_count",
-        "attention.head_count_kv",
-        "attention.key_length",
-        "attention.value_length",
-        "attention.layer_norm_rms_epsilon",
-        "rope.dimension_count",
-        "rope.freq_base",
-        "shortconv.l_cache",
-    )
+    # llama's keys but the experts', and the short convolutions' window
+    keys = (*(k for k in LLAMA_SHAPED_KEYS if not k.startswith("expert_")), "shortconv.l_cache")
 
     def config(self, file: GGUFFile) -> dict:
         key = self.name + "."

@@ -476,10 +476,12 @@ void quantize_blocks32(const float* x, int64_t first, int64_t last, Int8Rows& ou
 
 void int8_residual(const float* x, int64_t rows, int64_t k, int64_t block, float* out) {
   const int64_t nb = k / block;
-  std::vector<int8_t> q(k);
-  std::vector<float> d(nb), s(nb);
-  std::vector<int32_t> offset(nb);
-  std::vector<int16_t> sums(nb * 16);
+  // a row's blocks, this thread's (the decoder's head calls it every step: no allocation there)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  thread_local std::vector<int32_t> offset;
+  thread_local std::vector<int16_t> sums;
+  q.resize(k), d.resize(nb), s.resize(nb), offset.resize(nb), sums.resize(nb * 16);
   for (int64_t m = 0; m < rows; ++m) {
     const float* row = x + m * k;
     if (block == kSuper) {
