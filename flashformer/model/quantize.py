@@ -55,12 +55,9 @@ HEAD = "lm_head"
 ROUTER = ".ffn.router"  # a mixture of experts' router: float32 unless a GGUF file stores it quantized
 
 
-def _head_float32(name: str) -> str:
-    return "float32" if name == HEAD else "int8"
-
-
-def _head_int8x2(name: str) -> str:
-    return "int8x2" if name == HEAD else "int8"
+def _int8_but_the_head(head: str):
+    """A scheme: every layer's input int8 but the output head's, `head`."""
+    return lambda name: head if name == HEAD else "int8"
 
 
 # What each quantized layer's input is, per scheme: a layer's name -> its kernel's activations
@@ -69,8 +66,8 @@ def _head_int8x2(name: str) -> str:
 ACTIVATION_SCHEMES = {
     "int8": lambda name: "int8",
     "float32": lambda name: "float32",
-    "int8-float32-head": _head_float32,
-    "int8-int8x2-head": _head_int8x2,
+    "int8-float32-head": _int8_but_the_head("float32"),
+    "int8-int8x2-head": _int8_but_the_head("int8x2"),
 }
 # The default: int8 as llama.cpp runs it but the head's input ~15 bits (int8x2), which on SmolLM2
 # and Gemma 3 brings the KL divergence below llama.cpp's on the same file at int8's speed
